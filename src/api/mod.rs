@@ -1,0 +1,179 @@
+//! The HTTP surface. Every request gets a server span (`{method} {route}`) whose trace context
+//! comes from the caller's `traceparent`; handlers hand that span to the pipeline, and it ends
+//! only when the response body has been written, so streamed answers are timed to the last byte.
+
+pub mod documents;
+pub mod error;
+pub mod json;
+pub mod openai;
+pub mod rag;
+
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Json, Router};
+use futures::Stream;
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
+use serde_json::json;
+
+use crate::pipeline::Pipeline;
+use crate::telemetry::span::Stage;
+use error::ApiError;
+
+/// Shared by all handlers.
+#[derive(Clone)]
+pub struct AppState {
+    /// Set once models are loaded; until then model endpoints answer 503.
+    pub pipeline: Arc<OnceLock<Arc<Pipeline>>>,
+    pub readiness: Arc<Readiness>,
+    pub request_timeout: Duration,
+}
+
+/// What `/ready` reports while the server starts.
+#[derive(Default)]
+pub struct Readiness {
+    pub corpus_total: std::sync::atomic::AtomicUsize,
+    pub corpus_done: std::sync::atomic::AtomicUsize,
+    pub ready: std::sync::atomic::AtomicBool,
+    pub failed: std::sync::Mutex<Option<String>>,
+}
+
+impl AppState {
+    pub fn pipeline(&self) -> Result<Arc<Pipeline>, ApiError> {
+        self.pipeline.get().cloned().ok_or_else(ApiError::not_ready)
+    }
+}
+
+pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    Router::new()
+        .route("/v1/rag/query", post(rag::query))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/rerank", post(rag::rerank))
+        .route("/v1/documents", post(documents::create))
+        .route("/v1/documents/{id}", delete(documents::remove))
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route_layer(middleware::from_fn(trace_request))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(panic_response))
+        .with_state(state)
+}
+
+async fn health() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn ready(State(state): State<AppState>) -> Response {
+    use std::sync::atomic::Ordering::Relaxed;
+    let r = &state.readiness;
+    let corpus = json!({"documents_total": r.corpus_total.load(Relaxed), "documents_done": r.corpus_done.load(Relaxed)});
+    if let Some(failure) = r.failed.lock().expect("readiness lock").clone() {
+        let body = json!({"status": "failed", "error": failure, "corpus": corpus});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
+    let Some(pipeline) = state.pipeline.get().filter(|_| r.ready.load(Relaxed)) else {
+        let body = json!({"status": "loading", "corpus": corpus});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    };
+    let store = pipeline.store.info();
+    Json(json!({
+        "status": "ready",
+        "models": {
+            "embedder": pipeline.embedder.model_id(),
+            "generator": pipeline.generator.model_id(),
+            "reranker": pipeline.reranker.as_ref().map(|r| r.model_id().to_string()),
+        },
+        "store": store,
+        "corpus": corpus,
+        "queue": {"depth": pipeline.workers.depth(), "capacity": pipeline.workers.capacity()},
+    }))
+    .into_response()
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        format!("path: no route for {} {}", req.method(), req.uri().path()),
+    )
+    .with_code("not_found")
+}
+
+fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal error").into_response()
+}
+
+/// The request's server span, available to handlers as an extension.
+pub type RequestStage = Arc<Stage>;
+
+async fn trace_request(mut req: Request, next: Next) -> Response {
+    let parent = crate::telemetry::extract_context(req.headers());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| req.uri().path().to_string());
+    let method = req.method().as_str().to_string();
+    let request_id = uuid::Uuid::new_v4().to_string();
+    let mut inherited = vec![KeyValue::new("rag.request.id", request_id.clone())];
+    inherited.extend(crate::telemetry::baggage_attributes(&parent));
+    let stage = Arc::new(Stage::start(
+        format!("{method} {route}"),
+        SpanKind::Server,
+        &parent,
+        inherited,
+    ));
+    stage.set_all([
+        KeyValue::new("http.request.method", method),
+        KeyValue::new("http.route", route),
+        KeyValue::new("url.path", req.uri().path().to_string()),
+    ]);
+    req.extensions_mut().insert(stage.clone());
+    let mut response = next.run(req).await;
+    let status = response.status();
+    stage.set(KeyValue::new("http.response.status_code", status.as_u16() as i64));
+    if status.is_server_error() {
+        stage.fail("http_error", status.to_string());
+    }
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    if let Some(trace_id) = stage.trace_id() {
+        if let Ok(v) = HeaderValue::from_str(&trace_id) {
+            response.headers_mut().insert("x-trace-id", v);
+        }
+    }
+    // The span ends when the body has been sent (or dropped by a client that went away).
+    let (parts, body) = response.into_parts();
+    let guarded = Guarded {
+        inner: body.into_data_stream(),
+        _stage: stage,
+    };
+    Response::from_parts(parts, Body::from_stream(guarded))
+}
+
+/// A body stream that keeps the request span alive until the body is done.
+struct Guarded<S> {
+    inner: S,
+    _stage: RequestStage,
+}
+
+impl<S: Stream + Unpin> Stream for Guarded<S> {
+    type Item = S::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Option<S::Item>> {
+        Pin::new(&mut self.inner).poll_next(cx)
+    }
+}

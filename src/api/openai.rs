@@ -1,0 +1,299 @@
+//! The OpenAI-compatible endpoints: `/v1/chat/completions` (RAG over the last user turn, JSON
+//! or SSE chunks), `/v1/embeddings` (float or base64) and `/v1/models`. Unknown request fields
+//! are ignored, as OpenAI clients send many; known ones are checked and errors name them.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use base64::Engine;
+use futures::Stream;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::json::ValidJson;
+use super::rag::{rag_request, Knobs};
+use super::{AppState, RequestStage};
+use crate::generate::ChatMessage;
+use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer};
+
+/// Model ids `/v1/chat/completions` answers to besides the generator's own.
+const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
+const MAX_EMBED_INPUTS: usize = 256;
+
+#[derive(Debug, Deserialize)]
+pub struct ChatBody {
+    pub model: String,
+    pub messages: Vec<ChatMessageBody>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    /// Extension: retrieval settings and filter.
+    pub top_k: Option<usize>,
+    pub rerank_top_n: Option<usize>,
+    pub filter: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessageBody {
+    pub role: String,
+    pub content: Option<Value>,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Text of a message's content: a string, or the text parts of a content array.
+fn content_text(i: usize, content: &Option<Value>) -> Result<String, ApiError> {
+    match content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("text"), Some(t)) => Ok(t.to_string()),
+                _ => Err(ApiError::field(
+                    &format!("messages[{i}].content"),
+                    "only text content parts are supported",
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|v| v.join("\n")),
+        Some(_) => Err(ApiError::field(&format!("messages[{i}].content"), "must be a string or an array of content parts")),
+    }
+}
+
+fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
+    if model == pipeline.generator.model_id() || RAG_MODEL_ALIASES.contains(&model) {
+        return Ok(());
+    }
+    Err(ApiError {
+        status: axum::http::StatusCode::NOT_FOUND,
+        code: Some("model_not_found"),
+        ..ApiError::field(
+            "model",
+            format!("the model {model:?} does not exist; use {:?}", pipeline.generator.model_id()),
+        )
+    })
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    Extension(stage): Extension<RequestStage>,
+    ValidJson(body): ValidJson<ChatBody>,
+) -> Result<Response, ApiError> {
+    let pipeline = state.pipeline()?;
+    check_model(&pipeline, &body.model)?;
+    if body.messages.is_empty() {
+        return Err(ApiError::field("messages", "must hold at least one message"));
+    }
+    let mut history = Vec::with_capacity(body.messages.len());
+    for (i, m) in body.messages.iter().enumerate() {
+        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
+            return Err(ApiError::field(&format!("messages[{i}].role"), format!("unknown role {:?}", m.role)));
+        }
+        history.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
+    }
+    let last = history.pop().expect("messages is not empty");
+    if last.role != "user" {
+        return Err(ApiError::field(
+            &format!("messages[{}].role", body.messages.len() - 1),
+            "the last message must come from the user",
+        ));
+    }
+    // Our own system prompt frames the passages; the client's system turns are kept as context.
+    let req = rag_request(
+        &pipeline,
+        &state,
+        last.content,
+        history,
+        body.top_k,
+        body.rerank_top_n,
+        Knobs {
+            max_tokens: body.max_completion_tokens.or(body.max_tokens),
+            temperature: body.temperature,
+            top_p: body.top_p,
+            seed: body.seed,
+        },
+        body.filter.as_ref(),
+    )
+    .map_err(|e| match e.param.as_deref() {
+        Some("query") => ApiError {
+            param: Some(format!("messages[{}].content", body.messages.len() - 1)),
+            message: e.message.replacen("query", &format!("messages[{}].content", body.messages.len() - 1), 1),
+            ..e
+        },
+        _ => e,
+    })?;
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let model = pipeline.generator.model_id().to_string();
+    if !body.stream {
+        let a = pipeline.start_query(req, &stage, None)?.await?;
+        return Ok(Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": unix_now(),
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": a.answer},
+                "finish_reason": openai_finish(&a),
+                "logprobs": null,
+            }],
+            "usage": a.usage,
+            "sources": a.sources,
+            "timings": a.timings,
+        }))
+        .into_response());
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let answer = pipeline.start_query(req, &stage, Some(tx))?;
+    Ok(Sse::new(chunks(rx, answer, id, model, stage))
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+fn openai_finish(a: &RagAnswer) -> &'static str {
+    match a.finish_reason.as_str() {
+        "stop" | "cancelled" => "stop",
+        _ => "length",
+    }
+}
+
+/// `chat.completion.chunk` events, then `[DONE]`.
+fn chunks(
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    answer: impl std::future::Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
+    id: String,
+    model: String,
+    stage: RequestStage,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    async_stream::stream! {
+        let writing = stage.child("stream");
+        let created = unix_now();
+        let chunk = |delta: Value, finish: Value| json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+        });
+        yield Ok(SseEvent::default().json_data(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).unwrap_or_default());
+        while let Some(event) = rx.recv().await {
+            if let Event::Token(text) = event {
+                yield Ok(SseEvent::default().json_data(chunk(json!({"content": text}), Value::Null)).unwrap_or_default());
+            }
+        }
+        match answer.await {
+            Ok(a) => {
+                let mut last = chunk(json!({}), json!(openai_finish(&a)));
+                last["usage"] = json!(a.usage);
+                yield Ok(SseEvent::default().json_data(last).unwrap_or_default());
+            }
+            Err(e) => {
+                let e = ApiError::from(e);
+                stage.fail("stream_error", e.message.clone());
+                yield Ok(SseEvent::default().json_data(e.body()).unwrap_or_default());
+            }
+        }
+        yield Ok(SseEvent::default().data("[DONE]"));
+        writing.end();
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct EmbeddingsBody {
+    pub model: String,
+    pub input: Value,
+    pub encoding_format: Option<String>,
+    pub dimensions: Option<usize>,
+}
+
+pub async fn embeddings(
+    State(state): State<AppState>,
+    Extension(stage): Extension<RequestStage>,
+    ValidJson(body): ValidJson<EmbeddingsBody>,
+) -> Result<Json<Value>, ApiError> {
+    let pipeline = state.pipeline()?;
+    let model = pipeline.embedder.model_id().to_string();
+    if body.model != model {
+        return Err(ApiError {
+            status: axum::http::StatusCode::NOT_FOUND,
+            code: Some("model_not_found"),
+            ..ApiError::field("model", format!("the model {:?} does not exist; use {model:?}", body.model))
+        });
+    }
+    let base64 = match body.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => return Err(ApiError::field("encoding_format", format!("must be \"float\" or \"base64\", got {other:?}"))),
+    };
+    if let Some(d) = body.dimensions {
+        if d != pipeline.embedder.dimension() {
+            return Err(ApiError::field("dimensions", format!("this model only produces {} dimensions", pipeline.embedder.dimension())));
+        }
+    }
+    let texts: Vec<String> = match &body.input {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) if !items.is_empty() => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.as_str().map(str::to_string).ok_or_else(|| ApiError::field(&format!("input[{i}]"), "must be a string (token arrays are not supported)")))
+            .collect::<Result<_, _>>()?,
+        _ => return Err(ApiError::field("input", "must be a non-empty string or array of strings")),
+    };
+    if texts.len() > MAX_EMBED_INPUTS {
+        return Err(ApiError::field("input", format!("at most {MAX_EMBED_INPUTS} inputs, got {}", texts.len())));
+    }
+    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
+        return Err(ApiError::field(&format!("input[{i}]"), "must not be empty"));
+    }
+    let tokens: usize = texts
+        .iter()
+        .map(|t| pipeline.embedder.count_tokens(t).unwrap_or(0).min(pipeline.embedder.max_tokens()) + 2)
+        .sum();
+    let vectors = pipeline.embed(texts, &stage).await?;
+    let data: Vec<Value> = vectors
+        .iter()
+        .enumerate()
+        .map(|(index, v)| {
+            let embedding = if base64 {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(v)
+            };
+            json!({"object": "embedding", "index": index, "embedding": embedding})
+        })
+        .collect();
+    Ok(Json(json!({
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })))
+}
+
+pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let pipeline = state.pipeline()?;
+    let created = unix_now();
+    let mut ids = vec![pipeline.generator.model_id().to_string(), pipeline.embedder.model_id().to_string()];
+    ids.extend(RAG_MODEL_ALIASES.iter().map(|s| s.to_string()));
+    if let Some(r) = &pipeline.reranker {
+        ids.push(r.model_id().to_string());
+    }
+    let data: Vec<Value> = ids
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": created, "owned_by": "ragscope"}))
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}

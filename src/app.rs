@@ -1,0 +1,258 @@
+//! Building the server from its configuration: load the stages, assemble the pipeline, and
+//! serve on a bound listener until a shutdown future resolves. `serve` binds first and loads
+//! in the background, so `/health` and `/ready` answer while models load and the corpus ingests.
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use opentelemetry::trace::SpanKind;
+use tokio::net::TcpListener;
+
+use crate::api::{self, AppState, Readiness};
+use crate::config::{ModelArgs, PipelineArgs, ServeArgs, ServerArgs, StoreArgs};
+use crate::embed::bert::BertEmbedder;
+use crate::embed::Embedder;
+use crate::generate::llama::Llama;
+use crate::generate::tokenizer;
+use crate::generate::Generator;
+use crate::ingest::chunk::ChunkerConfig;
+use crate::ingest::{corpus, ingest_document};
+use crate::models;
+use crate::pipeline::Pipeline;
+use crate::rerank::cross_encoder::CrossEncoder;
+use crate::rerank::fusion::FusionReranker;
+use crate::rerank::Reranker;
+use crate::retrieve::edge::EdgeStore;
+use crate::retrieve::VectorStore;
+use crate::telemetry::span::Stage;
+use crate::worker::Workers;
+
+/// Loads the embedder, generator and reranker named in `args`, fetching manifest models when
+/// allowed.
+pub fn load_models(
+    args: &ModelArgs,
+) -> Result<(Arc<dyn Embedder>, Arc<dyn Generator>, Option<Arc<dyn Reranker>>)> {
+    let device = crate::device::device(&args.device)?;
+    let embed_dir = models::resolve(
+        &args.embed_model,
+        &args.models_dir,
+        &["config.json", "tokenizer.json", "model.safetensors"],
+        args.fetch_models,
+    )?;
+    let embed_id = model_name(&args.embed_model);
+    let embedder = BertEmbedder::load(&embed_dir, &embed_id, &device)
+        .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
+    let gen_dir = models::resolve(&args.gen_model, &args.models_dir, &[], args.fetch_models)?;
+    let generator = load_generator(&gen_dir, &device, args.max_context)
+        .with_context(|| format!("loading generator from {}", gen_dir.display()))?;
+    let reranker: Option<Arc<dyn Reranker>> = match args.reranker.as_str() {
+        "none" => None,
+        "fusion" => Some(Arc::new(FusionReranker::default())),
+        spec => {
+            let dir = models::resolve(spec, &args.models_dir, &CrossEncoder::FILES, args.fetch_models)?;
+            Some(Arc::new(
+                CrossEncoder::load(&dir, &model_name(spec), &device)
+                    .with_context(|| format!("loading cross-encoder from {}", dir.display()))?,
+            ))
+        }
+    };
+    Ok((Arc::new(embedder), Arc::new(generator), reranker))
+}
+
+/// The GGUF file in `dir`, with `tokenizer.json` beside it when there is one (written by
+/// `models fetch`), else the tokenizer rebuilt from the GGUF metadata.
+pub fn load_generator(dir: &Path, device: &candle_core::Device, max_context: usize) -> Result<Llama> {
+    let gguf = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .with_context(|| format!("no .gguf file in {}", dir.display()))?;
+    let tokenizer_json = dir.join("tokenizer.json");
+    let tokenizer = if tokenizer_json.exists() {
+        tokenizer::load(&tokenizer_json)?
+    } else {
+        tokenizer::from_gguf_file(&gguf)?
+    };
+    Ok(Llama::load(&gguf, tokenizer, device, max_context)?)
+}
+
+/// The last path component of a model spec: what clients call the model.
+fn model_name(spec: &str) -> String {
+    spec.trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or(spec)
+        .to_string()
+}
+
+pub fn open_store(args: &StoreArgs, dimension: usize) -> Result<Arc<dyn VectorStore>> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("creating {}", args.data_dir.display()))?;
+    let store = EdgeStore::open(&args.data_dir, &args.collection, dimension)
+        .with_context(|| format!("opening the store in {}", args.data_dir.display()))?;
+    Ok(Arc::new(store))
+}
+
+pub fn chunker(args: &StoreArgs) -> ChunkerConfig {
+    ChunkerConfig {
+        max_tokens: args.chunk_tokens,
+        overlap_tokens: args.chunk_overlap,
+    }
+}
+
+/// Everything loaded and assembled.
+pub fn load_pipeline(
+    models: &ModelArgs,
+    store: &StoreArgs,
+    server: &ServerArgs,
+    pipeline: &PipelineArgs,
+) -> Result<Pipeline> {
+    let (embedder, generator, reranker) = load_models(models)?;
+    let store_handle = open_store(store, embedder.dimension())?;
+    Ok(Pipeline {
+        embedder,
+        store: store_handle,
+        reranker,
+        generator,
+        workers: Workers::new(server.workers, server.queue_capacity),
+        defaults: pipeline.clone(),
+        chunker: chunker(store),
+    })
+}
+
+/// Ingests the named corpus unless it was fully ingested before, reporting progress, then
+/// builds the vector index.
+pub fn ingest_corpus(
+    pipeline: &Pipeline,
+    name: &str,
+    data_dir: &Path,
+    readiness: &Readiness,
+) -> Result<()> {
+    if name == "none" {
+        return Ok(());
+    }
+    let marker = data_dir.join("corpus").join(format!("{name}.ingested"));
+    let docs = corpus::load(name, data_dir)?;
+    readiness.corpus_total.store(docs.len(), Ordering::Relaxed);
+    if marker.exists() && pipeline.store.count()? > 0 {
+        readiness.corpus_done.store(docs.len(), Ordering::Relaxed);
+        tracing::info!(corpus = name, "corpus already ingested");
+        return Ok(());
+    }
+    let started = Instant::now();
+    let mut chunks = 0;
+    for (i, doc) in docs.iter().enumerate() {
+        let stage = Stage::start("ingest", SpanKind::Internal, &opentelemetry::Context::new(), vec![]);
+        let outcome = ingest_document(
+            doc,
+            pipeline.embedder.as_ref(),
+            pipeline.store.as_ref(),
+            pipeline.chunker,
+            &stage,
+        );
+        match outcome {
+            Ok(o) => chunks += o.chunks,
+            Err(e) => tracing::warn!(doc = %doc.id, error = %e, "skipping document"),
+        }
+        readiness.corpus_done.store(i + 1, Ordering::Relaxed);
+        if (i + 1) % 20 == 0 || i + 1 == docs.len() {
+            let secs = started.elapsed().as_secs_f64();
+            eprintln!(
+                "corpus {name}: {}/{} documents, {chunks} chunks, {:.0} chunks/s",
+                i + 1,
+                docs.len(),
+                chunks as f64 / secs.max(1e-3)
+            );
+        }
+    }
+    tracing::info!("building the vector index");
+    pipeline.store.build_index()?;
+    std::fs::write(&marker, format!("{} documents, {chunks} chunks\n", docs.len()))?;
+    Ok(())
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves; in-flight requests are drained.
+pub async fn run(
+    listener: TcpListener,
+    state: AppState,
+    max_body_bytes: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let router = api::router(state, max_body_bytes);
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// State for a server whose pipeline is already loaded (tests, benchmarks).
+pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> AppState {
+    let state = AppState {
+        pipeline: Arc::new(OnceLock::new()),
+        readiness: Arc::new(Readiness::default()),
+        request_timeout,
+    };
+    let _ = state.pipeline.set(Arc::new(pipeline));
+    state.readiness.ready.store(true, Ordering::Relaxed);
+    state
+}
+
+/// `ragscope serve`: bind, answer health checks at once, load and ingest in the background.
+pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let listener = TcpListener::bind(args.server.listen)
+        .await
+        .with_context(|| format!("binding {}", args.server.listen))?;
+    tracing::info!("listening on http://{}", listener.local_addr()?);
+    let state = AppState {
+        pipeline: Arc::new(OnceLock::new()),
+        readiness: Arc::new(Readiness::default()),
+        request_timeout: args.server.request_timeout,
+    };
+    let loading = state.clone();
+    let max_body_bytes = args.server.max_body_bytes;
+    tokio::task::spawn_blocking(move || {
+        let result = load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
+            .and_then(|p| {
+                let p = Arc::new(p);
+                let _ = loading.pipeline.set(p.clone());
+                ingest_corpus(&p, &args.server.corpus, &args.store.data_dir, &loading.readiness)
+            });
+        match result {
+            Ok(()) => {
+                loading.readiness.ready.store(true, Ordering::Relaxed);
+                tracing::info!("ready");
+            }
+            Err(e) => {
+                tracing::error!("start-up failed: {e:#}");
+                *loading.readiness.failed.lock().expect("readiness lock") = Some(format!("{e:#}"));
+            }
+        }
+    });
+    run(listener, state, max_body_bytes, shutdown).await?;
+    Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+}

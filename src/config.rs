@@ -1,0 +1,214 @@
+//! Every setting, from command-line flags or `RAGSCOPE_*` environment variables; the
+//! OpenTelemetry SDK reads the standard `OTEL_*` variables itself (see `telemetry`).
+//! Each module's settings are one struct, flattened into the subcommands that need it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::generate::TokenTrace;
+
+#[derive(Debug, Parser)]
+#[command(name = "ragscope", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the HTTP server (fetches models and ingests the corpus on first start).
+    Serve(ServeArgs),
+    /// Ingest files or directories into the store (stop the server first; or POST /v1/documents).
+    Ingest(IngestArgs),
+    /// Ask a running server a question and stream the answer.
+    Query(QueryArgs),
+    /// Measure retrieval, reranking and answers on the evaluation questions.
+    Eval(EvalArgs),
+    /// Fetch or verify model weights.
+    Models {
+        #[command(subcommand)]
+        action: ModelsAction,
+    },
+    /// Print speed figures for every stage.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ModelsAction {
+    /// Download, verify and unpack every model in models/manifest.json.
+    Fetch(ModelArgs),
+    /// Check every model file against its sha256.
+    Verify(ModelArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Where models are unpacked (one directory per model).
+    #[arg(long, env = "RAGSCOPE_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+    /// Embedder: a manifest name, a local directory, or a model-hub id.
+    #[arg(long, env = "RAGSCOPE_EMBED_MODEL", default_value = "all-MiniLM-L6-v2")]
+    pub embed_model: String,
+    /// Generator: a manifest name or a directory holding a GGUF file and tokenizer.json.
+    #[arg(long, env = "RAGSCOPE_GEN_MODEL", default_value = "SmolLM2-135M-Instruct")]
+    pub gen_model: String,
+    /// Reranker: `fusion` (dense + BM25 rank fusion, offline), `none`, or a cross-encoder given
+    /// as a directory or hub id (e.g. cross-encoder/ms-marco-MiniLM-L-6-v2).
+    #[arg(long, env = "RAGSCOPE_RERANKER", default_value = "fusion")]
+    pub reranker: String,
+    /// Where models run: cpu, cuda, cuda:N or auto.
+    #[arg(long, env = "RAGSCOPE_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Upper bound on prompt + generated tokens per request.
+    #[arg(long, env = "RAGSCOPE_MAX_CONTEXT", default_value_t = 2048)]
+    pub max_context: usize,
+    /// Fetch missing models on start.
+    #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub fetch_models: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Where the embedded store and the downloaded corpus live.
+    #[arg(long, env = "RAGSCOPE_DATA_DIR", default_value = "data")]
+    pub data_dir: PathBuf,
+    /// Collection (one Qdrant Edge shard directory under the data dir).
+    #[arg(long, env = "RAGSCOPE_COLLECTION", default_value = "ragscope")]
+    pub collection: String,
+    /// Largest chunk, in embedder tokens.
+    #[arg(long, env = "RAGSCOPE_CHUNK_TOKENS", default_value_t = 200)]
+    pub chunk_tokens: usize,
+    /// Tokens each chunk repeats from the end of the previous one.
+    #[arg(long, env = "RAGSCOPE_CHUNK_OVERLAP", default_value_t = 40)]
+    pub chunk_overlap: usize,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct PipelineArgs {
+    /// Candidates retrieved per query unless the request says otherwise.
+    #[arg(long, env = "RAGSCOPE_TOP_K", default_value_t = 20)]
+    pub top_k: usize,
+    /// Passages kept after reranking unless the request says otherwise.
+    #[arg(long, env = "RAGSCOPE_RERANK_TOP_N", default_value_t = 4)]
+    pub rerank_top_n: usize,
+    /// Tokens generated unless the request says otherwise.
+    #[arg(long, env = "RAGSCOPE_MAX_TOKENS", default_value_t = 128)]
+    pub max_tokens: usize,
+    /// How decode steps appear in traces: events, spans or off.
+    #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
+    pub token_trace: TokenTrace,
+    /// Record query and answer text on spans (off by default: content may be sensitive).
+    #[arg(long, env = "RAGSCOPE_CAPTURE_CONTENT", default_value_t = false, action = clap::ArgAction::Set)]
+    pub capture_content: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServerArgs {
+    /// Address to listen on.
+    #[arg(long, env = "RAGSCOPE_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Model-worker threads (each runs one request's model stages at a time).
+    #[arg(long, env = "RAGSCOPE_WORKERS", default_value_t = 1)]
+    pub workers: usize,
+    /// Requests that may wait for a worker; beyond that the server answers 429.
+    #[arg(long, env = "RAGSCOPE_QUEUE_CAPACITY", default_value_t = 32)]
+    pub queue_capacity: usize,
+    /// Longest a request may take, queueing included (seconds).
+    #[arg(long, env = "RAGSCOPE_REQUEST_TIMEOUT", default_value = "120", value_parser = parse_seconds)]
+    pub request_timeout: Duration,
+    /// Largest request body in bytes.
+    #[arg(long, env = "RAGSCOPE_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// Corpus ingested on first start: git-doc (Debian's Git manuals) or none.
+    #[arg(long, env = "RAGSCOPE_CORPUS", default_value = "git-doc")]
+    pub corpus: String,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub server: ServerArgs,
+    #[command(flatten)]
+    pub models: ModelArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct IngestArgs {
+    /// Files or directories (text, Markdown, HTML).
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    #[command(flatten)]
+    pub models: ModelArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct QueryArgs {
+    /// The question.
+    pub query: String,
+    /// Server to ask.
+    #[arg(long, env = "RAGSCOPE_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Print the whole JSON response instead of streaming tokens.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct EvalArgs {
+    /// Questions, one JSON object per line.
+    #[arg(long, default_value = "eval/questions.jsonl")]
+    pub questions: PathBuf,
+    /// Cut-offs for recall@k.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,10")]
+    pub k: Vec<usize>,
+    /// Also generate answers and score them (slow: one generation per question).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub answers: bool,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    #[command(flatten)]
+    pub models: ModelArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Repetitions per measurement.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Synthetic chunks for the large retrieval measurement.
+    #[arg(long, default_value_t = 100_000)]
+    pub synthetic_chunks: usize,
+    #[command(flatten)]
+    pub server: ServerArgs,
+    #[command(flatten)]
+    pub models: ModelArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+}
+
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .map(Duration::from_secs_f64)
+        .ok_or_else(|| format!("{s:?} is not a positive number of seconds"))
+}

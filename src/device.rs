@@ -1,0 +1,57 @@
+//! The one place that decides where models run. The default build is CPU-only; the `cuda`
+//! feature forwards to candle's CUDA backend.
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+
+/// Parses `cpu`, `cuda`, `cuda:N` or `auto` (CUDA device 0 when built with CUDA and present).
+pub fn device(spec: &str) -> Result<Device> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        "auto" if candle_core::utils::cuda_is_available() => Ok(Device::new_cuda(0)?),
+        "auto" => Ok(Device::Cpu),
+        _ => {
+            let Some(rest) = spec.strip_prefix("cuda") else {
+                bail!("device {spec:?}: expected cpu, cuda, cuda:N or auto");
+            };
+            let ordinal = match rest.strip_prefix(':') {
+                Some(n) => n
+                    .parse::<usize>()
+                    .map_err(|_| anyhow::anyhow!("device {spec:?}: N in cuda:N must be a number"))?,
+                None if rest.is_empty() => 0,
+                None => bail!("device {spec:?}: expected cpu, cuda, cuda:N or auto"),
+            };
+            if !candle_core::utils::cuda_is_available() {
+                bail!(
+                    "device {spec:?}: this build has no CUDA support (rebuild with `--features cuda` on a machine with the CUDA toolkit)"
+                );
+            }
+            Ok(Device::new_cuda(ordinal)?)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_and_auto_work_without_a_gpu() {
+        assert!(device("cpu").unwrap().is_cpu());
+        assert!(device("auto").is_ok());
+    }
+
+    #[test]
+    fn bad_specs_say_what_is_expected() {
+        let err = device("tpu").unwrap_err().to_string();
+        assert!(err.contains("expected cpu, cuda"), "{err}");
+        assert!(device("cuda:x").is_err());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error() {
+        let err = device("cuda:0").unwrap_err().to_string();
+        assert!(err.contains("no CUDA support"), "{err}");
+    }
+}

@@ -1,0 +1,153 @@
+//! `ragscope eval`: retrieval recall@k and MRR before and after reranking, and the rate of
+//! answers containing the expected fact, on the evaluation questions (`eval/questions.jsonl`,
+//! each naming the corpus document that answers it).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use opentelemetry::trace::SpanKind;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::api::Readiness;
+use crate::app;
+use crate::config::EvalArgs;
+use crate::generate::Sampling;
+use crate::pipeline::RagRequest;
+use crate::rerank::fusion::FusionReranker;
+use crate::rerank::{ranking, Candidate, Reranker};
+use crate::retrieve::ScoredChunk;
+use crate::telemetry::{clock, span::Stage};
+
+#[derive(Debug, Deserialize)]
+pub struct Question {
+    pub id: String,
+    pub question: String,
+    /// The document id (file name) that answers it.
+    pub doc: String,
+    #[serde(default)]
+    pub section: String,
+    /// Any one of these, case-insensitively, makes an answer correct.
+    pub answer_contains: Vec<String>,
+}
+
+pub fn load_questions(path: &Path) -> Result<Vec<Question>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1)))
+        .collect()
+}
+
+/// Rank (from 0) of the first chunk of `doc` in `order`, if any.
+fn first_rank(hits: &[ScoredChunk], order: &[usize], doc: &str) -> Option<usize> {
+    order.iter().position(|&i| hits[i].chunk.doc_id == doc)
+}
+
+/// Recall@k and MRR of one ordering over all questions.
+#[derive(Debug, Default, Clone)]
+pub struct RankScores {
+    pub hits_at: Vec<(usize, usize)>,
+    pub reciprocal_sum: f64,
+}
+
+impl RankScores {
+    fn add(&mut self, ks: &[usize], rank: Option<usize>) {
+        if self.hits_at.is_empty() {
+            self.hits_at = ks.iter().map(|&k| (k, 0)).collect();
+        }
+        if let Some(r) = rank {
+            self.reciprocal_sum += 1.0 / (r as f64 + 1.0);
+            for (k, hits) in &mut self.hits_at {
+                if r < *k {
+                    *hits += 1;
+                }
+            }
+        }
+    }
+}
+
+pub async fn run(args: EvalArgs) -> Result<()> {
+    let handle = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || evaluate(&args, &handle)).await?
+}
+
+fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
+    let questions = load_questions(&args.questions)?;
+    let pipeline = Arc::new(app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)?);
+    app::ingest_corpus(&pipeline, &args.server.corpus, &args.store.data_dir, &Readiness::default())?;
+    let top_k = args.pipeline.top_k.max(args.k.iter().copied().max().unwrap_or(1));
+    let variants: Vec<(String, Option<Arc<dyn Reranker>>)> = vec![
+        ("retrieval order".into(), None),
+        ("fusion k=10 w=1".into(), Some(Arc::new(FusionReranker { k: 10.0, lexical_weight: 1.0 }))),
+        ("fusion k=60 w=1".into(), Some(Arc::new(FusionReranker { k: 60.0, lexical_weight: 1.0 }))),
+        ("fusion k=10 w=0.5".into(), Some(Arc::new(FusionReranker { k: 10.0, lexical_weight: 0.5 }))),
+    ];
+    let mut scores = vec![RankScores::default(); variants.len()];
+    let root = || Stage::start("eval", SpanKind::Internal, &opentelemetry::Context::new(), vec![]);
+    for q in &questions {
+        let stage = root();
+        let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
+        let hits = pipeline.store.search(&vector, top_k, None)?;
+        let candidates: Vec<Candidate> = hits
+            .iter()
+            .map(|h| Candidate { text: &h.chunk.text, retrieval_score: h.score })
+            .collect();
+        for (v, (_, reranker)) in variants.iter().enumerate() {
+            let order = match reranker {
+                Some(r) => ranking(&r.score(&q.question, &candidates, &stage)?),
+                None => (0..hits.len()).collect(),
+            };
+            scores[v].add(&args.k, first_rank(&hits, &order, &q.doc));
+        }
+    }
+    let n = questions.len() as f64;
+    println!("\nretrieval over {} questions (top_k {top_k}, document-level match)", questions.len());
+    let header: Vec<String> = args.k.iter().map(|k| format!("recall@{k}")).collect();
+    println!("{:<22} {}  MRR", "ordering", header.iter().map(|h| format!("{h:>10}")).collect::<String>());
+    let mut report = Vec::new();
+    for ((name, _), s) in variants.iter().zip(&scores) {
+        let recalls: Vec<f64> = s.hits_at.iter().map(|(_, h)| *h as f64 / n).collect();
+        println!(
+            "{name:<22} {}  {:.3}",
+            recalls.iter().map(|r| format!("{r:>10.3}")).collect::<String>(),
+            s.reciprocal_sum / n
+        );
+        report.push(json!({"ordering": name, "recall": s.hits_at.iter().map(|(k, h)| json!({"k": k, "recall": *h as f64 / n})).collect::<Vec<_>>(), "mrr": s.reciprocal_sum / n}));
+    }
+
+    if args.answers {
+        let mut correct = 0;
+        println!("\nanswers (reranker: {}):", pipeline.reranker.as_ref().map_or("none", |r| r.model_id()));
+        for q in &questions {
+            let stage = Arc::new(root());
+            let req = RagRequest {
+                query: q.question.clone(),
+                history: Vec::new(),
+                top_k: args.pipeline.top_k,
+                rerank_top_n: args.pipeline.rerank_top_n,
+                max_tokens: args.pipeline.max_tokens,
+                sampling: Sampling::default(),
+                filter: None,
+                deadline: clock::now() + args.server.request_timeout,
+            };
+            let answer = handle.block_on(pipeline.start_query(req, &stage, None)?)?;
+            let lower = answer.answer.to_lowercase();
+            let ok = q.answer_contains.iter().any(|f| lower.contains(&f.to_lowercase()));
+            correct += ok as usize;
+            println!("{} {:>4} {}", if ok { "ok  " } else { "MISS" }, q.id, answer.answer.replace('\n', " ").chars().take(110).collect::<String>());
+        }
+        println!("\nanswer contains expected fact: {correct}/{} = {:.3}", questions.len(), correct as f64 / n);
+        report.push(json!({"answer_contains_rate": correct as f64 / n}));
+    }
+    println!("\n{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+/// The first `n` evaluation questions (the benchmark's fixed query set).
+pub fn first_questions(path: &Path, n: usize) -> Result<Vec<String>> {
+    Ok(load_questions(path)?.into_iter().take(n).map(|q| q.question).collect())
+}
+

@@ -1,0 +1,23 @@
+//! `ragscope`: parse the configuration, start telemetry, run the subcommand.
+
+use anyhow::Result;
+use clap::Parser;
+use ragscope::config::{Cli, Command, ModelsAction};
+use ragscope::{app, cli, telemetry};
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Cli::parse();
+    let _telemetry = telemetry::init()?;
+    match args.command {
+        Command::Serve(serve) => app::serve(serve, app::shutdown_signal()).await,
+        Command::Ingest(ingest) => cli::ingest(ingest).await,
+        Command::Query(query) => cli::query(query).await,
+        Command::Eval(eval) => ragscope::eval::run(eval).await,
+        Command::Bench(bench) => ragscope::bench::run(bench).await,
+        Command::Models { action } => match action {
+            ModelsAction::Fetch(m) => cli::fetch_models(&m),
+            ModelsAction::Verify(m) => cli::verify_models(&m),
+        },
+    }
+}

@@ -1,0 +1,911 @@
+//! The default vector store: Qdrant's own engine (segments, HNSW, payload indexes) embedded
+//! in-process through `qdrant-edge`, one shard per collection under the data directory.
+//!
+//! `qdrant-edge` is pinned to 0.7.2 because 0.8 and 0.9 use `std::debug_assert_matches`, which
+//! is stable only from rustc 1.96, and this project builds with 1.95.
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+
+use qdrant_edge::{
+    Condition as QdrantCondition, CountRequest, CreateIndex, Distance, EdgeConfig,
+    EdgeOptimizersConfig, EdgeShard, EdgeVectorParams, FieldCondition, FieldIndexOperations,
+    Filter as QdrantFilter, JsonPath, Match, NamedQuery, OperationError, PayloadFieldSchema,
+    PayloadSchemaType, PointId, PointInsertOperations, PointOperations, PointStruct,
+    PointStructPersisted, QueryEnum, QueryRequest, ScoringQuery, UpdateOperation,
+    WithPayloadInterface, WithVector, DEFAULT_VECTOR_NAME,
+};
+use serde_json::{Map, Value};
+
+use super::{
+    Chunk, Filter, FilterField, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore,
+};
+
+/// Points per update operation: keeps each WAL record and each segment write-lock hold small.
+const UPSERT_BATCH: usize = 256;
+
+/// Payload fields with a keyword index: the filters the API exposes first.
+const INDEXED_KEYWORDS: [&str; 2] = ["doc_id", "source"];
+
+/// A collection stored in an embedded Qdrant Edge shard at `<dir>/<collection>`.
+///
+/// Points use the chunk UUID as id, the default (unnamed) dense vector with cosine distance,
+/// and the chunk fields as payload. Searches are exact scans until [`VectorStore::build_index`]
+/// builds HNSW.
+pub struct EdgeStore {
+    shard: EdgeShard,
+    collection: String,
+    dimension: usize,
+    path: PathBuf,
+    /// Serialises every call that writes or flushes. `EdgeShard::flush` panics (`try_lock().expect`)
+    /// if the WAL mutex is held by a concurrent `update`, or the segment holder is write-locked by
+    /// `optimize` while it swaps segments; holding this around update+flush and around optimize
+    /// makes that impossible. Searches never take it.
+    writer: Mutex<()>,
+}
+
+impl EdgeStore {
+    /// Opens the collection's shard, creating it if `dir/<collection>` is absent or empty.
+    ///
+    /// Fails if an existing shard was created with another dimension or distance, since its
+    /// vectors could not be compared with this embedder's.
+    pub fn open(dir: &Path, collection: &str, dimension: usize) -> Result<EdgeStore, StoreError> {
+        if dimension == 0 {
+            return Err(StoreError::Backend(format!(
+                "collection `{collection}`: vector dimension must be positive"
+            )));
+        }
+        let path = dir.join(collection);
+        let shard = if is_empty_or_absent(&path)? {
+            fs::create_dir_all(&path).map_err(|e| {
+                StoreError::Backend(format!("creating shard dir {}: {e}", path.display()))
+            })?;
+            EdgeShard::new(&path, shard_config(dimension))
+                .map_err(backend(&format!("creating shard at {}", path.display())))?
+        } else {
+            let shard = EdgeShard::load(&path, None)
+                .map_err(backend(&format!("loading shard at {}", path.display())))?;
+            check_compatible(&shard, &path, dimension)?;
+            // Shards created before the optimizer settings changed get ours, so that
+            // `build_index` means the same everywhere.
+            let wanted = optimizers_config();
+            // Bound first: the config read guard must be gone before the write below.
+            let current = shard.config().optimizers.clone();
+            if current != wanted {
+                shard
+                    .set_optimizers_config(wanted)
+                    .map_err(backend("updating optimizer config"))?;
+            }
+            shard
+        };
+
+        let store = EdgeStore {
+            shard,
+            collection: collection.to_string(),
+            dimension,
+            path,
+            writer: Mutex::new(()),
+        };
+        store.ensure_payload_indexes()?;
+        Ok(store)
+    }
+
+    /// Where the shard lives on disk.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The vector dimension this collection holds.
+    pub fn dimension(&self) -> usize {
+        self.dimension
+    }
+
+    fn ensure_payload_indexes(&self) -> Result<(), StoreError> {
+        let existing = self.shard.info().payload_schema;
+        let _writer = self.lock_writer();
+        let mut created = false;
+        for field in INDEXED_KEYWORDS {
+            let key = payload_path(field)?;
+            if existing.contains_key(&key) {
+                continue;
+            }
+            let op = UpdateOperation::FieldIndexOperation(FieldIndexOperations::CreateIndex(
+                CreateIndex {
+                    field_name: key,
+                    field_schema: Some(PayloadFieldSchema::FieldType(PayloadSchemaType::Keyword)),
+                },
+            ));
+            self.shard
+                .update(op)
+                .map_err(backend(&format!("creating keyword index on `{field}`")))?;
+            created = true;
+        }
+        if created {
+            self.shard.flush();
+        }
+        Ok(())
+    }
+
+    fn lock_writer(&self) -> MutexGuard<'_, ()> {
+        // The mutex guards no data, so a panic in another writer leaves nothing inconsistent
+        // behind it here: take the lock even if poisoned.
+        self.writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn check_dimension(&self, vector: &[f32]) -> Result<(), StoreError> {
+        if vector.len() != self.dimension {
+            return Err(StoreError::Dimension {
+                got: vector.len(),
+                want: self.dimension,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl VectorStore for EdgeStore {
+    fn info(&self) -> StoreInfo {
+        let info = self.shard.info();
+        StoreInfo {
+            system: "qdrant-edge",
+            collection: self.collection.clone(),
+            // Only segments that went through `optimize` carry HNSW; this reads the segments
+            // themselves, so it stays right after a restart.
+            index: if info.indexed_vectors_count > 0 {
+                "hnsw"
+            } else {
+                "plain"
+            },
+            points: info.points_count,
+        }
+    }
+
+    fn upsert(&self, chunks: &[Chunk], vectors: &[Vec<f32>]) -> Result<(), StoreError> {
+        if chunks.len() != vectors.len() {
+            return Err(StoreError::Backend(format!(
+                "upsert: {} chunks but {} vectors",
+                chunks.len(),
+                vectors.len()
+            )));
+        }
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let mut points = Vec::with_capacity(chunks.len());
+        for (chunk, vector) in chunks.iter().zip(vectors) {
+            self.check_dimension(vector)?;
+            let id = point_id(&chunk.id)?;
+            let point: PointStructPersisted =
+                PointStruct::new(id, vector.clone(), Value::Object(chunk_payload(chunk))).into();
+            points.push(point);
+        }
+
+        let _writer = self.lock_writer();
+        let mut batches = points.into_iter().peekable();
+        while batches.peek().is_some() {
+            let batch: Vec<_> = batches.by_ref().take(UPSERT_BATCH).collect();
+            let op = UpdateOperation::PointOperation(PointOperations::UpsertPoints(
+                PointInsertOperations::PointsList(batch),
+            ));
+            self.shard
+                .update(op)
+                .map_err(backend(&format!("upserting into `{}`", self.collection)))?;
+        }
+        // Edge 0.7.2 never replays its WAL on load: an update is durable only once the
+        // segments are flushed, so acknowledge after the flush.
+        self.shard.flush();
+        Ok(())
+    }
+
+    fn search(
+        &self,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<&Filter>,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        self.check_dimension(vector)?;
+        if top_k == 0 {
+            return Ok(Vec::new());
+        }
+        let request = QueryRequest {
+            prefetches: Vec::new(),
+            query: Some(ScoringQuery::Vector(QueryEnum::Nearest(
+                NamedQuery::default_dense(vector.to_vec()),
+            ))),
+            filter: filter.map(to_qdrant_filter).transpose()?.flatten(),
+            score_threshold: None,
+            limit: top_k,
+            offset: 0,
+            params: None,
+            with_vector: WithVector::Bool(false),
+            with_payload: WithPayloadInterface::Bool(true),
+        };
+        let points = self
+            .shard
+            .query(request)
+            .map_err(backend(&format!("searching `{}`", self.collection)))?;
+        points
+            .into_iter()
+            .map(|point| {
+                let payload = point.payload.map(|p| p.0).unwrap_or_default();
+                Ok(ScoredChunk {
+                    chunk: chunk_from_payload(point.id.to_string(), payload)?,
+                    score: point.score,
+                })
+            })
+            .collect()
+    }
+
+    fn existing(&self, ids: &[String]) -> Result<HashSet<String>, StoreError> {
+        // Map back to the caller's spelling: the engine prints UUIDs in canonical form.
+        let mut wanted: HashMap<PointId, &String> = HashMap::with_capacity(ids.len());
+        for id in ids {
+            // An id that is not a valid point id cannot have been stored.
+            if let Ok(point) = id.parse::<PointId>() {
+                wanted.insert(point, id);
+            }
+        }
+        if wanted.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let point_ids: Vec<PointId> = wanted.keys().cloned().collect();
+        let records = self
+            .shard
+            .retrieve(
+                &point_ids,
+                Some(WithPayloadInterface::Bool(false)),
+                Some(WithVector::Bool(false)),
+            )
+            .map_err(backend(&format!("looking up ids in `{}`", self.collection)))?;
+        Ok(records
+            .into_iter()
+            .filter_map(|record| wanted.get(&record.id).map(|id| (*id).clone()))
+            .collect())
+    }
+
+    fn delete_document(&self, doc_id: &str) -> Result<usize, StoreError> {
+        let filter = QdrantFilter::new_must(QdrantCondition::Field(FieldCondition::new_match(
+            field_path(&FilterField::DocId)?,
+            Match::from(doc_id.to_string()),
+        )));
+        // Counting and deleting under the writer lock: no upsert can slip in between, so the
+        // number returned is the number removed.
+        let _writer = self.lock_writer();
+        let removed = self
+            .shard
+            .count(CountRequest {
+                filter: Some(filter.clone()),
+                exact: true,
+            })
+            .map_err(backend(&format!("counting chunks of `{doc_id}`")))?;
+        if removed == 0 {
+            return Ok(0);
+        }
+        self.shard
+            .update(UpdateOperation::PointOperation(
+                PointOperations::DeletePointsByFilter(filter),
+            ))
+            .map_err(backend(&format!("deleting chunks of `{doc_id}`")))?;
+        self.shard.flush();
+        Ok(removed)
+    }
+
+    fn count(&self) -> Result<usize, StoreError> {
+        self.shard
+            .count(CountRequest {
+                filter: None,
+                exact: true,
+            })
+            .map_err(backend(&format!("counting `{}`", self.collection)))
+    }
+
+    /// Runs the engine's optimizers, which build HNSW for every segment holding vectors.
+    ///
+    /// `optimize` wraps the segments in proxies under a brief write lock, builds the new
+    /// segment with no shard-wide lock held, then swaps it in under another brief write lock,
+    /// so searches keep being served. Upserts and deletes wait for the build to finish (see
+    /// the `writer` field for why).
+    fn build_index(&self) -> Result<(), StoreError> {
+        let _writer = self.lock_writer();
+        self.shard.optimize().map_err(backend(&format!(
+            "building the index of `{}`",
+            self.collection
+        )))?;
+        self.shard.flush();
+        Ok(())
+    }
+}
+
+/// The config of a new shard: one unnamed cosine vector, and our optimizer settings.
+fn shard_config(dimension: usize) -> EdgeConfig {
+    EdgeConfig::builder()
+        .vector(
+            DEFAULT_VECTOR_NAME,
+            EdgeVectorParams::builder(dimension, Distance::Cosine).build(),
+        )
+        .optimizers(optimizers_config())
+        .build()
+}
+
+/// Optimizer settings: the engine indexes only segments above 10 MB of vectors by default
+/// (~6.5k MiniLM vectors), so a smaller corpus would stay plain after `build_index`. The
+/// threshold is consulted only when `optimize` runs, which we call only on request, so
+/// 1 KB means "index whatever is there when asked".
+fn optimizers_config() -> EdgeOptimizersConfig {
+    EdgeOptimizersConfig {
+        indexing_threshold: Some(1),
+        ..EdgeOptimizersConfig::default()
+    }
+}
+
+fn check_compatible(shard: &EdgeShard, path: &Path, dimension: usize) -> Result<(), StoreError> {
+    let config = shard.config();
+    let Some(params) = config.vectors.get(DEFAULT_VECTOR_NAME) else {
+        return Err(StoreError::Backend(format!(
+            "shard at {} has no unnamed dense vector: not a ragscope collection",
+            path.display()
+        )));
+    };
+    if params.size != dimension {
+        return Err(StoreError::Backend(format!(
+            "collection at {} holds {}-dimensional vectors but the embedder produces {dimension}; \
+             use another collection name or delete the directory and re-ingest",
+            path.display(),
+            params.size
+        )));
+    }
+    if params.distance != Distance::Cosine {
+        return Err(StoreError::Backend(format!(
+            "collection at {} uses {:?} distance, ragscope needs cosine",
+            path.display(),
+            params.distance
+        )));
+    }
+    Ok(())
+}
+
+fn is_empty_or_absent(path: &Path) -> Result<bool, StoreError> {
+    match fs::read_dir(path) {
+        Ok(mut entries) => Ok(entries.next().is_none()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+        Err(e) => Err(StoreError::Backend(format!(
+            "reading shard dir {}: {e}",
+            path.display()
+        ))),
+    }
+}
+
+/// Wraps an engine error with what we were doing.
+fn backend(context: &str) -> impl FnOnce(OperationError) -> StoreError + '_ {
+    move |e| StoreError::Backend(format!("{context}: {e}"))
+}
+
+fn point_id(id: &str) -> Result<PointId, StoreError> {
+    id.parse::<PointId>()
+        .map_err(|()| StoreError::Backend(format!("chunk id `{id}` is not a UUID")))
+}
+
+fn payload_path(key: &str) -> Result<JsonPath, StoreError> {
+    key.parse::<JsonPath>()
+        .map_err(|()| StoreError::Backend(format!("`{key}` is not a valid payload path")))
+}
+
+fn chunk_payload(chunk: &Chunk) -> Map<String, Value> {
+    let mut payload = Map::with_capacity(5);
+    payload.insert("doc_id".into(), Value::String(chunk.doc_id.clone()));
+    payload.insert("text".into(), Value::String(chunk.text.clone()));
+    payload.insert("source".into(), Value::String(chunk.source.clone()));
+    payload.insert("position".into(), Value::from(chunk.position));
+    payload.insert("metadata".into(), Value::Object(chunk.metadata.clone()));
+    payload
+}
+
+fn chunk_from_payload(id: String, mut payload: Map<String, Value>) -> Result<Chunk, StoreError> {
+    let mut text_field = |name: &str| match payload.remove(name) {
+        Some(Value::String(s)) => Ok(s),
+        _ => Err(StoreError::Backend(format!(
+            "point {id}: payload field `{name}` is missing or not a string"
+        ))),
+    };
+    let doc_id = text_field("doc_id")?;
+    let text = text_field("text")?;
+    let source = text_field("source")?;
+    let position = payload
+        .get("position")
+        .and_then(Value::as_u64)
+        .and_then(|p| u32::try_from(p).ok())
+        .ok_or_else(|| {
+            StoreError::Backend(format!(
+                "point {id}: payload field `position` is missing or not a u32"
+            ))
+        })?;
+    let metadata = match payload.remove("metadata") {
+        Some(Value::Object(map)) => map,
+        _ => Map::new(),
+    };
+    Ok(Chunk {
+        id,
+        doc_id,
+        text,
+        source,
+        position,
+        metadata,
+    })
+}
+
+/// Our conjunction becomes qdrant's `must`; an empty filter is no filter.
+fn to_qdrant_filter(filter: &Filter) -> Result<Option<QdrantFilter>, StoreError> {
+    if filter.conditions.is_empty() {
+        return Ok(None);
+    }
+    let must = filter
+        .conditions
+        .iter()
+        .map(|condition| {
+            let key = field_path(&condition.field)?;
+            let matches = match &condition.matches {
+                MatchValue::Keyword(word) => Match::from(word.clone()),
+                MatchValue::AnyKeyword(words) => Match::from(words.clone()),
+                MatchValue::Integer(i) => Match::from(*i),
+                MatchValue::Bool(b) => Match::from(*b),
+            };
+            Ok(QdrantCondition::Field(FieldCondition::new_match(
+                key, matches,
+            )))
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    let mut qdrant = QdrantFilter::new();
+    qdrant.must = Some(must);
+    Ok(Some(qdrant))
+}
+
+fn field_path(field: &FilterField) -> Result<JsonPath, StoreError> {
+    match field {
+        FilterField::Metadata(key) => {
+            // Quoted so that a key with `.` or `[` stays one key instead of a deeper path.
+            if key.is_empty() || key.contains(['"', '\\']) {
+                return Err(StoreError::Backend(format!(
+                    "metadata key `{key}` cannot be used in a filter"
+                )));
+            }
+            payload_path(&format!("metadata.\"{key}\""))
+        }
+        other => payload_path(&other.payload_key()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::thread;
+    use std::time::Instant;
+
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use serde_json::json;
+    use tempfile::TempDir;
+
+    use super::*;
+    use crate::retrieve::Condition;
+
+    const DIM: usize = 8;
+
+    fn chunk(doc_id: &str, position: u32, source: &str, metadata: Value) -> Chunk {
+        let text = format!("{doc_id} chunk {position}");
+        Chunk {
+            id: uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, text.as_bytes()).to_string(),
+            doc_id: doc_id.into(),
+            text,
+            source: source.into(),
+            position,
+            metadata: metadata.as_object().cloned().unwrap_or_default(),
+        }
+    }
+
+    /// One-hot-ish vectors: chunk `i` points along axis `i % DIM`, with a small tilt so that
+    /// no two vectors are identical.
+    fn axis_vector(i: usize) -> Vec<f32> {
+        let mut v = vec![0.01 * i as f32; DIM];
+        v[i % DIM] = 1.0;
+        v
+    }
+
+    fn random_vectors(rng: &mut StdRng, n: usize, dim: usize) -> Vec<Vec<f32>> {
+        (0..n)
+            .map(|_| (0..dim).map(|_| rng.random_range(-1.0f32..1.0)).collect())
+            .collect()
+    }
+
+    /// Three documents: a (3 chunks, docs.txt, lang en), b (2, wiki, lang de), c (1, web, none).
+    fn sample() -> (Vec<Chunk>, Vec<Vec<f32>>) {
+        let chunks = vec![
+            chunk(
+                "a",
+                0,
+                "docs.txt",
+                json!({"lang": "en", "year": 2024, "draft": false}),
+            ),
+            chunk(
+                "a",
+                1,
+                "docs.txt",
+                json!({"lang": "en", "year": 2024, "draft": false}),
+            ),
+            chunk(
+                "a",
+                2,
+                "docs.txt",
+                json!({"lang": "en", "year": 2024, "draft": true}),
+            ),
+            chunk("b", 0, "wiki", json!({"lang": "de", "year": 2023})),
+            chunk("b", 1, "wiki", json!({"lang": "de", "year": 2023})),
+            chunk("c", 0, "web", json!({})),
+        ];
+        let vectors = (0..chunks.len()).map(axis_vector).collect();
+        (chunks, vectors)
+    }
+
+    fn open_sample() -> (TempDir, EdgeStore, Vec<Chunk>, Vec<Vec<f32>>) {
+        let dir = TempDir::new().unwrap();
+        let store = EdgeStore::open(dir.path(), "test", DIM).unwrap();
+        let (chunks, vectors) = sample();
+        store.upsert(&chunks, &vectors).unwrap();
+        (dir, store, chunks, vectors)
+    }
+
+    fn filter(field: FilterField, matches: MatchValue) -> Filter {
+        Filter {
+            conditions: vec![Condition { field, matches }],
+        }
+    }
+
+    fn doc_ids(hits: &[ScoredChunk]) -> Vec<&str> {
+        hits.iter().map(|h| h.chunk.doc_id.as_str()).collect()
+    }
+
+    #[test]
+    fn search_returns_nearest_with_payload_intact() {
+        let (_dir, store, chunks, vectors) = open_sample();
+        assert_eq!(store.count().unwrap(), chunks.len());
+
+        let hits = store.search(&vectors[3], 3, None).unwrap();
+        assert_eq!(hits.len(), 3);
+        assert_eq!(
+            hits[0].chunk, chunks[3],
+            "nearest is the chunk itself, payload intact"
+        );
+        assert!(
+            (hits[0].score - 1.0).abs() < 1e-4,
+            "cosine to itself: {}",
+            hits[0].score
+        );
+        assert!(
+            hits.windows(2).all(|w| w[0].score >= w[1].score),
+            "best first"
+        );
+
+        let info = store.info();
+        assert_eq!(info.system, "qdrant-edge");
+        assert_eq!(info.collection, "test");
+        assert_eq!(info.index, "plain");
+        assert_eq!(info.points, chunks.len());
+    }
+
+    #[test]
+    fn search_checks_dimension_and_top_k() {
+        let (_dir, store, _, vectors) = open_sample();
+        assert!(matches!(
+            store.search(&[1.0; DIM + 1], 3, None),
+            Err(StoreError::Dimension { got, want }) if got == DIM + 1 && want == DIM
+        ));
+        assert!(store.search(&vectors[0], 0, None).unwrap().is_empty());
+        assert_eq!(store.search(&vectors[0], 100, None).unwrap().len(), 6);
+    }
+
+    #[test]
+    fn filter_by_doc_id() {
+        let (_dir, store, _, vectors) = open_sample();
+        // The query is closest to a chunk of `b`, but only `a` may come back.
+        let only_a = filter(FilterField::DocId, MatchValue::Keyword("a".into()));
+        let hits = store.search(&vectors[3], 10, Some(&only_a)).unwrap();
+        assert_eq!(doc_ids(&hits), vec!["a", "a", "a"]);
+    }
+
+    #[test]
+    fn filter_by_source_any_of() {
+        let (_dir, store, _, vectors) = open_sample();
+        let wiki_or_web = filter(
+            FilterField::Source,
+            MatchValue::AnyKeyword(vec!["wiki".into(), "web".into()]),
+        );
+        let hits = store.search(&vectors[0], 10, Some(&wiki_or_web)).unwrap();
+        let mut docs = doc_ids(&hits);
+        docs.sort();
+        assert_eq!(docs, vec!["b", "b", "c"]);
+    }
+
+    #[test]
+    fn filter_by_metadata_keyword_integer_bool_and_conjunction() {
+        let (_dir, store, _, vectors) = open_sample();
+        let lang_de = filter(
+            FilterField::Metadata("lang".into()),
+            MatchValue::Keyword("de".into()),
+        );
+        let hits = store.search(&vectors[0], 10, Some(&lang_de)).unwrap();
+        assert_eq!(doc_ids(&hits), vec!["b", "b"]);
+
+        let year = filter(
+            FilterField::Metadata("year".into()),
+            MatchValue::Integer(2024),
+        );
+        assert_eq!(store.search(&vectors[0], 10, Some(&year)).unwrap().len(), 3);
+
+        let drafts = filter(
+            FilterField::Metadata("draft".into()),
+            MatchValue::Bool(true),
+        );
+        let hits = store.search(&vectors[0], 10, Some(&drafts)).unwrap();
+        assert_eq!(hits.len(), 1);
+        assert_eq!(hits[0].chunk.position, 2);
+
+        // Conditions are a conjunction: source docs.txt AND lang de matches nothing.
+        let both = Filter {
+            conditions: vec![
+                Condition {
+                    field: FilterField::Source,
+                    matches: MatchValue::Keyword("docs.txt".into()),
+                },
+                lang_de.conditions[0].clone(),
+            ],
+        };
+        assert!(store
+            .search(&vectors[0], 10, Some(&both))
+            .unwrap()
+            .is_empty());
+
+        // An empty filter is no filter.
+        assert_eq!(
+            store
+                .search(&vectors[0], 10, Some(&Filter::default()))
+                .unwrap()
+                .len(),
+            6
+        );
+    }
+
+    #[test]
+    fn delete_document_counts_and_removes() {
+        let (_dir, store, chunks, vectors) = open_sample();
+        assert_eq!(store.delete_document("a").unwrap(), 3);
+        assert_eq!(store.count().unwrap(), 3);
+        let a_ids: Vec<String> = chunks[..3].iter().map(|c| c.id.clone()).collect();
+        assert!(store.existing(&a_ids).unwrap().is_empty());
+        let hits = store.search(&vectors[0], 10, None).unwrap();
+        assert!(
+            !doc_ids(&hits).contains(&"a"),
+            "deleted chunks are not found"
+        );
+        assert_eq!(
+            store.delete_document("a").unwrap(),
+            0,
+            "second delete finds nothing"
+        );
+        assert_eq!(store.delete_document("nope").unwrap(), 0);
+    }
+
+    #[test]
+    fn reupsert_same_ids_does_not_grow() {
+        let (_dir, store, mut chunks, vectors) = open_sample();
+        chunks[0].text = "replaced".into();
+        store.upsert(&chunks, &vectors).unwrap();
+        assert_eq!(store.count().unwrap(), chunks.len());
+        assert_eq!(store.info().points, chunks.len());
+        let hits = store.search(&vectors[0], 1, None).unwrap();
+        assert_eq!(
+            hits[0].chunk.text, "replaced",
+            "the upsert replaced the payload"
+        );
+    }
+
+    #[test]
+    fn existing_reports_only_stored_ids() {
+        let (_dir, store, chunks, _) = open_sample();
+        let absent = uuid::Uuid::new_v4().to_string();
+        let asked = vec![
+            chunks[1].id.clone(),
+            absent,
+            "not-a-uuid".into(),
+            chunks[5].id.clone(),
+        ];
+        let found = store.existing(&asked).unwrap();
+        let expected: HashSet<String> = [chunks[1].id.clone(), chunks[5].id.clone()].into();
+        assert_eq!(found, expected);
+        assert!(store.existing(&[]).unwrap().is_empty());
+    }
+
+    #[test]
+    fn upsert_rejects_bad_input() {
+        let dir = TempDir::new().unwrap();
+        let store = EdgeStore::open(dir.path(), "test", DIM).unwrap();
+        let (chunks, vectors) = sample();
+        assert!(matches!(
+            store.upsert(&chunks[..1], &[vec![1.0; DIM - 1]]),
+            Err(StoreError::Dimension { got, want }) if got == DIM - 1 && want == DIM
+        ));
+        assert!(store.upsert(&chunks[..2], &vectors[..1]).is_err());
+        let mut bad = chunks[0].clone();
+        bad.id = "not-a-uuid".into();
+        assert!(store.upsert(&[bad], &vectors[..1]).is_err());
+        assert_eq!(store.count().unwrap(), 0, "nothing was written");
+    }
+
+    #[test]
+    fn reopen_keeps_data_and_results() {
+        let dir = TempDir::new().unwrap();
+        let mut rng = StdRng::seed_from_u64(7);
+        let (chunks, _) = sample();
+        let vectors = random_vectors(&mut rng, chunks.len(), DIM);
+        let queries = random_vectors(&mut rng, 5, DIM);
+        let lang_en = filter(
+            FilterField::Metadata("lang".into()),
+            MatchValue::Keyword("en".into()),
+        );
+
+        let run = |store: &EdgeStore| -> Vec<Vec<(String, f32)>> {
+            queries
+                .iter()
+                .flat_map(|q| [store.search(q, 4, None), store.search(q, 4, Some(&lang_en))])
+                .map(|hits| {
+                    hits.unwrap()
+                        .into_iter()
+                        .map(|h| (h.chunk.id, h.score))
+                        .collect()
+                })
+                .collect()
+        };
+
+        let before = {
+            let store = EdgeStore::open(dir.path(), "keep", DIM).unwrap();
+            store.upsert(&chunks, &vectors).unwrap();
+            run(&store)
+        };
+        let store = EdgeStore::open(dir.path(), "keep", DIM).unwrap();
+        assert_eq!(store.count().unwrap(), chunks.len());
+        assert_eq!(run(&store), before, "identical results after reopen");
+        let hits = store.search(&vectors[4], 1, None).unwrap();
+        assert_eq!(hits[0].chunk, chunks[4], "payload survives reopen");
+        // The keyword indexes were created once and are still there.
+        let schema = store.shard.info().payload_schema;
+        for field in INDEXED_KEYWORDS {
+            assert!(
+                schema.contains_key(&payload_path(field).unwrap()),
+                "{field} indexed"
+            );
+        }
+    }
+
+    #[test]
+    fn reopen_with_other_dimension_is_refused() {
+        let dir = TempDir::new().unwrap();
+        {
+            let store = EdgeStore::open(dir.path(), "dims", DIM).unwrap();
+            let (chunks, vectors) = sample();
+            store.upsert(&chunks, &vectors).unwrap();
+        }
+        let err = EdgeStore::open(dir.path(), "dims", DIM * 2)
+            .err()
+            .expect("dimension mismatch must be refused");
+        let message = err.to_string();
+        assert!(
+            message.contains(&format!("{DIM}-dimensional"))
+                && message.contains(&(DIM * 2).to_string()),
+            "message names both dimensions: {message}"
+        );
+        // Another collection in the same directory is independent.
+        assert!(EdgeStore::open(dir.path(), "other", DIM * 2).is_ok());
+    }
+
+    /// Searches run while the HNSW index is built, and the index survives a restart.
+    #[test]
+    fn search_during_build_index() {
+        const N: usize = 3000;
+        const BIG_DIM: usize = 384;
+        let dir = TempDir::new().unwrap();
+        let store = Arc::new(EdgeStore::open(dir.path(), "big", BIG_DIM).unwrap());
+        let mut rng = StdRng::seed_from_u64(42);
+        let vectors = random_vectors(&mut rng, N, BIG_DIM);
+        let chunks: Vec<Chunk> = (0..N)
+            .map(|i| chunk(&format!("doc{}", i / 10), (i % 10) as u32, "gen", json!({})))
+            .collect();
+        store.upsert(&chunks, &vectors).unwrap();
+        assert_eq!(store.info().index, "plain");
+
+        let done = Arc::new(AtomicBool::new(false));
+        let completed = Arc::new(AtomicUsize::new(0));
+        let searcher = {
+            let (store, done, completed) = (store.clone(), done.clone(), completed.clone());
+            let queries = vectors[..50].to_vec();
+            let expected: Vec<String> = chunks[..50].iter().map(|c| c.id.clone()).collect();
+            thread::spawn(move || {
+                let mut spans = Vec::new();
+                while !done.load(Ordering::Acquire) {
+                    let i = spans.len() % queries.len();
+                    let began = Instant::now();
+                    let hits = store.search(&queries[i], 5, None).unwrap();
+                    spans.push((began, Instant::now()));
+                    completed.fetch_add(1, Ordering::Release);
+                    // A stored vector is its own nearest neighbour, before, during and after.
+                    assert_eq!(hits[0].chunk.id, expected[i]);
+                }
+                spans
+            })
+        };
+        while completed.load(Ordering::Acquire) == 0 {
+            thread::yield_now();
+        }
+
+        let started = Instant::now();
+        store.build_index().unwrap();
+        let ended = Instant::now();
+        done.store(true, Ordering::Release);
+        let spans = searcher.join().unwrap();
+
+        // Searches that began after the build started and finished in its first half. If
+        // `optimize` blocked queries for its whole duration, such a search could finish only
+        // near the build's end, never here. (A search already running when the build was
+        // called does not count: it may have been what the build waited for.)
+        let half = started + (ended - started) / 2;
+        let in_first_half = spans
+            .iter()
+            .filter(|&&(began, finished)| began > started && finished < half)
+            .count();
+        let during = spans
+            .iter()
+            .filter(|&&(began, finished)| began > started && finished < ended)
+            .count();
+        eprintln!(
+            "build_index took {:?}; {during} searches finished during it, {in_first_half} in \
+             its first half, {} in all",
+            ended - started,
+            spans.len()
+        );
+        assert!(
+            in_first_half > 0,
+            "no search both began and finished in the first half of the index build"
+        );
+        assert_eq!(store.info().index, "hnsw");
+        assert_eq!(store.count().unwrap(), N);
+
+        let queries = random_vectors(&mut rng, 5, BIG_DIM);
+        let results = |store: &EdgeStore| -> Vec<Vec<String>> {
+            queries
+                .iter()
+                .map(|q| {
+                    let hits = store.search(q, 5, None).unwrap();
+                    hits.into_iter().map(|h| h.chunk.id).collect()
+                })
+                .collect()
+        };
+        let before = results(&store);
+        assert_eq!(
+            Arc::strong_count(&store),
+            1,
+            "the searcher released the store"
+        );
+        drop(store);
+
+        let store = EdgeStore::open(dir.path(), "big", BIG_DIM).unwrap();
+        assert_eq!(
+            store.info().index,
+            "hnsw",
+            "index state read back from the segments"
+        );
+        assert_eq!(store.count().unwrap(), N);
+        assert_eq!(results(&store), before);
+    }
+}

@@ -1,0 +1,182 @@
+//! Vector retrieval: the store trait every backend implements, the chunk payload it stores, and
+//! the payload filter a query may carry.
+//!
+//! The pipeline talks to a `dyn VectorStore`; the default backend is the in-process Qdrant Edge
+//! engine ([`edge`]). Calls are synchronous: the pipeline runs them on a model-worker thread and
+//! an embedded search takes well under a millisecond.
+
+pub mod edge;
+
+use std::collections::HashSet;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// One chunk of an ingested document, as stored with its vector.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Chunk {
+    /// UUID derived from the document id and the chunk text, so re-ingesting adds nothing.
+    pub id: String,
+    pub doc_id: String,
+    pub text: String,
+    /// Where the document came from (file path, URL, or what the client said).
+    pub source: String,
+    /// Index of the chunk within its document, from 0.
+    pub position: u32,
+    /// Client metadata: a flat object of strings, numbers and booleans.
+    pub metadata: Map<String, Value>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ScoredChunk {
+    pub chunk: Chunk,
+    /// Cosine similarity to the query (vectors are unit length).
+    pub score: f32,
+}
+
+/// A conjunction of conditions on payload fields.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Filter {
+    pub conditions: Vec<Condition>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Condition {
+    pub field: FilterField,
+    pub matches: MatchValue,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum FilterField {
+    DocId,
+    Source,
+    /// A key inside `metadata`.
+    Metadata(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum MatchValue {
+    Keyword(String),
+    /// Any of these keywords.
+    AnyKeyword(Vec<String>),
+    Integer(i64),
+    Bool(bool),
+}
+
+impl FilterField {
+    /// The payload key the field is stored under.
+    pub fn payload_key(&self) -> String {
+        match self {
+            FilterField::DocId => "doc_id".into(),
+            FilterField::Source => "source".into(),
+            FilterField::Metadata(key) => format!("metadata.{key}"),
+        }
+    }
+}
+
+impl Filter {
+    /// Parses the API's filter object: `{"doc_id": "a"}`, `{"source": {"any": ["x", "y"]}}`,
+    /// `{"metadata.lang": "en"}`. The error names the offending field.
+    pub fn from_json(value: &Value) -> Result<Filter, String> {
+        let Value::Object(fields) = value else {
+            return Err("filter: must be an object of field conditions".into());
+        };
+        let mut conditions = Vec::with_capacity(fields.len());
+        for (name, wanted) in fields {
+            let field = match name.as_str() {
+                "doc_id" => FilterField::DocId,
+                "source" => FilterField::Source,
+                other => match other.strip_prefix("metadata.") {
+                    Some(key) if valid_metadata_key(key) => FilterField::Metadata(key.to_string()),
+                    _ => {
+                        return Err(format!(
+                            "filter.{name}: unknown filter field (known: doc_id, source, metadata.<key>)"
+                        ))
+                    }
+                },
+            };
+            let matches = match wanted {
+                Value::String(s) => MatchValue::Keyword(s.clone()),
+                Value::Bool(b) => MatchValue::Bool(*b),
+                Value::Number(n) => match n.as_i64() {
+                    Some(i) => MatchValue::Integer(i),
+                    None => return Err(format!("filter.{name}: only integer numbers can be matched")),
+                },
+                Value::Object(o) if o.len() == 1 && o.contains_key("any") => {
+                    let items = o["any"].as_array().filter(|a| !a.is_empty()).ok_or_else(|| {
+                        format!("filter.{name}.any: must be a non-empty array of strings")
+                    })?;
+                    let words = items
+                        .iter()
+                        .map(|v| v.as_str().map(str::to_string))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| format!("filter.{name}.any: must contain only strings"))?;
+                    MatchValue::AnyKeyword(words)
+                }
+                _ => {
+                    return Err(format!(
+                        "filter.{name}: expected a string, integer, boolean or {{\"any\": [..]}}"
+                    ))
+                }
+            };
+            conditions.push(Condition { field, matches });
+        }
+        Ok(Filter { conditions })
+    }
+}
+
+fn valid_metadata_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 64
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+/// What a backend says about itself, for spans (`db.*`) and `/ready`.
+#[derive(Debug, Clone, Serialize)]
+pub struct StoreInfo {
+    /// `db.system.name`, e.g. `qdrant-edge`.
+    pub system: &'static str,
+    pub collection: String,
+    /// `plain` (exact scan) until the HNSW index is built, then `hnsw`.
+    pub index: &'static str,
+    pub points: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("vector has {got} dimensions, the collection has {want}")]
+    Dimension { got: usize, want: usize },
+    #[error("vector store: {0}")]
+    Backend(String),
+}
+
+/// A vector store holding chunks and their embeddings. Implementations are shared between
+/// threads; writes and searches may run concurrently.
+pub trait VectorStore: Send + Sync {
+    fn info(&self) -> StoreInfo;
+
+    /// Inserts or replaces chunks; `vectors[i]` belongs to `chunks[i]`. Durable on return.
+    fn upsert(&self, chunks: &[Chunk], vectors: &[Vec<f32>]) -> Result<(), StoreError>;
+
+    /// The `top_k` nearest chunks to `vector` that pass `filter`, best first.
+    fn search(
+        &self,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<&Filter>,
+    ) -> Result<Vec<ScoredChunk>, StoreError>;
+
+    /// Which of these chunk ids are already stored (lets ingest skip re-embedding).
+    fn existing(&self, ids: &[String]) -> Result<HashSet<String>, StoreError>;
+
+    /// Removes every chunk of a document; returns how many were removed.
+    fn delete_document(&self, doc_id: &str) -> Result<usize, StoreError>;
+
+    /// Number of stored chunks.
+    fn count(&self) -> Result<usize, StoreError>;
+
+    /// Builds the approximate-nearest-neighbour index. Searches keep being served while it runs.
+    fn build_index(&self) -> Result<(), StoreError>;
+}

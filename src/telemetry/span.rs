@@ -1,0 +1,165 @@
+//! Stage spans: a thin layer over the OpenTelemetry API whose every timestamp comes from
+//! [`clock`](super::clock).
+//!
+//! We start and end OpenTelemetry spans ourselves instead of going through
+//! `tracing-opentelemetry`, because that bridge stamps spans with its own `SystemTime::now()`
+//! calls; here a stage's start, end and events are explicit readings of the shared clock, and the
+//! duration a stage reports to the client (`timings`) is the same number its span carries.
+//! A [`Stage`] owns an OpenTelemetry [`Context`], so it can be moved to a model-worker thread and
+//! its children created there keep their parent.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::{Context, KeyValue};
+
+use super::clock;
+
+/// The instrumentation scope every span of ours is created under.
+pub const SCOPE: &str = "ragscope";
+
+/// One timed stage of a request, exported as a span when it ends (explicitly or on drop).
+pub struct Stage {
+    cx: Context,
+    started: Instant,
+    /// Attributes copied onto every descendant (request id, baggage colours).
+    inherited: Arc<[KeyValue]>,
+    ended: bool,
+}
+
+impl Stage {
+    /// Starts a span under `parent` (which may hold a remote span from `traceparent`, or nothing).
+    pub fn start(
+        name: impl Into<Cow<'static, str>>,
+        kind: SpanKind,
+        parent: &Context,
+        inherited: Vec<KeyValue>,
+    ) -> Stage {
+        Self::start_at(name, kind, parent, inherited.into(), clock::now())
+    }
+
+    fn start_at(
+        name: impl Into<Cow<'static, str>>,
+        kind: SpanKind,
+        parent: &Context,
+        inherited: Arc<[KeyValue]>,
+        started: Instant,
+    ) -> Stage {
+        let tracer = opentelemetry::global::tracer(SCOPE);
+        let span = tracer
+            .span_builder(name)
+            .with_kind(kind)
+            .with_start_time(clock::to_wall(started))
+            .with_attributes(inherited.iter().cloned())
+            .start_with_context(&tracer, parent);
+        Stage {
+            cx: parent.with_span(span),
+            started,
+            inherited,
+            ended: false,
+        }
+    }
+
+    /// Starts a child stage now.
+    pub fn child(&self, name: impl Into<Cow<'static, str>>) -> Stage {
+        self.child_at(name, clock::now())
+    }
+
+    /// Starts a child stage at an earlier reading of the clock (e.g. the `queue` stage, which
+    /// begins when a job is submitted but is only known to exist once it is picked up). Clamped
+    /// to this stage's own start so the child can never begin before its parent.
+    pub fn child_at(&self, name: impl Into<Cow<'static, str>>, at: Instant) -> Stage {
+        Self::start_at(
+            name,
+            SpanKind::Internal,
+            &self.cx,
+            self.inherited.clone(),
+            at.max(self.started),
+        )
+    }
+
+    pub fn set(&self, kv: KeyValue) {
+        self.cx.span().set_attribute(kv);
+    }
+
+    pub fn set_all(&self, kvs: impl IntoIterator<Item = KeyValue>) {
+        let span = self.cx.span();
+        for kv in kvs {
+            span.set_attribute(kv);
+        }
+    }
+
+    /// Records a point in time inside this stage.
+    pub fn event(&self, name: impl Into<Cow<'static, str>>, attributes: Vec<KeyValue>) {
+        self.event_at(name, clock::now(), attributes);
+    }
+
+    pub fn event_at(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+        at: Instant,
+        attributes: Vec<KeyValue>,
+    ) {
+        self.cx
+            .span()
+            .add_event_with_timestamp(name, clock::to_wall(at), attributes);
+    }
+
+    /// Marks the stage failed with the OpenTelemetry `error.type` convention.
+    pub fn fail(&self, error_type: &'static str, message: impl Into<Cow<'static, str>>) {
+        let span = self.cx.span();
+        span.set_attribute(KeyValue::new("error.type", error_type));
+        span.set_status(Status::error(message));
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.cx
+    }
+
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Time since this stage started, on the shared clock.
+    pub fn elapsed(&self) -> Duration {
+        clock::now().saturating_duration_since(self.started)
+    }
+
+    /// Hex trace id, or `None` when tracing is off (the span context is invalid).
+    pub fn trace_id(&self) -> Option<String> {
+        let sc = self.cx.span().span_context().clone();
+        sc.is_valid().then(|| sc.trace_id().to_string())
+    }
+
+    pub fn span_id(&self) -> Option<String> {
+        let sc = self.cx.span().span_context().clone();
+        sc.is_valid().then(|| sc.span_id().to_string())
+    }
+
+    /// Ends the stage now and returns how long it lasted.
+    pub fn end(self) -> Duration {
+        self.end_at(clock::now())
+    }
+
+    /// Ends the stage at a given reading of the clock (never before it started).
+    pub fn end_at(mut self, at: Instant) -> Duration {
+        self.finish(at)
+    }
+
+    fn finish(&mut self, at: Instant) -> Duration {
+        let at = at.max(self.started);
+        self.ended = true;
+        self.cx.span().end_with_timestamp(clock::to_wall(at));
+        at - self.started
+    }
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.finish(clock::now());
+        }
+    }
+}

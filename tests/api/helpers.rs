@@ -1,0 +1,168 @@
+//! `spawn_app`: a real server (real models, a fresh embedded store) on 127.0.0.1:0.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use ragscope::config::{Cli, Command, ServeArgs};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub struct TestApp {
+    pub base: String,
+    pub client: reqwest::Client,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<JoinHandle<std::io::Result<()>>>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+fn models_dir() -> PathBuf {
+    std::env::var_os("RAGSCOPE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models"))
+}
+
+/// Parses `serve` flags the way the binary does, on top of test defaults.
+pub fn serve_args(data_dir: &Path, extra: &[&str]) -> ServeArgs {
+    let mut argv = vec![
+        "ragscope".to_string(),
+        "serve".into(),
+        "--corpus".into(),
+        "none".into(),
+        "--fetch-models".into(),
+        "false".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--data-dir".into(),
+        data_dir.display().to_string(),
+        "--models-dir".into(),
+        models_dir().display().to_string(),
+    ];
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    match Cli::try_parse_from(argv).expect("valid test flags").command {
+        Command::Serve(args) => args,
+        _ => unreachable!(),
+    }
+}
+
+pub async fn spawn_app() -> TestApp {
+    spawn_app_with(&[]).await
+}
+
+pub async fn spawn_app_with(extra: &[&str]) -> TestApp {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut app = spawn_app_in(tmp.path(), extra).await;
+    app._tmp = Some(tmp);
+    app
+}
+
+/// A server over an existing data directory (to test restarts).
+pub async fn spawn_app_in(data_dir: &Path, extra: &[&str]) -> TestApp {
+    let args = serve_args(data_dir, extra);
+    let pipeline = tokio::task::spawn_blocking({
+        let args = args.clone();
+        move || ragscope::app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
+    })
+    .await
+    .unwrap()
+    .expect("pipeline loads");
+    let state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = oneshot::channel();
+    let server = tokio::spawn(ragscope::app::run(
+        listener,
+        state,
+        args.server.max_body_bytes,
+        async {
+            let _ = rx.await;
+        },
+    ));
+    TestApp {
+        base,
+        client: reqwest::Client::new(),
+        shutdown: Some(tx),
+        server: Some(server),
+        _tmp: None,
+    }
+}
+
+impl TestApp {
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self.client.post(self.url(path)).json(body).send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn post_raw(&self, path: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self.client.get(self.url(path)).send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Ingests documents and asserts success.
+    pub async fn ingest(&self, docs: Value) -> Value {
+        let (status, body) = self.post("/v1/documents", &json!({"documents": docs})).await;
+        assert_eq!(status, 200, "{body}");
+        body
+    }
+
+    /// Ingests the small fictional corpus most tests ask about.
+    pub async fn ingest_fixtures(&self) -> Value {
+        self.ingest(fixtures()).await
+    }
+
+    /// Stops the server, waiting for in-flight requests (graceful shutdown).
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(server) = self.server.take() {
+            server.await.unwrap().unwrap();
+        }
+    }
+}
+
+/// Facts no model can know beforehand, so a right answer proves the passage was used.
+pub fn fixtures() -> Value {
+    json!([
+        {
+            "id": "zorbia",
+            "text": "# Zorbia\n\nZorbia is a small island nation in the Quillon Sea. The capital of Zorbia is Quenta, a port city famous for its blue lighthouses. Zorbia's currency is the zorbic mark.",
+            "format": "markdown",
+            "source": "atlas/zorbia.md",
+            "metadata": {"topic": "geography", "year": 2024}
+        },
+        {
+            "id": "flumox",
+            "text": "The flumox is a garden tool invented by Petra Lindqvist in 1931. It is used to aerate clay soil. A flumox has three curved tines and an ash-wood handle.",
+            "source": "tools/flumox.txt",
+            "metadata": {"topic": "tools"}
+        },
+        {
+            "id": "gitdoc",
+            "text": "<html><head><title>git-stash(1)</title></head><body><h2>NAME</h2><p>git-stash - Stash the changes in a dirty working directory away</p><h2>COMMANDS</h2><p>pop: Remove a single stashed state from the stash list and apply it on top of the current working tree state.</p></body></html>",
+            "format": "html",
+            "source": "git-doc/git-stash.html",
+            "metadata": {"topic": "git"}
+        }
+    ])
+}
