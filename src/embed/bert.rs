@@ -23,6 +23,8 @@ const SUB_BATCH: usize = 32;
 pub struct BertEmbedder {
     model: BertModel,
     tokenizer: Tokenizer,
+    /// The same tokenizer without truncation or padding, for counting real lengths.
+    counter: Tokenizer,
     device: Device,
     model_id: String,
     dimension: usize,
@@ -55,9 +57,15 @@ pub fn load_bert(dir: &Path, device: &Device) -> Result<(BertModel, Tokenizer, C
 impl BertEmbedder {
     pub fn load(dir: &Path, model_id: &str, device: &Device) -> Result<Self, EmbedError> {
         let (model, tokenizer, config) = load_bert(dir, device)?;
+        let mut counter = tokenizer.clone();
+        counter.with_padding(None);
+        counter
+            .with_truncation(None)
+            .map_err(|e| EmbedError::Load(e.to_string()))?;
         Ok(BertEmbedder {
             model,
             tokenizer,
+            counter,
             device: device.clone(),
             model_id: model_id.to_string(),
             dimension: config.hidden_size,
@@ -128,7 +136,7 @@ impl Embedder for BertEmbedder {
 
     fn count_tokens(&self, text: &str) -> Result<usize, EmbedError> {
         let enc = self
-            .tokenizer
+            .counter
             .encode_fast(text, false)
             .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().len())

@@ -65,8 +65,15 @@ impl EdgeStore {
             EdgeShard::new(&path, shard_config(dimension))
                 .map_err(backend(&format!("creating shard at {}", path.display())))?
         } else {
-            let shard = EdgeShard::load(&path, None)
-                .map_err(backend(&format!("loading shard at {}", path.display())))?;
+            let shard = EdgeShard::load(&path, None).map_err(|e| {
+                // The engine flocks its WAL; say what that error means.
+                let hint = if e.to_string().contains("WouldBlock") {
+                    " (in use by another process or another open store)"
+                } else {
+                    ""
+                };
+                StoreError::Backend(format!("loading shard at {}{hint}: {e}", path.display()))
+            })?;
             check_compatible(&shard, &path, dimension)?;
             // Shards created before the optimizer settings changed get ours, so that
             // `build_index` means the same everywhere.
@@ -290,7 +297,6 @@ impl VectorStore for EdgeStore {
                 PointOperations::DeletePointsByFilter(filter),
             ))
             .map_err(backend(&format!("deleting chunks of `{doc_id}`")))?;
-        self.shard.flush();
         Ok(removed)
     }
 
@@ -786,6 +792,56 @@ mod tests {
                 schema.contains_key(&payload_path(field).unwrap()),
                 "{field} indexed"
             );
+        }
+    }
+
+    /// What a crash leaves: the files as they are on disk when `upsert` and `delete_document`
+    /// return, copied while the store is still open (so the engine's flush-on-drop never ran
+    /// for them). Everything acknowledged must be in the copy.
+    #[test]
+    fn acknowledged_writes_are_on_disk_before_drop() {
+        let dir = TempDir::new().unwrap();
+        let (chunks, vectors) = sample();
+        let store = EdgeStore::open(dir.path(), "live", DIM).unwrap();
+        let b_ids: Vec<String> = chunks[3..5].iter().map(|c| c.id.clone()).collect();
+
+        store.upsert(&chunks, &vectors).unwrap();
+        copy_dir(&dir.path().join("live"), &dir.path().join("after-upsert"));
+        let copy = EdgeStore::open(dir.path(), "after-upsert", DIM).unwrap();
+        assert_eq!(copy.count().unwrap(), chunks.len());
+        assert_eq!(
+            copy.search(&vectors[5], 1, None).unwrap()[0].chunk,
+            chunks[5]
+        );
+
+        assert_eq!(store.delete_document("b").unwrap(), 2);
+        copy_dir(&dir.path().join("live"), &dir.path().join("after-delete"));
+        let copy = EdgeStore::open(dir.path(), "after-delete", DIM).unwrap();
+        assert_eq!(copy.count().unwrap(), chunks.len() - 2);
+        assert!(copy.existing(&b_ids).unwrap().is_empty());
+    }
+
+    /// The same shard cannot be opened twice: the engine locks its WAL.
+    #[test]
+    fn second_open_of_a_live_shard_is_refused() {
+        let dir = TempDir::new().unwrap();
+        let _store = EdgeStore::open(dir.path(), "busy", DIM).unwrap();
+        let err = EdgeStore::open(dir.path(), "busy", DIM)
+            .err()
+            .expect("a second open must fail");
+        assert!(err.to_string().contains("in use"), "{err}");
+    }
+
+    fn copy_dir(from: &Path, to: &Path) {
+        fs::create_dir_all(to).unwrap();
+        for entry in fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            let target = to.join(entry.file_name());
+            if entry.file_type().unwrap().is_dir() {
+                copy_dir(&entry.path(), &target);
+            } else {
+                fs::copy(entry.path(), &target).unwrap();
+            }
         }
     }
 
