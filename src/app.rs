@@ -31,11 +31,16 @@ use crate::retrieve::VectorStore;
 use crate::telemetry::span::Stage;
 use crate::worker::Workers;
 
+/// The three model stages, loaded.
+pub struct Models {
+    pub embedder: Arc<dyn Embedder>,
+    pub generator: Arc<dyn Generator>,
+    pub reranker: Option<Arc<dyn Reranker>>,
+}
+
 /// Loads the embedder, generator and reranker named in `args`, fetching manifest models when
 /// allowed.
-pub fn load_models(
-    args: &ModelArgs,
-) -> Result<(Arc<dyn Embedder>, Arc<dyn Generator>, Option<Arc<dyn Reranker>>)> {
+pub fn load_models(args: &ModelArgs) -> Result<Models> {
     let device = crate::device::device(&args.device)?;
     let embed_dir = models::resolve(
         &args.embed_model,
@@ -53,19 +58,32 @@ pub fn load_models(
         "none" => None,
         "fusion" => Some(Arc::new(FusionReranker::default())),
         spec => {
-            let dir = models::resolve(spec, &args.models_dir, &CrossEncoder::FILES, args.fetch_models)?;
+            let dir = models::resolve(
+                spec,
+                &args.models_dir,
+                &CrossEncoder::FILES,
+                args.fetch_models,
+            )?;
             Some(Arc::new(
                 CrossEncoder::load(&dir, &model_name(spec), &device)
                     .with_context(|| format!("loading cross-encoder from {}", dir.display()))?,
             ))
         }
     };
-    Ok((Arc::new(embedder), Arc::new(generator), reranker))
+    Ok(Models {
+        embedder: Arc::new(embedder),
+        generator: Arc::new(generator),
+        reranker,
+    })
 }
 
 /// The GGUF file in `dir`, with `tokenizer.json` beside it when there is one (written by
 /// `models fetch`), else the tokenizer rebuilt from the GGUF metadata.
-pub fn load_generator(dir: &Path, device: &candle_core::Device, max_context: usize) -> Result<Llama> {
+pub fn load_generator(
+    dir: &Path,
+    device: &candle_core::Device,
+    max_context: usize,
+) -> Result<Llama> {
     let gguf = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| p.extension().is_some_and(|x| x == "gguf"))
@@ -110,7 +128,11 @@ pub fn load_pipeline(
     server: &ServerArgs,
     pipeline: &PipelineArgs,
 ) -> Result<Pipeline> {
-    let (embedder, generator, reranker) = load_models(models)?;
+    let Models {
+        embedder,
+        generator,
+        reranker,
+    } = load_models(models)?;
     let store_handle = open_store(store, embedder.dimension())?;
     Ok(Pipeline {
         embedder,
@@ -145,7 +167,12 @@ pub fn ingest_corpus(
     let started = Instant::now();
     let mut chunks = 0;
     for (i, doc) in docs.iter().enumerate() {
-        let stage = Stage::start("ingest", SpanKind::Internal, &opentelemetry::Context::new(), vec![]);
+        let stage = Stage::start(
+            "ingest",
+            SpanKind::Internal,
+            &opentelemetry::Context::new(),
+            vec![],
+        );
         let outcome = ingest_document(
             doc,
             pipeline.embedder.as_ref(),
@@ -170,7 +197,10 @@ pub fn ingest_corpus(
     }
     tracing::info!("building the vector index");
     pipeline.store.build_index()?;
-    std::fs::write(&marker, format!("{} documents, {chunks} chunks\n", docs.len()))?;
+    std::fs::write(
+        &marker,
+        format!("{} documents, {chunks} chunks\n", docs.len()),
+    )?;
     Ok(())
 }
 
@@ -200,7 +230,10 @@ pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> 
 }
 
 /// `ragscope serve`: bind, answer health checks at once, load and ingest in the background.
-pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+pub async fn serve(
+    args: ServeArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     let listener = TcpListener::bind(args.server.listen)
         .await
         .with_context(|| format!("binding {}", args.server.listen))?;
@@ -217,7 +250,12 @@ pub async fn serve(args: ServeArgs, shutdown: impl Future<Output = ()> + Send + 
             .and_then(|p| {
                 let p = Arc::new(p);
                 let _ = loading.pipeline.set(p.clone());
-                ingest_corpus(&p, &args.server.corpus, &args.store.data_dir, &loading.readiness)
+                ingest_corpus(
+                    &p,
+                    &args.server.corpus,
+                    &args.store.data_dir,
+                    &loading.readiness,
+                )
             });
         match result {
             Ok(()) => {

@@ -18,7 +18,12 @@ use crate::retrieve::{Chunk, VectorStore};
 use crate::telemetry::{clock, span::Stage};
 
 fn stage() -> Stage {
-    Stage::start("bench", SpanKind::Internal, &opentelemetry::Context::new(), vec![])
+    Stage::start(
+        "bench",
+        SpanKind::Internal,
+        &opentelemetry::Context::new(),
+        vec![],
+    )
 }
 
 /// p-th percentile (0..=100) of durations, in milliseconds.
@@ -43,11 +48,25 @@ pub async fn run(args: BenchArgs) -> Result<()> {
 
 fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let rounds = args.rounds.max(1);
-    let pipeline = Arc::new(app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)?);
-    app::ingest_corpus(&pipeline, &args.server.corpus, &args.store.data_dir, &Readiness::default())?;
+    let pipeline = Arc::new(app::load_pipeline(
+        &args.models,
+        &args.store,
+        &args.server,
+        &args.pipeline,
+    )?);
+    app::ingest_corpus(
+        &pipeline,
+        &args.server.corpus,
+        &args.store.data_dir,
+        &Readiness::default(),
+    )?;
     let questions = crate::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)
         .unwrap_or_else(|_| vec!["How do I undo the last commit?".to_string(); 10]);
-    println!("ragscope bench ({} rounds, {} threads)", rounds, std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!(
+        "ragscope bench ({} rounds, {} threads)",
+        rounds,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
     println!("{:<44} {:>12}", "measurement", "value");
 
     // Embedding: one query at a time, and batches of 32 passages.
@@ -60,8 +79,16 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             single.push(t.elapsed());
         }
     }
-    println!("{:<44} {:>9.2} ms", "embed batch 1, p50 latency", percentile(&mut single, 50.0));
-    println!("{:<44} {:>9.1} /s", "embed batch 1, sentences/s", single.len() as f64 / single.iter().sum::<Duration>().as_secs_f64());
+    println!(
+        "{:<44} {:>9.2} ms",
+        "embed batch 1, p50 latency",
+        percentile(&mut single, 50.0)
+    );
+    println!(
+        "{:<44} {:>9.1} /s",
+        "embed batch 1, sentences/s",
+        single.len() as f64 / single.iter().sum::<Duration>().as_secs_f64()
+    );
     let passages: Vec<String> = (0..32)
         .map(|i| format!("Sentence {i}: git stash saves local modifications away and reverts the working directory to match the HEAD commit, so that you can switch branches and come back later to apply them again."))
         .collect();
@@ -72,10 +99,17 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         e.embed(&refs, &stage())?;
         rates.push(32.0 / t.elapsed().as_secs_f64());
     }
-    println!("{:<44} {:>9.1} /s", "embed batch 32 (~40-word passages), sentences/s", median(&mut rates));
+    println!(
+        "{:<44} {:>9.1} /s",
+        "embed batch 32 (~40-word passages), sentences/s",
+        median(&mut rates)
+    );
 
     // Retrieval at the corpus size and over synthetic chunks.
-    let vectors: Vec<Vec<f32>> = questions.iter().map(|q| e.embed(&[q], &stage()).map(|mut v| v.remove(0))).collect::<Result<_, _>>()?;
+    let vectors: Vec<Vec<f32>> = questions
+        .iter()
+        .map(|q| e.embed(&[q], &stage()).map(|mut v| v.remove(0)))
+        .collect::<Result<_, _>>()?;
     let mut lat = Vec::new();
     for _ in 0..rounds * 20 {
         for v in &vectors {
@@ -85,8 +119,22 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         }
     }
     let corpus_size = pipeline.store.count()?;
-    println!("{:<44} {:>9.3} ms", format!("retrieve top-{} at {corpus_size} chunks, p50", args.pipeline.top_k), percentile(&mut lat, 50.0));
-    println!("{:<44} {:>9.3} ms", format!("retrieve top-{} at {corpus_size} chunks, p99", args.pipeline.top_k), percentile(&mut lat, 99.0));
+    println!(
+        "{:<44} {:>9.3} ms",
+        format!(
+            "retrieve top-{} at {corpus_size} chunks, p50",
+            args.pipeline.top_k
+        ),
+        percentile(&mut lat, 50.0)
+    );
+    println!(
+        "{:<44} {:>9.3} ms",
+        format!(
+            "retrieve top-{} at {corpus_size} chunks, p99",
+            args.pipeline.top_k
+        ),
+        percentile(&mut lat, 99.0)
+    );
     if args.synthetic_chunks > 0 {
         let dir = tempfile::tempdir()?;
         let store = EdgeStore::open(dir.path(), "synthetic", e.dimension())?;
@@ -106,7 +154,9 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 .collect();
             let vecs: Vec<Vec<f32>> = (0..n)
                 .map(|_| {
-                    let v: Vec<f32> = (0..e.dimension()).map(|_| rng.random::<f32>() - 0.5).collect();
+                    let v: Vec<f32> = (0..e.dimension())
+                        .map(|_| rng.random::<f32>() - 0.5)
+                        .collect();
                     let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt();
                     v.into_iter().map(|x| x / norm).collect()
                 })
@@ -126,10 +176,26 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             }
         }
         let n = args.synthetic_chunks;
-        println!("{:<44} {:>9.1} s", format!("upsert {n} synthetic chunks"), upsert.as_secs_f64());
-        println!("{:<44} {:>9.1} s", format!("build HNSW over {n} chunks"), index.as_secs_f64());
-        println!("{:<44} {:>9.3} ms", format!("retrieve top-{} at {n} chunks, p50", args.pipeline.top_k), percentile(&mut lat, 50.0));
-        println!("{:<44} {:>9.3} ms", format!("retrieve top-{} at {n} chunks, p99", args.pipeline.top_k), percentile(&mut lat, 99.0));
+        println!(
+            "{:<44} {:>9.1} s",
+            format!("upsert {n} synthetic chunks"),
+            upsert.as_secs_f64()
+        );
+        println!(
+            "{:<44} {:>9.1} s",
+            format!("build HNSW over {n} chunks"),
+            index.as_secs_f64()
+        );
+        println!(
+            "{:<44} {:>9.3} ms",
+            format!("retrieve top-{} at {n} chunks, p50", args.pipeline.top_k),
+            percentile(&mut lat, 50.0)
+        );
+        println!(
+            "{:<44} {:>9.3} ms",
+            format!("retrieve top-{} at {n} chunks, p99", args.pipeline.top_k),
+            percentile(&mut lat, 99.0)
+        );
     }
 
     // Generation: a ~600-token RAG prompt, then 128 greedy tokens.
@@ -141,20 +207,37 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     }
     let prompt = g.chat_prompt(&[
         ChatMessage::new("system", crate::prompt::SYSTEM),
-        ChatMessage::new("user", format!("Passages:\n[1] {context}\n\nQuestion: What does git rebase do?")),
+        ChatMessage::new(
+            "user",
+            format!("Passages:\n[1] {context}\n\nQuestion: What does git rebase do?"),
+        ),
     ])?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for _ in 0..rounds {
         let out = g.generate(
-            GenerateRequest { prompt: &prompt, max_tokens: 128, sampling: Sampling::default(), token_trace: crate::generate::TokenTrace::Off, deadline: None },
+            GenerateRequest {
+                prompt: &prompt,
+                max_tokens: 128,
+                sampling: Sampling::default(),
+                token_trace: crate::generate::TokenTrace::Off,
+                deadline: None,
+            },
             &stage(),
             &mut |_| Flow::Continue,
         )?;
         prefill.push(prompt.len() as f64 / out.prefill.as_secs_f64());
         decode.push(out.tokens.len().saturating_sub(1).max(1) as f64 / out.decode.as_secs_f64());
     }
-    println!("{:<44} {:>9.1} tok/s", format!("prefill ({}-token RAG prompt)", prompt.len()), median(&mut prefill));
-    println!("{:<44} {:>9.1} tok/s", "decode (greedy, up to 128 tokens)", median(&mut decode));
+    println!(
+        "{:<44} {:>9.1} tok/s",
+        format!("prefill ({}-token RAG prompt)", prompt.len()),
+        median(&mut prefill)
+    );
+    println!(
+        "{:<44} {:>9.1} tok/s",
+        "decode (greedy, up to 128 tokens)",
+        median(&mut decode)
+    );
 
     // End to end through the pipeline.
     let mut e2e = Vec::new();
@@ -176,7 +259,15 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         e2e.push(t.elapsed());
         ttft.push(Duration::from_secs_f64(a.timings.ttft_ms / 1e3));
     }
-    println!("{:<44} {:>9.0} ms", "end-to-end RAG query (5 questions), p50", percentile(&mut e2e, 50.0));
-    println!("{:<44} {:>9.0} ms", "time to first token, p50", percentile(&mut ttft, 50.0));
+    println!(
+        "{:<44} {:>9.0} ms",
+        "end-to-end RAG query (5 questions), p50",
+        percentile(&mut e2e, 50.0)
+    );
+    println!(
+        "{:<44} {:>9.0} ms",
+        "time to first token, p50",
+        percentile(&mut ttft, 50.0)
+    );
     Ok(())
 }

@@ -50,15 +50,27 @@ pub fn verify_models(args: &ModelArgs) -> Result<()> {
 
 pub async fn ingest(args: IngestArgs) -> Result<()> {
     tokio::task::spawn_blocking(move || -> Result<()> {
-        let (embedder, _, _) = app::load_models(&args.models)?;
+        let embedder = app::load_models(&args.models)?.embedder;
         let store = app::open_store(&args.store, embedder.dimension())?;
         let docs = read_paths(&args.paths)?;
         let chunker = app::chunker(&args.store);
         for (i, doc) in docs.iter().enumerate() {
-            let stage = Stage::start("ingest", SpanKind::Internal, &opentelemetry::Context::new(), vec![]);
+            let stage = Stage::start(
+                "ingest",
+                SpanKind::Internal,
+                &opentelemetry::Context::new(),
+                vec![],
+            );
             let o = ingest_document(doc, embedder.as_ref(), store.as_ref(), chunker, &stage)
                 .with_context(|| format!("ingesting {}", doc.source))?;
-            println!("[{}/{}] {} {:?}: {} chunks", i + 1, docs.len(), o.id, o.status, o.chunks);
+            println!(
+                "[{}/{}] {} {:?}: {} chunks",
+                i + 1,
+                docs.len(),
+                o.id,
+                o.status,
+                o.chunks
+            );
         }
         store.build_index()?;
         println!("store now holds {} chunks", store.count()?);
@@ -101,7 +113,15 @@ pub async fn query(args: QueryArgs) -> Result<()> {
             let (mut name, mut data) = ("message", String::new());
             for line in event.lines() {
                 if let Some(n) = line.strip_prefix("event:") {
-                    name = if n.trim() == "token" { "token" } else if n.trim() == "sources" { "sources" } else if n.trim() == "done" { "done" } else { "error" };
+                    name = if n.trim() == "token" {
+                        "token"
+                    } else if n.trim() == "sources" {
+                        "sources"
+                    } else if n.trim() == "done" {
+                        "done"
+                    } else {
+                        "error"
+                    };
                 } else if let Some(d) = line.strip_prefix("data:") {
                     data.push_str(d.trim_start());
                 }
@@ -117,7 +137,12 @@ pub async fn query(args: QueryArgs) -> Result<()> {
                 "done" => {
                     println!("\n");
                     for (i, s) in sources.as_array().into_iter().flatten().enumerate() {
-                        println!("[{}] {} (score {:.3})", i + 1, s["source"].as_str().unwrap_or("?"), s["score"].as_f64().unwrap_or(0.0));
+                        println!(
+                            "[{}] {} (score {:.3})",
+                            i + 1,
+                            s["source"].as_str().unwrap_or("?"),
+                            s["score"].as_f64().unwrap_or(0.0)
+                        );
                     }
                     println!("\ntimings: {}", v["timings"]);
                 }

@@ -53,7 +53,11 @@ pub struct ModelArgs {
     #[arg(long, env = "RAGSCOPE_EMBED_MODEL", default_value = "all-MiniLM-L6-v2")]
     pub embed_model: String,
     /// Generator: a manifest name or a directory holding a GGUF file and tokenizer.json.
-    #[arg(long, env = "RAGSCOPE_GEN_MODEL", default_value = "SmolLM2-135M-Instruct")]
+    #[arg(
+        long,
+        env = "RAGSCOPE_GEN_MODEL",
+        default_value = "SmolLM2-135M-Instruct"
+    )]
     pub gen_model: String,
     /// Reranker: `fusion` (dense + BM25 rank fusion, offline), `none`, or a cross-encoder given
     /// as a directory or hub id (e.g. cross-encoder/ms-marco-MiniLM-L-6-v2).

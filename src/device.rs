@@ -15,9 +15,9 @@ pub fn device(spec: &str) -> Result<Device> {
                 bail!("device {spec:?}: expected cpu, cuda, cuda:N or auto");
             };
             let ordinal = match rest.strip_prefix(':') {
-                Some(n) => n
-                    .parse::<usize>()
-                    .map_err(|_| anyhow::anyhow!("device {spec:?}: N in cuda:N must be a number"))?,
+                Some(n) => n.parse::<usize>().map_err(|_| {
+                    anyhow::anyhow!("device {spec:?}: N in cuda:N must be a number")
+                })?,
                 None if rest.is_empty() => 0,
                 None => bail!("device {spec:?}: expected cpu, cuda, cuda:N or auto"),
             };

@@ -33,11 +33,14 @@ pub struct Question {
 }
 
 pub fn load_questions(path: &Path) -> Result<Vec<Question>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .enumerate()
-        .map(|(i, l)| serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1)))
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{}:{}", path.display(), i + 1))
+        })
         .collect()
 }
 
@@ -76,24 +79,65 @@ pub async fn run(args: EvalArgs) -> Result<()> {
 
 fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let questions = load_questions(&args.questions)?;
-    let pipeline = Arc::new(app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)?);
-    app::ingest_corpus(&pipeline, &args.server.corpus, &args.store.data_dir, &Readiness::default())?;
-    let top_k = args.pipeline.top_k.max(args.k.iter().copied().max().unwrap_or(1));
+    let pipeline = Arc::new(app::load_pipeline(
+        &args.models,
+        &args.store,
+        &args.server,
+        &args.pipeline,
+    )?);
+    app::ingest_corpus(
+        &pipeline,
+        &args.server.corpus,
+        &args.store.data_dir,
+        &Readiness::default(),
+    )?;
+    let top_k = args
+        .pipeline
+        .top_k
+        .max(args.k.iter().copied().max().unwrap_or(1));
     let variants: Vec<(String, Option<Arc<dyn Reranker>>)> = vec![
         ("retrieval order".into(), None),
-        ("fusion k=10 w=1".into(), Some(Arc::new(FusionReranker { k: 10.0, lexical_weight: 1.0 }))),
-        ("fusion k=60 w=1".into(), Some(Arc::new(FusionReranker { k: 60.0, lexical_weight: 1.0 }))),
-        ("fusion k=10 w=0.5".into(), Some(Arc::new(FusionReranker { k: 10.0, lexical_weight: 0.5 }))),
+        (
+            "fusion k=10 w=1".into(),
+            Some(Arc::new(FusionReranker {
+                k: 10.0,
+                lexical_weight: 1.0,
+            })),
+        ),
+        (
+            "fusion k=60 w=1".into(),
+            Some(Arc::new(FusionReranker {
+                k: 60.0,
+                lexical_weight: 1.0,
+            })),
+        ),
+        (
+            "fusion k=10 w=0.5".into(),
+            Some(Arc::new(FusionReranker {
+                k: 10.0,
+                lexical_weight: 0.5,
+            })),
+        ),
     ];
     let mut scores = vec![RankScores::default(); variants.len()];
-    let root = || Stage::start("eval", SpanKind::Internal, &opentelemetry::Context::new(), vec![]);
+    let root = || {
+        Stage::start(
+            "eval",
+            SpanKind::Internal,
+            &opentelemetry::Context::new(),
+            vec![],
+        )
+    };
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
         let hits = pipeline.store.search(&vector, top_k, None)?;
         let candidates: Vec<Candidate> = hits
             .iter()
-            .map(|h| Candidate { text: &h.chunk.text, retrieval_score: h.score })
+            .map(|h| Candidate {
+                text: &h.chunk.text,
+                retrieval_score: h.score,
+            })
             .collect();
         for (v, (_, reranker)) in variants.iter().enumerate() {
             let order = match reranker {
@@ -104,15 +148,28 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         }
     }
     let n = questions.len() as f64;
-    println!("\nretrieval over {} questions (top_k {top_k}, document-level match)", questions.len());
+    println!(
+        "\nretrieval over {} questions (top_k {top_k}, document-level match)",
+        questions.len()
+    );
     let header: Vec<String> = args.k.iter().map(|k| format!("recall@{k}")).collect();
-    println!("{:<22} {}  MRR", "ordering", header.iter().map(|h| format!("{h:>10}")).collect::<String>());
+    println!(
+        "{:<22} {}  MRR",
+        "ordering",
+        header
+            .iter()
+            .map(|h| format!("{h:>10}"))
+            .collect::<String>()
+    );
     let mut report = Vec::new();
     for ((name, _), s) in variants.iter().zip(&scores) {
         let recalls: Vec<f64> = s.hits_at.iter().map(|(_, h)| *h as f64 / n).collect();
         println!(
             "{name:<22} {}  {:.3}",
-            recalls.iter().map(|r| format!("{r:>10.3}")).collect::<String>(),
+            recalls
+                .iter()
+                .map(|r| format!("{r:>10.3}"))
+                .collect::<String>(),
             s.reciprocal_sum / n
         );
         report.push(json!({"ordering": name, "recall": s.hits_at.iter().map(|(k, h)| json!({"k": k, "recall": *h as f64 / n})).collect::<Vec<_>>(), "mrr": s.reciprocal_sum / n}));
@@ -120,7 +177,10 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
 
     if args.answers {
         let mut correct = 0;
-        println!("\nanswers (reranker: {}):", pipeline.reranker.as_ref().map_or("none", |r| r.model_id()));
+        println!(
+            "\nanswers (reranker: {}):",
+            pipeline.reranker.as_ref().map_or("none", |r| r.model_id())
+        );
         for q in &questions {
             let stage = Arc::new(root());
             let req = RagRequest {
@@ -135,11 +195,28 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             };
             let answer = handle.block_on(pipeline.start_query(req, &stage, None)?)?;
             let lower = answer.answer.to_lowercase();
-            let ok = q.answer_contains.iter().any(|f| lower.contains(&f.to_lowercase()));
+            let ok = q
+                .answer_contains
+                .iter()
+                .any(|f| lower.contains(&f.to_lowercase()));
             correct += ok as usize;
-            println!("{} {:>4} {}", if ok { "ok  " } else { "MISS" }, q.id, answer.answer.replace('\n', " ").chars().take(110).collect::<String>());
+            println!(
+                "{} {:>4} {}",
+                if ok { "ok  " } else { "MISS" },
+                q.id,
+                answer
+                    .answer
+                    .replace('\n', " ")
+                    .chars()
+                    .take(110)
+                    .collect::<String>()
+            );
         }
-        println!("\nanswer contains expected fact: {correct}/{} = {:.3}", questions.len(), correct as f64 / n);
+        println!(
+            "\nanswer contains expected fact: {correct}/{} = {:.3}",
+            questions.len(),
+            correct as f64 / n
+        );
         report.push(json!({"answer_contains_rate": correct as f64 / n}));
     }
     println!("\n{}", serde_json::to_string(&report)?);
@@ -148,6 +225,9 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
 
 /// The first `n` evaluation questions (the benchmark's fixed query set).
 pub fn first_questions(path: &Path, n: usize) -> Result<Vec<String>> {
-    Ok(load_questions(path)?.into_iter().take(n).map(|q| q.question).collect())
+    Ok(load_questions(path)?
+        .into_iter()
+        .take(n)
+        .map(|q| q.question)
+        .collect())
 }
-

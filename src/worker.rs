@@ -41,9 +41,17 @@ impl Workers {
                     .expect("spawning a model worker")
             })
             .collect();
+        let depth = Arc::new(AtomicUsize::new(0));
+        let observed = depth.clone();
+        let _gauge = opentelemetry::global::meter(crate::telemetry::span::SCOPE)
+            .u64_observable_gauge("ragscope.queue.depth")
+            .with_unit("{request}")
+            .with_description("Requests waiting for a model worker")
+            .with_callback(move |o| o.observe(observed.load(Ordering::Relaxed) as u64, &[]))
+            .build();
         Workers {
             tx: Mutex::new(Some(tx)),
-            depth: Arc::new(AtomicUsize::new(0)),
+            depth,
             capacity,
             threads: Mutex::new(handles),
         }
@@ -139,7 +147,9 @@ mod tests {
     async fn runs_jobs_off_the_caller_thread() {
         let w = Workers::new(1, 4);
         let caller = std::thread::current().id();
-        let rx = w.submit(&root(), move || std::thread::current().id() != caller).unwrap();
+        let rx = w
+            .submit(&root(), move || std::thread::current().id() != caller)
+            .unwrap();
         assert!(rx.await.unwrap());
     }
 
@@ -147,7 +157,9 @@ mod tests {
     async fn a_full_queue_is_refused_and_then_recovers() {
         let w = Workers::new(1, 1);
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
-        let busy = w.submit(&root(), move || release_rx.recv().unwrap()).unwrap();
+        let busy = w
+            .submit(&root(), move || release_rx.recv().unwrap())
+            .unwrap();
         // Wait until the worker has taken the blocking job off the queue.
         while w.depth() > 0 {
             tokio::time::sleep(Duration::from_millis(1)).await;

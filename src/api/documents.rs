@@ -34,8 +34,12 @@ pub struct DocumentBody {
 }
 
 fn check_id(param: &str, id: &str) -> Result<(), ApiError> {
-    if id.trim().is_empty() || id.chars().count() > MAX_ID_CHARS || id.chars().any(char::is_control) {
-        return Err(ApiError::field(param, format!("must be 1 to {MAX_ID_CHARS} printable characters")));
+    if id.trim().is_empty() || id.chars().count() > MAX_ID_CHARS || id.chars().any(char::is_control)
+    {
+        return Err(ApiError::field(
+            param,
+            format!("must be 1 to {MAX_ID_CHARS} printable characters"),
+        ));
     }
     Ok(())
 }
@@ -49,13 +53,19 @@ pub async fn create(
     if body.documents.is_empty() || body.documents.len() > MAX_DOCUMENTS {
         return Err(ApiError::field(
             "documents",
-            format!("must hold 1 to {MAX_DOCUMENTS} documents, got {}", body.documents.len()),
+            format!(
+                "must hold 1 to {MAX_DOCUMENTS} documents, got {}",
+                body.documents.len()
+            ),
         ));
     }
     let mut docs = Vec::with_capacity(body.documents.len());
     for (i, d) in body.documents.into_iter().enumerate() {
         if d.text.trim().is_empty() {
-            return Err(ApiError::field(&format!("documents[{i}].text"), "must not be empty"));
+            return Err(ApiError::field(
+                &format!("documents[{i}].text"),
+                "must not be empty",
+            ));
         }
         let id = match d.id {
             Some(id) => {
@@ -94,7 +104,13 @@ pub async fn remove(
     let doc = id.clone();
     let deleted = tokio::task::spawn_blocking(move || store.delete_document(&doc))
         .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e.to_string()))?
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                e.to_string(),
+            )
+        })?
         .map_err(|e| ApiError::from(crate::pipeline::PipelineError::from(e)))?;
     if deleted == 0 {
         return Err(ApiError::new(

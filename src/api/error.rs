@@ -94,7 +94,8 @@ impl From<PipelineError> for ApiError {
                     .with_code("queue_full")
             },
             PipelineError::Timeout(_) => {
-                ApiError::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message).with_code("timeout")
+                ApiError::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message)
+                    .with_code("timeout")
             }
             PipelineError::Generate(GenerateError::ContextOverflow { .. }) => ApiError {
                 code: Some("context_length_exceeded"),
@@ -102,9 +103,11 @@ impl From<PipelineError> for ApiError {
             },
             PipelineError::Ingest(IngestError::Empty(_)) => ApiError::field("documents", message),
             PipelineError::Embed(EmbedError::Tokenizer(_))
-            | PipelineError::Generate(GenerateError::Tokenizer(_)) => {
-                ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error", message)
-            }
+            | PipelineError::Generate(GenerateError::Tokenizer(_)) => ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request_error",
+                message,
+            ),
             _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message),
         }
     }

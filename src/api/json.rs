@@ -22,10 +22,18 @@ where
         let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
             let status = rejection.status();
             if status == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(status, "invalid_request_error", "body: request body is too large")
-                    .with_code("body_too_large")
+                ApiError::new(
+                    status,
+                    "invalid_request_error",
+                    "body: request body is too large",
+                )
+                .with_code("body_too_large")
             } else {
-                ApiError::new(status, "invalid_request_error", format!("body: {rejection}"))
+                ApiError::new(
+                    status,
+                    "invalid_request_error",
+                    format!("body: {rejection}"),
+                )
             }
         })?;
         parse(&bytes).map(ValidJson)
@@ -72,12 +80,24 @@ mod tests {
     fn errors_name_the_field() {
         let e = parse::<Q>(br#"{"query": "x", "top_k": "ten"}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_k"));
-        assert!(e.message.starts_with("top_k: invalid type"), "{}", e.message);
+        assert!(
+            e.message.starts_with("top_k: invalid type"),
+            "{}",
+            e.message
+        );
         let e = parse::<Q>(br#"{"top_k": 1}"#).unwrap_err();
         assert!(e.message.contains("missing field `query`"), "{}", e.message);
         let e = parse::<Q>(b"{\"query\": \"\xff\"}").unwrap_err();
-        assert!(e.message.starts_with("body: not valid UTF-8"), "{}", e.message);
+        assert!(
+            e.message.starts_with("body: not valid UTF-8"),
+            "{}",
+            e.message
+        );
         let e = parse::<Q>(b"{\"query\": ").unwrap_err();
-        assert!(e.message.starts_with("body: malformed JSON"), "{}", e.message);
+        assert!(
+            e.message.starts_with("body: malformed JSON"),
+            "{}",
+            e.message
+        );
     }
 }

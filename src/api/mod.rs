@@ -64,10 +64,13 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/v1/documents/{id}", delete(documents::remove))
         .route("/health", get(health))
         .route("/ready", get(ready))
+        .route("/metrics", get(prometheus_metrics))
         .route_layer(middleware::from_fn(trace_request))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
-        .layer(tower_http::catch_panic::CatchPanicLayer::custom(panic_response))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+            panic_response,
+        ))
         .with_state(state)
 }
 
@@ -102,6 +105,18 @@ async fn ready(State(state): State<AppState>) -> Response {
     .into_response()
 }
 
+/// Prometheus text exposition of the server's metrics.
+async fn prometheus_metrics() -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        crate::telemetry::metrics::render_prometheus(),
+    )
+        .into_response()
+}
+
 async fn not_found(req: Request) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -112,7 +127,12 @@ async fn not_found(req: Request) -> ApiError {
 }
 
 fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal error").into_response()
+    ApiError::new(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "internal error",
+    )
+    .into_response()
 }
 
 /// The request's server span, available to handlers as an extension.
@@ -137,13 +157,19 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
     ));
     stage.set_all([
         KeyValue::new("http.request.method", method),
-        KeyValue::new("http.route", route),
+        KeyValue::new("http.route", route.clone()),
         KeyValue::new("url.path", req.uri().path().to_string()),
     ]);
     req.extensions_mut().insert(stage.clone());
+    let metrics = crate::telemetry::metrics::metrics();
+    metrics.requests_in_flight.add(1, &[]);
+    let in_flight = InFlight;
     let mut response = next.run(req).await;
     let status = response.status();
-    stage.set(KeyValue::new("http.response.status_code", status.as_u16() as i64));
+    stage.set(KeyValue::new(
+        "http.response.status_code",
+        status.as_u16() as i64,
+    ));
     if status.is_server_error() {
         stage.fail("http_error", status.to_string());
     }
@@ -159,15 +185,42 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
     let (parts, body) = response.into_parts();
     let guarded = Guarded {
         inner: body.into_data_stream(),
-        _stage: stage,
+        attributes: vec![
+            KeyValue::new("http.route", route),
+            KeyValue::new("http.response.status_code", status.as_u16() as i64),
+        ],
+        stage,
+        _in_flight: in_flight,
     };
     Response::from_parts(parts, Body::from_stream(guarded))
 }
 
-/// A body stream that keeps the request span alive until the body is done.
+/// Decrements the in-flight gauge when the response is done.
+struct InFlight;
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        crate::telemetry::metrics::metrics()
+            .requests_in_flight
+            .add(-1, &[]);
+    }
+}
+
+/// A body stream that keeps the request span alive until the body is done, then records the
+/// request's duration.
 struct Guarded<S> {
     inner: S,
-    _stage: RequestStage,
+    stage: RequestStage,
+    attributes: Vec<KeyValue>,
+    _in_flight: InFlight,
+}
+
+impl<S> Drop for Guarded<S> {
+    fn drop(&mut self) {
+        crate::telemetry::metrics::metrics()
+            .request_duration
+            .record(self.stage.elapsed().as_secs_f64(), &self.attributes);
+    }
 }
 
 impl<S: Stream + Unpin> Stream for Guarded<S> {

@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::json::ValidJson;
-use super::rag::{rag_request, Knobs};
+use super::rag::{rag_request, Asked};
 use super::{AppState, RequestStage};
 use crate::generate::ChatMessage;
 use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer};
@@ -62,16 +62,24 @@ fn content_text(i: usize, content: &Option<Value>) -> Result<String, ApiError> {
         Some(Value::String(s)) => Ok(s.clone()),
         Some(Value::Array(parts)) => parts
             .iter()
-            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                (Some("text"), Some(t)) => Ok(t.to_string()),
-                _ => Err(ApiError::field(
-                    &format!("messages[{i}].content"),
-                    "only text content parts are supported",
-                )),
+            .map(|p| {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => Ok(t.to_string()),
+                    _ => Err(ApiError::field(
+                        &format!("messages[{i}].content"),
+                        "only text content parts are supported",
+                    )),
+                }
             })
             .collect::<Result<Vec<_>, _>>()
             .map(|v| v.join("\n")),
-        Some(_) => Err(ApiError::field(&format!("messages[{i}].content"), "must be a string or an array of content parts")),
+        Some(_) => Err(ApiError::field(
+            &format!("messages[{i}].content"),
+            "must be a string or an array of content parts",
+        )),
     }
 }
 
@@ -84,7 +92,10 @@ fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
         code: Some("model_not_found"),
         ..ApiError::field(
             "model",
-            format!("the model {model:?} does not exist; use {:?}", pipeline.generator.model_id()),
+            format!(
+                "the model {model:?} does not exist; use {:?}",
+                pipeline.generator.model_id()
+            ),
         )
     })
 }
@@ -97,12 +108,21 @@ pub async fn chat_completions(
     let pipeline = state.pipeline()?;
     check_model(&pipeline, &body.model)?;
     if body.messages.is_empty() {
-        return Err(ApiError::field("messages", "must hold at least one message"));
+        return Err(ApiError::field(
+            "messages",
+            "must hold at least one message",
+        ));
     }
     let mut history = Vec::with_capacity(body.messages.len());
     for (i, m) in body.messages.iter().enumerate() {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "developer" | "tool") {
-            return Err(ApiError::field(&format!("messages[{i}].role"), format!("unknown role {:?}", m.role)));
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(ApiError::field(
+                &format!("messages[{i}].role"),
+                format!("unknown role {:?}", m.role),
+            ));
         }
         history.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
     }
@@ -114,25 +134,28 @@ pub async fn chat_completions(
         ));
     }
     // Our own system prompt frames the passages; the client's system turns are kept as context.
+    let last_index = body.messages.len() - 1;
     let req = rag_request(
         &pipeline,
         &state,
-        last.content,
-        history,
-        body.top_k,
-        body.rerank_top_n,
-        Knobs {
+        Asked {
+            query: last.content,
+            history,
+            top_k: body.top_k,
+            rerank_top_n: body.rerank_top_n,
             max_tokens: body.max_completion_tokens.or(body.max_tokens),
             temperature: body.temperature,
             top_p: body.top_p,
             seed: body.seed,
+            filter: body.filter,
         },
-        body.filter.as_ref(),
     )
     .map_err(|e| match e.param.as_deref() {
         Some("query") => ApiError {
-            param: Some(format!("messages[{}].content", body.messages.len() - 1)),
-            message: e.message.replacen("query", &format!("messages[{}].content", body.messages.len() - 1), 1),
+            param: Some(format!("messages[{last_index}].content")),
+            message: e
+                .message
+                .replacen("query", &format!("messages[{last_index}].content"), 1),
             ..e
         },
         _ => e,
@@ -229,17 +252,31 @@ pub async fn embeddings(
         return Err(ApiError {
             status: axum::http::StatusCode::NOT_FOUND,
             code: Some("model_not_found"),
-            ..ApiError::field("model", format!("the model {:?} does not exist; use {model:?}", body.model))
+            ..ApiError::field(
+                "model",
+                format!("the model {:?} does not exist; use {model:?}", body.model),
+            )
         });
     }
     let base64 = match body.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
-        Some(other) => return Err(ApiError::field("encoding_format", format!("must be \"float\" or \"base64\", got {other:?}"))),
+        Some(other) => {
+            return Err(ApiError::field(
+                "encoding_format",
+                format!("must be \"float\" or \"base64\", got {other:?}"),
+            ))
+        }
     };
     if let Some(d) = body.dimensions {
         if d != pipeline.embedder.dimension() {
-            return Err(ApiError::field("dimensions", format!("this model only produces {} dimensions", pipeline.embedder.dimension())));
+            return Err(ApiError::field(
+                "dimensions",
+                format!(
+                    "this model only produces {} dimensions",
+                    pipeline.embedder.dimension()
+                ),
+            ));
         }
     }
     let texts: Vec<String> = match &body.input {
@@ -247,19 +284,41 @@ pub async fn embeddings(
         Value::Array(items) if !items.is_empty() => items
             .iter()
             .enumerate()
-            .map(|(i, v)| v.as_str().map(str::to_string).ok_or_else(|| ApiError::field(&format!("input[{i}]"), "must be a string (token arrays are not supported)")))
+            .map(|(i, v)| {
+                v.as_str().map(str::to_string).ok_or_else(|| {
+                    ApiError::field(
+                        &format!("input[{i}]"),
+                        "must be a string (token arrays are not supported)",
+                    )
+                })
+            })
             .collect::<Result<_, _>>()?,
-        _ => return Err(ApiError::field("input", "must be a non-empty string or array of strings")),
+        _ => {
+            return Err(ApiError::field(
+                "input",
+                "must be a non-empty string or array of strings",
+            ))
+        }
     };
     if texts.len() > MAX_EMBED_INPUTS {
-        return Err(ApiError::field("input", format!("at most {MAX_EMBED_INPUTS} inputs, got {}", texts.len())));
+        return Err(ApiError::field(
+            "input",
+            format!("at most {MAX_EMBED_INPUTS} inputs, got {}", texts.len()),
+        ));
     }
     if let Some(i) = texts.iter().position(|t| t.is_empty()) {
         return Err(ApiError::field(&format!("input[{i}]"), "must not be empty"));
     }
     let tokens: usize = texts
         .iter()
-        .map(|t| pipeline.embedder.count_tokens(t).unwrap_or(0).min(pipeline.embedder.max_tokens()) + 2)
+        .map(|t| {
+            pipeline
+                .embedder
+                .count_tokens(t)
+                .unwrap_or(0)
+                .min(pipeline.embedder.max_tokens())
+                + 2
+        })
         .sum();
     let vectors = pipeline.embed(texts, &stage).await?;
     let data: Vec<Value> = vectors
@@ -286,7 +345,10 @@ pub async fn embeddings(
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
     let created = unix_now();
-    let mut ids = vec![pipeline.generator.model_id().to_string(), pipeline.embedder.model_id().to_string()];
+    let mut ids = vec![
+        pipeline.generator.model_id().to_string(),
+        pipeline.embedder.model_id().to_string(),
+    ];
     ids.extend(RAG_MODEL_ALIASES.iter().map(|s| s.to_string()));
     if let Some(r) = &pipeline.reranker {
         ids.push(r.model_id().to_string());

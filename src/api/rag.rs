@@ -39,25 +39,36 @@ pub struct QueryBody {
     pub stream: bool,
 }
 
-/// Generation settings shared by the RAG and chat endpoints, checked against the pipeline.
-pub struct Knobs {
+/// What the RAG and chat endpoints were asked, before validation.
+pub struct Asked {
+    pub query: String,
+    pub history: Vec<ChatMessage>,
+    pub top_k: Option<usize>,
+    pub rerank_top_n: Option<usize>,
     pub max_tokens: Option<usize>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
+    pub filter: Option<Value>,
 }
 
 /// Validates a request into what the pipeline runs. Errors name the field.
 pub fn rag_request(
     pipeline: &Pipeline,
     state: &AppState,
-    query: String,
-    history: Vec<ChatMessage>,
-    top_k: Option<usize>,
-    rerank_top_n: Option<usize>,
-    knobs: Knobs,
-    filter: Option<&Value>,
+    asked: Asked,
 ) -> Result<RagRequest, ApiError> {
+    let Asked {
+        query,
+        history,
+        top_k,
+        rerank_top_n,
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        filter,
+    } = asked;
     let defaults = &pipeline.defaults;
     if query.trim().is_empty() {
         return Err(ApiError::field("query", "must not be empty"));
@@ -71,7 +82,10 @@ pub fn rag_request(
     }
     let top_k = top_k.unwrap_or(defaults.top_k);
     if !(1..=MAX_TOP_K).contains(&top_k) {
-        return Err(ApiError::field("top_k", format!("must be between 1 and {MAX_TOP_K}, got {top_k}")));
+        return Err(ApiError::field(
+            "top_k",
+            format!("must be between 1 and {MAX_TOP_K}, got {top_k}"),
+        ));
     }
     let rerank_top_n = rerank_top_n.unwrap_or(defaults.rerank_top_n.min(top_k));
     if !(1..=top_k).contains(&rerank_top_n) {
@@ -83,7 +97,7 @@ pub fn rag_request(
     let window = pipeline.generator.context_window();
     // Leave room for at least the template, the system prompt and a short question.
     let max_allowed = window.saturating_sub(128);
-    let max_tokens = knobs.max_tokens.unwrap_or(defaults.max_tokens);
+    let max_tokens = max_tokens.unwrap_or(defaults.max_tokens);
     if !(1..=max_allowed).contains(&max_tokens) {
         return Err(ApiError {
             code: Some("context_length_exceeded"),
@@ -93,16 +107,22 @@ pub fn rag_request(
             )
         });
     }
-    let temperature = knobs.temperature.unwrap_or(0.0);
+    let temperature = temperature.unwrap_or(0.0);
     if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::field("temperature", format!("must be between 0 and 2, got {temperature}")));
+        return Err(ApiError::field(
+            "temperature",
+            format!("must be between 0 and 2, got {temperature}"),
+        ));
     }
-    if let Some(p) = knobs.top_p {
+    if let Some(p) = top_p {
         if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::field("top_p", format!("must be in (0, 1], got {p}")));
+            return Err(ApiError::field(
+                "top_p",
+                format!("must be in (0, 1], got {p}"),
+            ));
         }
     }
-    let filter = match filter {
+    let filter = match filter.as_ref() {
         None | Some(Value::Null) => None,
         Some(v) => Some(Filter::from_json(v).map_err(|m| {
             let param = m.split(':').next().unwrap_or("filter").to_string();
@@ -121,8 +141,8 @@ pub fn rag_request(
         max_tokens,
         sampling: Sampling {
             temperature,
-            top_p: knobs.top_p,
-            seed: knobs.seed.unwrap_or(0),
+            top_p,
+            seed: seed.unwrap_or(0),
         },
         filter,
         deadline: clock::now() + state.request_timeout,
@@ -145,17 +165,17 @@ pub async fn query(
     let req = rag_request(
         &pipeline,
         &state,
-        body.query,
-        Vec::new(),
-        body.top_k,
-        body.rerank_top_n,
-        Knobs {
+        Asked {
+            query: body.query,
+            history: Vec::new(),
+            top_k: body.top_k,
+            rerank_top_n: body.rerank_top_n,
             max_tokens: body.max_tokens,
             temperature: body.temperature,
             top_p: body.top_p,
             seed: body.seed,
+            filter: body.filter,
         },
-        body.filter.as_ref(),
     )?;
     if pipeline.defaults.capture_content {
         stage.set(KeyValue::new("rag.query.text", req.query.clone()));
@@ -174,7 +194,9 @@ pub async fn query(
 /// SSE events: `sources`, then `token`s, then `done` (usage, timings) or `error`.
 fn rag_events(
     mut rx: mpsc::UnboundedReceiver<Event>,
-    answer: impl std::future::Future<Output = Result<RagAnswer, crate::pipeline::PipelineError>> + Send + 'static,
+    answer: impl std::future::Future<Output = Result<RagAnswer, crate::pipeline::PipelineError>>
+        + Send
+        + 'static,
     stage: RequestStage,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     async_stream::stream! {
@@ -232,8 +254,11 @@ pub async fn rerank(
         .map_or("none".to_string(), |r| r.model_id().to_string());
     if let Some(m) = &body.model {
         if *m != model {
-            return Err(ApiError::field("model", format!("unknown model {m:?}; this server reranks with {model:?}"))
-                .with_code("model_not_found"));
+            return Err(ApiError::field(
+                "model",
+                format!("unknown model {m:?}; this server reranks with {model:?}"),
+            )
+            .with_code("model_not_found"));
         }
     }
     if body.query.trim().is_empty() {
@@ -242,11 +267,17 @@ pub async fn rerank(
     if body.documents.is_empty() || body.documents.len() > MAX_RERANK_DOCUMENTS {
         return Err(ApiError::field(
             "documents",
-            format!("must hold 1 to {MAX_RERANK_DOCUMENTS} strings, got {}", body.documents.len()),
+            format!(
+                "must hold 1 to {MAX_RERANK_DOCUMENTS} strings, got {}",
+                body.documents.len()
+            ),
         ));
     }
     if let Some(i) = body.documents.iter().position(|d| d.trim().is_empty()) {
-        return Err(ApiError::field(&format!("documents[{i}]"), "must not be empty"));
+        return Err(ApiError::field(
+            &format!("documents[{i}]"),
+            "must not be empty",
+        ));
     }
     let top_n = body.top_n.unwrap_or(body.documents.len());
     if top_n == 0 {

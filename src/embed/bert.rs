@@ -31,7 +31,10 @@ pub struct BertEmbedder {
 }
 
 /// Loads `config.json`, `tokenizer.json` and `model.safetensors` from `dir`.
-pub fn load_bert(dir: &Path, device: &Device) -> Result<(BertModel, Tokenizer, Config), EmbedError> {
+pub fn load_bert(
+    dir: &Path,
+    device: &Device,
+) -> Result<(BertModel, Tokenizer, Config), EmbedError> {
     let config: Config = std::fs::read_to_string(dir.join("config.json"))
         .map_err(|e| EmbedError::Load(format!("{}: {e}", dir.join("config.json").display())))
         .and_then(|s| serde_json::from_str(&s).map_err(|e| EmbedError::Load(e.to_string())))?;
@@ -81,7 +84,10 @@ impl BertEmbedder {
         let (ids, mask) = batch_tensors(&encodings, &self.device)?;
         let (batch, seq) = ids.dims2()?;
         tokenize.set(KeyValue::new("rag.batch.size", batch as i64));
-        tokenize.set(KeyValue::new("rag.batch.padded_tokens", (batch * seq) as i64));
+        tokenize.set(KeyValue::new(
+            "rag.batch.padded_tokens",
+            (batch * seq) as i64,
+        ));
         tokenize.end();
 
         let forward = stage.child("forward");
@@ -99,7 +105,10 @@ pub fn batch_tensors(
     device: &Device,
 ) -> Result<(Tensor, Tensor), EmbedError> {
     let seq = encodings.first().map_or(0, |e| e.get_ids().len());
-    let ids: Vec<u32> = encodings.iter().flat_map(|e| e.get_ids().to_vec()).collect();
+    let ids: Vec<u32> = encodings
+        .iter()
+        .flat_map(|e| e.get_ids().to_vec())
+        .collect();
     let mask: Vec<u32> = encodings
         .iter()
         .flat_map(|e| e.get_attention_mask().to_vec())
@@ -143,7 +152,10 @@ impl Embedder for BertEmbedder {
     }
 
     fn embed(&self, texts: &[&str], stage: &Stage) -> Result<Vec<Vec<f32>>, EmbedError> {
-        stage.set(KeyValue::new("gen_ai.embeddings.dimension.count", self.dimension as i64));
+        stage.set(KeyValue::new(
+            "gen_ai.embeddings.dimension.count",
+            self.dimension as i64,
+        ));
         stage.set(KeyValue::new("rag.inputs", texts.len() as i64));
         if texts.len() <= 1 {
             return self.embed_batch(texts, stage);
@@ -217,7 +229,10 @@ mod tests {
             .unwrap();
         let para = dot(&v[0], &v[1]);
         let unrelated = dot(&v[0], &v[2]);
-        assert!(para > unrelated + 0.3, "paraphrase {para}, unrelated {unrelated}");
+        assert!(
+            para > unrelated + 0.3,
+            "paraphrase {para}, unrelated {unrelated}"
+        );
     }
 
     #[test]

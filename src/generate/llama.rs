@@ -347,7 +347,7 @@ impl Llama {
             rope_base: md_f32("llama.rope.freq_base").unwrap_or(10_000.0),
             context_length: md_usize("llama.context_length")?,
         };
-        if cfg.n_head % cfg.n_kv_head != 0 || cfg.head_dim % 2 != 0 {
+        if !cfg.n_head.is_multiple_of(cfg.n_kv_head) || !cfg.head_dim.is_multiple_of(2) {
             return Err(load_err(gguf_path, "inconsistent head counts"));
         }
         let template = ChatTemplate::parse(
@@ -767,8 +767,7 @@ impl Generator for Llama {
 
         let decode = stage.child("decode");
         let temperature = req.sampling.temperature;
-        // `!(t > 0)` also sends NaN to greedy.
-        let sampling = if !(temperature > 0.0) {
+        let sampling = if temperature.is_nan() || temperature <= 0.0 {
             CandleSampling::ArgMax
         } else {
             match req.sampling.top_p {

@@ -220,13 +220,24 @@ mod tests {
     #[test]
     fn sentences_end_at_punctuation_and_list_items() {
         let s = sentences("One two. Three four? Five\nsix.\n\n* item one\n* item two");
-        assert_eq!(s, ["One two.", "Three four?", "Five six.", "* item one", "* item two"]);
+        assert_eq!(
+            s,
+            [
+                "One two.",
+                "Three four?",
+                "Five six.",
+                "* item one",
+                "* item two"
+            ]
+        );
         assert_eq!(sentences("version 2.3 is out"), ["version 2.3 is out"]);
     }
 
     #[test]
     fn chunks_respect_the_budget_and_overlap_at_sentence_boundaries() {
-        let text: String = (0..30).map(|i| format!("Sentence number {i} here. ")).collect();
+        let text: String = (0..30)
+            .map(|i| format!("Sentence number {i} here. "))
+            .collect();
         let cfg = ChunkerConfig {
             max_tokens: 20,
             overlap_tokens: 8,

@@ -33,7 +33,9 @@ pub fn git_doc_dir(data_dir: &Path) -> Result<PathBuf> {
         .status()
         .context("running `apt-get download git-doc` (is this a Debian-based system?)")?;
     if !status.success() {
-        bail!("`apt-get download git-doc` failed; run `apt-get update` first, or pass --corpus none");
+        bail!(
+            "`apt-get download git-doc` failed; run `apt-get update` first, or pass --corpus none"
+        );
     }
     let deb = std::fs::read_dir(&root)?
         .filter_map(|e| e.ok().map(|e| e.path()))

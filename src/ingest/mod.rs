@@ -204,7 +204,8 @@ pub fn read_paths(paths: &[PathBuf]) -> Result<Vec<Document>, IngestError> {
     for root in paths {
         if root.is_dir() {
             let mut files = Vec::new();
-            walk(root, &mut files).map_err(|e| IngestError::Read(format!("{}: {e}", root.display())))?;
+            walk(root, &mut files)
+                .map_err(|e| IngestError::Read(format!("{}: {e}", root.display())))?;
             files.sort();
             for file in files {
                 let id = file
@@ -239,7 +240,8 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
 
 fn read_file(path: &Path, id: String) -> Result<Document, IngestError> {
     let format = Format::from_path(path).unwrap_or_default();
-    let bytes = std::fs::read(path).map_err(|e| IngestError::Read(format!("{}: {e}", path.display())))?;
+    let bytes =
+        std::fs::read(path).map_err(|e| IngestError::Read(format!("{}: {e}", path.display())))?;
     Ok(Document {
         id,
         text: String::from_utf8_lossy(&bytes).into_owned(),

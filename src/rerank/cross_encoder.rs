@@ -40,7 +40,11 @@ impl CrossEncoder {
             .map_err(|e| RerankError::Load(format!("tokenizer.json: {e}")))?;
         // SAFETY: the weights file is not modified while mapped.
         let vb = unsafe {
-            VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, device)?
+            VarBuilder::from_mmaped_safetensors(
+                &[dir.join("model.safetensors")],
+                DType::F32,
+                device,
+            )?
         };
         let bert = BertModel::load(vb.clone(), &config)?;
         let head = |name: &str, out: usize| -> Result<Linear, RerankError> {
@@ -148,15 +152,25 @@ mod tests {
             std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
         }
         let dev = Device::Cpu;
-        let mut tensors = candle_core::safetensors::load(src.join("model.safetensors"), &dev).unwrap();
+        let mut tensors =
+            candle_core::safetensors::load(src.join("model.safetensors"), &dev).unwrap();
         let h = 384;
         let eye = Tensor::eye(h, DType::F32, &dev).unwrap();
         tensors.insert("bert.pooler.dense.weight".into(), eye);
-        tensors.insert("bert.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &dev).unwrap());
+        tensors.insert(
+            "bert.pooler.dense.bias".into(),
+            Tensor::zeros(h, DType::F32, &dev).unwrap(),
+        );
         // The classifier reads the first pooled dimensions, scaled by `sign`.
         let w: Vec<f32> = (0..h).map(|i| if i < 32 { sign } else { 0.0 }).collect();
-        tensors.insert("classifier.weight".into(), Tensor::from_vec(w, (1, h), &dev).unwrap());
-        tensors.insert("classifier.bias".into(), Tensor::zeros(1, DType::F32, &dev).unwrap());
+        tensors.insert(
+            "classifier.weight".into(),
+            Tensor::from_vec(w, (1, h), &dev).unwrap(),
+        );
+        tensors.insert(
+            "classifier.bias".into(),
+            Tensor::zeros(1, DType::F32, &dev).unwrap(),
+        );
         candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
         let ce = CrossEncoder::load(dir.path(), "test-ce", &dev).unwrap();
         (ce, dir)
@@ -173,16 +187,24 @@ mod tests {
         ];
         let c: Vec<Candidate> = passages
             .iter()
-            .map(|t| Candidate { text: t, retrieval_score: 0.0 })
+            .map(|t| Candidate {
+                text: t,
+                retrieval_score: 0.0,
+            })
             .collect();
         let batch = ce.score("how do I restore a stash?", &c, &stage).unwrap();
         assert_eq!(batch.len(), 3);
         for (i, cand) in c.iter().enumerate() {
-            let single = ce.score("how do I restore a stash?", &[*cand], &stage).unwrap()[0];
+            let single = ce
+                .score("how do I restore a stash?", &[*cand], &stage)
+                .unwrap()[0];
             assert!((single - batch[i]).abs() < 1e-4, "{single} vs {}", batch[i]);
         }
         assert!(batch.iter().all(|s| s.is_finite()));
-        assert!(batch.iter().any(|s| (s - batch[0]).abs() > 1e-3), "head must separate pairs");
+        assert!(
+            batch.iter().any(|s| (s - batch[0]).abs() > 1e-3),
+            "head must separate pairs"
+        );
 
         // Negating the head reverses the order: the scores really come from the head.
         let (neg, _dir2) = encoder_with_head(-1.0);

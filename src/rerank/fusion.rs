@@ -124,14 +124,21 @@ mod tests {
 
     #[test]
     fn terms_keep_options_and_drop_stopwords() {
-        assert_eq!(terms("How do I use --depth with Git clone?"), ["use", "depth", "clone"]);
+        assert_eq!(
+            terms("How do I use --depth with Git clone?"),
+            ["use", "depth", "clone"]
+        );
     }
 
     #[test]
     fn bm25_prefers_passages_with_rare_query_words() {
         let s = bm25(
             "shallow clone depth",
-            &["clone a repository", "--depth create a shallow clone", "commit changes"],
+            &[
+                "clone a repository",
+                "--depth create a shallow clone",
+                "commit changes",
+            ],
         );
         assert!(s[1] > s[0] && s[0] > s[2], "{s:?}");
         assert_eq!(s[2], 0.0);
@@ -141,11 +148,22 @@ mod tests {
     fn fusion_lifts_a_lexical_match_over_a_slightly_closer_vector() {
         let stage = Stage::start("t", SpanKind::Internal, &Context::new(), vec![]);
         let c = [
-            Candidate { text: "record changes to the repository", retrieval_score: 0.61 },
-            Candidate { text: "the --amend option replaces the tip commit", retrieval_score: 0.60 },
-            Candidate { text: "show commit logs", retrieval_score: 0.40 },
+            Candidate {
+                text: "record changes to the repository",
+                retrieval_score: 0.61,
+            },
+            Candidate {
+                text: "the --amend option replaces the tip commit",
+                retrieval_score: 0.60,
+            },
+            Candidate {
+                text: "show commit logs",
+                retrieval_score: 0.40,
+            },
         ];
-        let scores = FusionReranker::default().score("amend the last commit", &c, &stage).unwrap();
+        let scores = FusionReranker::default()
+            .score("amend the last commit", &c, &stage)
+            .unwrap();
         assert_eq!(crate::rerank::ranking(&scores)[0], 1, "{scores:?}");
     }
 }

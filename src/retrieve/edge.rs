@@ -140,7 +140,7 @@ impl EdgeStore {
         // behind it here: take the lock even if poisoned.
         self.writer
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn check_dimension(&self, vector: &[f32]) -> Result<(), StoreError> {
@@ -259,7 +259,7 @@ impl VectorStore for EdgeStore {
         if wanted.is_empty() {
             return Ok(HashSet::new());
         }
-        let point_ids: Vec<PointId> = wanted.keys().cloned().collect();
+        let point_ids: Vec<PointId> = wanted.keys().copied().collect();
         let records = self
             .shard
             .retrieve(
@@ -297,6 +297,7 @@ impl VectorStore for EdgeStore {
                 PointOperations::DeletePointsByFilter(filter),
             ))
             .map_err(backend(&format!("deleting chunks of `{doc_id}`")))?;
+        self.shard.flush();
         Ok(removed)
     }
 
@@ -819,6 +820,41 @@ mod tests {
         let copy = EdgeStore::open(dir.path(), "after-delete", DIM).unwrap();
         assert_eq!(copy.count().unwrap(), chunks.len() - 2);
         assert!(copy.existing(&b_ids).unwrap().is_empty());
+    }
+
+    /// `EdgeShard::flush` panics if another thread is inside `update`; the writer lock must
+    /// keep concurrent upserts, deletes and index builds apart.
+    #[test]
+    fn concurrent_writers_do_not_collide() {
+        let dir = TempDir::new().unwrap();
+        let store = Arc::new(EdgeStore::open(dir.path(), "busy", DIM).unwrap());
+        let writers: Vec<_> = (0..4)
+            .map(|w| {
+                let store = store.clone();
+                thread::spawn(move || {
+                    for round in 0..40u32 {
+                        let doc = format!("w{w}-r{round}");
+                        let chunks: Vec<Chunk> =
+                            (0..5).map(|p| chunk(&doc, p, "gen", json!({}))).collect();
+                        let vectors: Vec<Vec<f32>> =
+                            (0..5).map(|p| axis_vector(w * 5 + p)).collect();
+                        store.upsert(&chunks, &vectors).unwrap();
+                        if round % 2 == 1 {
+                            assert_eq!(store.delete_document(&doc).unwrap(), 5);
+                        }
+                        if w == 0 && round % 10 == 0 {
+                            store.build_index().unwrap();
+                        }
+                        store.search(&vectors[0], 3, None).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for writer in writers {
+            writer.join().expect("a writer panicked");
+        }
+        // 4 writers x 20 kept rounds x 5 chunks.
+        assert_eq!(store.count().unwrap(), 400);
     }
 
     /// The same shard cannot be opened twice: the engine locks its WAL.

@@ -100,12 +100,19 @@ impl Filter {
                 Value::Bool(b) => MatchValue::Bool(*b),
                 Value::Number(n) => match n.as_i64() {
                     Some(i) => MatchValue::Integer(i),
-                    None => return Err(format!("filter.{name}: only integer numbers can be matched")),
+                    None => {
+                        return Err(format!(
+                            "filter.{name}: only integer numbers can be matched"
+                        ))
+                    }
                 },
                 Value::Object(o) if o.len() == 1 && o.contains_key("any") => {
-                    let items = o["any"].as_array().filter(|a| !a.is_empty()).ok_or_else(|| {
-                        format!("filter.{name}.any: must be a non-empty array of strings")
-                    })?;
+                    let items = o["any"]
+                        .as_array()
+                        .filter(|a| !a.is_empty())
+                        .ok_or_else(|| {
+                            format!("filter.{name}.any: must be a non-empty array of strings")
+                        })?;
                     let words = items
                         .iter()
                         .map(|v| v.as_str().map(str::to_string))

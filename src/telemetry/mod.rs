@@ -6,19 +6,25 @@
 //! never blocks a request; a dead collector costs dropped spans, not requests.
 
 pub mod clock;
+pub mod export;
+pub mod metrics;
 pub mod span;
 
 use std::env;
+use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use opentelemetry::baggage::BaggageExt;
-use opentelemetry::propagation::{Extractor, TextMapCompositePropagator};
+use opentelemetry::propagation::{Extractor, TextMapCompositePropagator, TextMapPropagator};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::metrics::SdkMeterProvider;
 use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::trace::{SdkTracerProvider, SpanExporter};
 use opentelemetry_sdk::Resource;
 use tracing_subscriber::EnvFilter;
+
+use export::{ExportQueue, ExportStats, QueueSettings};
 
 /// The default `service.name` when `OTEL_SERVICE_NAME` is unset.
 pub const SERVICE_NAME: &str = "ragscope";
@@ -26,18 +32,61 @@ pub const SERVICE_NAME: &str = "ragscope";
 /// Baggage members copied as attributes onto every span of a request.
 const BAGGAGE_ATTRIBUTES_ENV: &str = "RAGSCOPE_BAGGAGE_ATTRIBUTES";
 
-/// Flushes and shuts down the tracer provider on drop.
+/// Flushes and shuts down the providers on drop.
 pub struct TelemetryGuard {
     tracer: Option<SdkTracerProvider>,
+    meter: Option<SdkMeterProvider>,
+}
+
+impl TelemetryGuard {
+    /// Exports everything recorded so far (tests, and before exit).
+    pub fn flush(&self) {
+        if let Some(p) = &self.tracer {
+            let _ = p.force_flush();
+        }
+        if let Some(p) = &self.meter {
+            let _ = p.force_flush();
+        }
+    }
 }
 
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
+        self.flush();
         if let Some(provider) = self.tracer.take() {
-            let _ = provider.force_flush();
+            let _ = provider.shutdown();
+        }
+        if let Some(provider) = self.meter.take() {
             let _ = provider.shutdown();
         }
     }
+}
+
+static EXPORT_STATS: std::sync::OnceLock<Arc<ExportStats>> = std::sync::OnceLock::new();
+
+/// What happened to finished spans in this process (exported, dropped).
+pub fn export_stats() -> Arc<ExportStats> {
+    EXPORT_STATS.get_or_init(Default::default).clone()
+}
+
+/// A tracer provider whose spans go through our non-blocking [`ExportQueue`] to `exporter`.
+pub fn tracer_provider<E: SpanExporter + 'static>(
+    exporter: E,
+    resource: Resource,
+) -> SdkTracerProvider {
+    let queue = ExportQueue::new(exporter, QueueSettings::from_env(), export_stats());
+    SdkTracerProvider::builder()
+        .with_span_processor(queue)
+        .with_resource(resource)
+        .build()
+}
+
+/// `service.name` from `OTEL_SERVICE_NAME` (default `ragscope`) plus `OTEL_RESOURCE_ATTRIBUTES`.
+pub fn resource() -> Resource {
+    Resource::builder()
+        .with_service_name(env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into()))
+        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .build()
 }
 
 fn env_nonempty(name: &str) -> Option<String> {
@@ -60,10 +109,11 @@ fn tracing_wanted() -> bool {
     }
 }
 
-/// The OTLP protocol from `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL`
-/// (default `http/protobuf`, as the specification says).
-fn traces_protocol() -> Result<Protocol> {
-    let value = env_nonempty("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+/// The OTLP protocol for a signal (`TRACES`, `METRICS`) from
+/// `OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` (default
+/// `http/protobuf`, as the specification says).
+fn protocol_for(signal: &str) -> Result<Protocol> {
+    let value = env_nonempty(&format!("OTEL_EXPORTER_OTLP_{signal}_PROTOCOL"))
         .or_else(|| env_nonempty("OTEL_EXPORTER_OTLP_PROTOCOL"))
         .unwrap_or_else(|| "http/protobuf".into());
     match value.as_str() {
@@ -81,15 +131,16 @@ pub fn init() -> Result<TelemetryGuard> {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    opentelemetry::global::set_text_map_propagator(TextMapCompositePropagator::new(vec![
-        Box::new(TraceContextPropagator::new()),
-        Box::new(BaggagePropagator::new()),
-    ]));
+    opentelemetry::global::set_text_map_propagator(w3c_propagator());
+    let meter = meter_provider()?;
     if !tracing_wanted() {
         tracing::info!("span export off (set OTEL_EXPORTER_OTLP_ENDPOINT to turn it on)");
-        return Ok(TelemetryGuard { tracer: None });
+        return Ok(TelemetryGuard {
+            tracer: None,
+            meter: Some(meter),
+        });
     }
-    let protocol = traces_protocol()?;
+    let protocol = protocol_for("TRACES")?;
     let exporter = match protocol {
         Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
@@ -99,19 +150,72 @@ pub fn init() -> Result<TelemetryGuard> {
             .with_protocol(protocol)
             .build()?,
     };
-    let resource = Resource::builder()
-        .with_service_name(env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into()))
-        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
-        .build();
-    let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
-        .with_resource(resource)
-        .build();
+    let provider = tracer_provider(exporter, resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
     tracing::info!(?protocol, "exporting spans over OTLP");
     Ok(TelemetryGuard {
         tracer: Some(provider),
+        meter: Some(meter),
     })
+}
+
+/// The meter provider: always the `/metrics` scrape reader; plus an OTLP push every
+/// `OTEL_METRIC_EXPORT_INTERVAL` when an endpoint is configured.
+fn meter_provider() -> Result<SdkMeterProvider> {
+    let mut builder = SdkMeterProvider::builder()
+        .with_resource(resource())
+        .with_reader(metrics::scrape_reader());
+    let metrics_wanted = tracing_wanted()
+        && !matches!(
+            env_nonempty("OTEL_METRICS_EXPORTER").as_deref(),
+            Some("none")
+        );
+    if metrics_wanted {
+        let protocol = protocol_for("METRICS")?;
+        let exporter = match protocol {
+            Protocol::Grpc => opentelemetry_otlp::MetricExporter::builder()
+                .with_tonic()
+                .build()?,
+            _ => opentelemetry_otlp::MetricExporter::builder()
+                .with_http()
+                .with_protocol(protocol)
+                .build()?,
+        };
+        builder = builder.with_periodic_exporter(exporter);
+    }
+    let provider = builder.build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+    register_process_gauges();
+    Ok(provider)
+}
+
+/// Gauges read at collection time: dropped spans and build info.
+fn register_process_gauges() {
+    let meter = opentelemetry::global::meter(span::SCOPE);
+    let stats = export_stats();
+    let _dropped = meter
+        .u64_observable_counter("ragscope.spans.dropped")
+        .with_unit("{span}")
+        .with_description("Finished spans not exported: queue full or export failed")
+        .with_callback(move |o| {
+            use std::sync::atomic::Ordering::Relaxed;
+            o.observe(
+                stats.dropped_queue_full.load(Relaxed),
+                &[KeyValue::new("reason", "queue_full")],
+            );
+            o.observe(
+                stats.dropped_export_failed.load(Relaxed),
+                &[KeyValue::new("reason", "export_failed")],
+            );
+        })
+        .build();
+    let _build = meter
+        .u64_observable_gauge("ragscope.build.info")
+        .with_description("Always 1; the labels say which build is running")
+        .with_callback(|o| {
+            o.observe(1, &[KeyValue::new("version", env!("CARGO_PKG_VERSION"))]);
+        })
+        .build();
 }
 
 struct HeaderExtractor<'a>(&'a axum::http::HeaderMap);
@@ -126,9 +230,20 @@ impl Extractor for HeaderExtractor<'_> {
     }
 }
 
+/// W3C trace context and baggage, the propagation every ingress and egress uses.
+fn w3c_propagator() -> TextMapCompositePropagator {
+    TextMapCompositePropagator::new(vec![
+        Box::new(TraceContextPropagator::new()),
+        Box::new(BaggagePropagator::new()),
+    ])
+}
+
 /// The caller's trace context and baggage from W3C `traceparent`/`tracestate`/`baggage`.
 pub fn extract_context(headers: &axum::http::HeaderMap) -> Context {
-    opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)))
+    static PROPAGATOR: std::sync::OnceLock<TextMapCompositePropagator> = std::sync::OnceLock::new();
+    PROPAGATOR
+        .get_or_init(w3c_propagator)
+        .extract(&HeaderExtractor(headers))
 }
 
 /// Baggage members named in `RAGSCOPE_BAGGAGE_ATTRIBUTES` (comma-separated), as attributes

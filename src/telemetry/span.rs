@@ -22,6 +22,7 @@ pub const SCOPE: &str = "ragscope";
 
 /// One timed stage of a request, exported as a span when it ends (explicitly or on drop).
 pub struct Stage {
+    name: Cow<'static, str>,
     cx: Context,
     started: Instant,
     /// Attributes copied onto every descendant (request id, baggage colours).
@@ -47,14 +48,16 @@ impl Stage {
         inherited: Arc<[KeyValue]>,
         started: Instant,
     ) -> Stage {
+        let name = name.into();
         let tracer = opentelemetry::global::tracer(SCOPE);
         let span = tracer
-            .span_builder(name)
+            .span_builder(name.clone())
             .with_kind(kind)
             .with_start_time(clock::to_wall(started))
             .with_attributes(inherited.iter().cloned())
             .start_with_context(&tracer, parent);
         Stage {
+            name,
             cx: parent.with_span(span),
             started,
             inherited,
@@ -112,6 +115,10 @@ impl Stage {
         let span = self.cx.span();
         span.set_attribute(KeyValue::new("error.type", error_type));
         span.set_status(Status::error(message));
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub fn context(&self) -> &Context {

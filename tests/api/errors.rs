@@ -8,7 +8,10 @@ fn assert_error(status: u16, body: &Value, want_status: u16, field: &str) {
     assert_eq!(status, want_status, "{body}");
     let err = &body["error"];
     let message = err["message"].as_str().unwrap_or_default();
-    assert!(message.starts_with(field), "message {message:?} should name {field:?}");
+    assert!(
+        message.starts_with(field),
+        "message {message:?} should name {field:?}"
+    );
     assert!(err["type"].is_string(), "{body}");
 }
 
@@ -76,7 +79,12 @@ async fn every_bad_input_gets_a_4xx_naming_the_field_and_loses_nothing() {
     let (status, ready) = app.get("/ready").await;
     assert_eq!(status, 200);
     assert_eq!(ready["store"]["points"], points);
-    let (status, body) = app.post(q, &json!({"query": "What is the capital of Zorbia?", "max_tokens": 16})).await;
+    let (status, body) = app
+        .post(
+            q,
+            &json!({"query": "What is the capital of Zorbia?", "max_tokens": 16}),
+        )
+        .await;
     assert_eq!(status, 200);
     assert!(body["answer"].as_str().unwrap().contains("Quenta"));
 }
@@ -87,7 +95,10 @@ async fn an_oversized_body_is_refused_with_413() {
     let big = json!({"documents": [{"text": "word ".repeat(5000)}]});
     let (status, body) = app.post("/v1/documents", &big).await;
     assert_eq!(status, 413, "{body}");
-    assert!(body["error"]["message"].as_str().unwrap().starts_with("body"));
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("body"));
     let (status, _) = app.get("/health").await;
     assert_eq!(status, 200);
 }

@@ -14,7 +14,6 @@ pub struct TestApp {
     pub client: reqwest::Client,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<std::io::Result<()>>>,
-    _tmp: Option<tempfile::TempDir>,
 }
 
 fn models_dir() -> PathBuf {
@@ -52,17 +51,27 @@ pub async fn spawn_app() -> TestApp {
 
 pub async fn spawn_app_with(extra: &[&str]) -> TestApp {
     let tmp = tempfile::tempdir().unwrap();
-    let mut app = spawn_app_in(tmp.path(), extra).await;
-    app._tmp = Some(tmp);
-    app
+    let path = tmp.path().to_path_buf();
+    start(&path, extra, Some(tmp)).await
 }
 
 /// A server over an existing data directory (to test restarts).
 pub async fn spawn_app_in(data_dir: &Path, extra: &[&str]) -> TestApp {
+    start(data_dir, extra, None).await
+}
+
+/// `tmp`, if given, moves into the server task, so the directory outlives the store in it.
+async fn start(data_dir: &Path, extra: &[&str], tmp: Option<tempfile::TempDir>) -> TestApp {
+    // `/metrics` needs a meter provider; tests that export telemetry install their own first.
+    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+        std::mem::forget(provider);
+    }
     let args = serve_args(data_dir, extra);
     let pipeline = tokio::task::spawn_blocking({
         let args = args.clone();
-        move || ragscope::app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
+        move || {
+            ragscope::app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
+        }
     })
     .await
     .unwrap()
@@ -71,20 +80,18 @@ pub async fn spawn_app_in(data_dir: &Path, extra: &[&str]) -> TestApp {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = oneshot::channel();
-    let server = tokio::spawn(ragscope::app::run(
-        listener,
-        state,
-        args.server.max_body_bytes,
-        async {
+    let server = tokio::spawn(async move {
+        let _tmp = tmp;
+        ragscope::app::run(listener, state, args.server.max_body_bytes, async {
             let _ = rx.await;
-        },
-    ));
+        })
+        .await
+    });
     TestApp {
         base,
         client: reqwest::Client::new(),
         shutdown: Some(tx),
         server: Some(server),
-        _tmp: None,
     }
 }
 
@@ -94,7 +101,13 @@ impl TestApp {
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = self.client.post(self.url(path)).json(body).send().await.unwrap();
+        let r = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
     }
@@ -120,7 +133,9 @@ impl TestApp {
 
     /// Ingests documents and asserts success.
     pub async fn ingest(&self, docs: Value) -> Value {
-        let (status, body) = self.post("/v1/documents", &json!({"documents": docs})).await;
+        let (status, body) = self
+            .post("/v1/documents", &json!({"documents": docs}))
+            .await;
         assert_eq!(status, 200, "{body}");
         body
     }

@@ -5,3 +5,5 @@ mod errors;
 mod helpers;
 mod openai;
 mod query;
+mod receiver;
+mod trace;

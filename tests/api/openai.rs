@@ -35,7 +35,13 @@ async fn chat_completions_answer_in_openai_shape_streamed_and_not() {
 
     let mut stream_req = req.clone();
     stream_req["stream"] = json!(true);
-    let r = app.client.post(app.url("/v1/chat/completions")).json(&stream_req).send().await.unwrap();
+    let r = app
+        .client
+        .post(app.url("/v1/chat/completions"))
+        .json(&stream_req)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let events = sse_events(&r.text().await.unwrap());
     assert_eq!(events.last().unwrap().1, "[DONE]");
@@ -43,7 +49,9 @@ async fn chat_completions_answer_in_openai_shape_streamed_and_not() {
         .iter()
         .map(|(_, d)| serde_json::from_str(d).unwrap())
         .collect();
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks
         .iter()
@@ -57,14 +65,22 @@ async fn chat_completions_answer_in_openai_shape_streamed_and_not() {
 async fn embeddings_come_as_floats_or_base64_of_the_same_vector() {
     let app = spawn_app().await;
     let (status, body) = app
-        .post("/v1/embeddings", &json!({"model": "all-MiniLM-L6-v2", "input": ["hello world", "git stash"]}))
+        .post(
+            "/v1/embeddings",
+            &json!({"model": "all-MiniLM-L6-v2", "input": ["hello world", "git stash"]}),
+        )
         .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "list");
     let data = body["data"].as_array().unwrap();
     assert_eq!(data.len(), 2);
     assert_eq!(data[1]["index"], 1);
-    let floats: Vec<f32> = data[0]["embedding"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+    let floats: Vec<f32> = data[0]["embedding"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap() as f32)
+        .collect();
     assert_eq!(floats.len(), 384);
     let norm: f32 = floats.iter().map(|x| x * x).sum();
     assert!((norm - 1.0).abs() < 1e-3);
@@ -76,7 +92,10 @@ async fn embeddings_come_as_floats_or_base64_of_the_same_vector() {
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(b64["data"][0]["embedding"].as_str().unwrap())
         .unwrap();
-    let decoded: Vec<f32> = bytes.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let decoded: Vec<f32> = bytes
+        .chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     for (a, b) in decoded.iter().zip(&floats) {
         assert!((a - b).abs() < 1e-5);
     }
@@ -87,7 +106,19 @@ async fn models_lists_what_the_server_runs() {
     let app = spawn_app().await;
     let (status, body) = app.get("/v1/models").await;
     assert_eq!(status, 200);
-    let ids: Vec<&str> = body["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
-    assert!(ids.contains(&"SmolLM2-135M-Instruct") && ids.contains(&"all-MiniLM-L6-v2"), "{ids:?}");
-    assert!(body["data"].as_array().unwrap().iter().all(|m| m["object"] == "model"));
+    let ids: Vec<&str> = body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(
+        ids.contains(&"SmolLM2-135M-Instruct") && ids.contains(&"all-MiniLM-L6-v2"),
+        "{ids:?}"
+    );
+    assert!(body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|m| m["object"] == "model"));
 }

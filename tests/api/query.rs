@@ -9,7 +9,10 @@ async fn answers_are_grounded_in_the_ingested_passages() {
     let app = spawn_app().await;
     app.ingest_fixtures().await;
     let (status, body) = app
-        .post("/v1/rag/query", &json!({"query": "What is the capital of Zorbia?", "max_tokens": 32}))
+        .post(
+            "/v1/rag/query",
+            &json!({"query": "What is the capital of Zorbia?", "max_tokens": 32}),
+        )
         .await;
     assert_eq!(status, 200, "{body}");
     let answer = body["answer"].as_str().unwrap();
@@ -21,7 +24,15 @@ async fn answers_are_grounded_in_the_ingested_passages() {
     assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 20);
     assert!(body["usage"]["completion_tokens"].as_u64().unwrap() >= 1);
     let t = &body["timings"];
-    for key in ["embed_ms", "retrieve_ms", "prompt_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms"] {
+    for key in [
+        "embed_ms",
+        "retrieve_ms",
+        "prompt_ms",
+        "prefill_ms",
+        "decode_ms",
+        "ttft_ms",
+        "total_ms",
+    ] {
         assert!(t[key].as_f64().unwrap() >= 0.0, "{key}: {t}");
     }
     assert!(t["total_ms"].as_f64().unwrap() >= t["ttft_ms"].as_f64().unwrap());
@@ -51,9 +62,18 @@ async fn streaming_sends_sources_then_tokens_then_done_and_matches_the_json_answ
     let app = spawn_app().await;
     app.ingest_fixtures().await;
     let q = json!({"query": "Who invented the flumox?", "max_tokens": 24, "stream": true});
-    let r = app.client.post(app.url("/v1/rag/query")).json(&q).send().await.unwrap();
+    let r = app
+        .client
+        .post(app.url("/v1/rag/query"))
+        .json(&q)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
-    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
     let events = sse_events(&r.text().await.unwrap());
     assert_eq!(events[0].0, "sources");
     let sources: Value = serde_json::from_str(&events[0].1).unwrap();
@@ -63,16 +83,25 @@ async fn streaming_sends_sources_then_tokens_then_done_and_matches_the_json_answ
     let (last, done) = events.last().unwrap();
     assert_eq!(last, "done");
     let done: Value = serde_json::from_str(done).unwrap();
-    assert_eq!(done["usage"]["completion_tokens"].as_u64().unwrap() as usize >= tokens.len(), true);
+    assert!(done["usage"]["completion_tokens"].as_u64().unwrap() as usize >= tokens.len());
     let streamed: String = tokens
         .iter()
-        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["text"].as_str().unwrap().to_string())
+        .map(|(_, d)| {
+            serde_json::from_str::<Value>(d).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
 
     let mut plain = q.clone();
     plain["stream"] = json!(false);
     let (_, body) = app.post("/v1/rag/query", &plain).await;
-    assert_eq!(streamed.trim(), body["answer"].as_str().unwrap(), "greedy decoding is deterministic");
+    assert_eq!(
+        streamed.trim(),
+        body["answer"].as_str().unwrap(),
+        "greedy decoding is deterministic"
+    );
     assert!(streamed.contains("Lindqvist"), "{streamed}");
 }
 
@@ -83,7 +112,10 @@ async fn filters_restrict_the_sources() {
     for (filter, doc) in [
         (json!({"doc_id": "flumox"}), "flumox"),
         (json!({"metadata.topic": "git"}), "gitdoc"),
-        (json!({"source": {"any": ["atlas/zorbia.md", "nowhere"]}}), "zorbia"),
+        (
+            json!({"source": {"any": ["atlas/zorbia.md", "nowhere"]}}),
+            "zorbia",
+        ),
     ] {
         let (status, body) = app
             .post("/v1/rag/query", &json!({"query": "What is the capital of Zorbia?", "max_tokens": 4, "filter": filter}))
@@ -91,7 +123,10 @@ async fn filters_restrict_the_sources() {
         assert_eq!(status, 200, "{body}");
         let sources = body["sources"].as_array().unwrap();
         assert!(!sources.is_empty());
-        assert!(sources.iter().all(|s| s["doc_id"] == doc), "{filter}: {body}");
+        assert!(
+            sources.iter().all(|s| s["doc_id"] == doc),
+            "{filter}: {body}"
+        );
     }
 }
 
@@ -115,7 +150,12 @@ async fn a_full_queue_answers_429_with_retry_after_and_recovers() {
     }
     assert!(statuses.contains(&429), "{statuses:?}");
     assert!(statuses.contains(&200), "{statuses:?}");
-    let (status, _) = app.post("/v1/rag/query", &json!({"query": "Zorbia?", "max_tokens": 2})).await;
+    let (status, _) = app
+        .post(
+            "/v1/rag/query",
+            &json!({"query": "Zorbia?", "max_tokens": 2}),
+        )
+        .await;
     assert_eq!(status, 200);
 }
 
@@ -136,7 +176,10 @@ async fn rerank_endpoint_orders_passages_by_relevance() {
     let results = body["results"].as_array().unwrap();
     assert_eq!(results.len(), 3);
     assert_eq!(results[0]["index"], 1, "{body}");
-    assert!(results[0]["document"]["text"].as_str().unwrap().contains("--depth"));
+    assert!(results[0]["document"]["text"]
+        .as_str()
+        .unwrap()
+        .contains("--depth"));
     assert!(results[0]["relevance_score"].as_f64() >= results[1]["relevance_score"].as_f64());
 }
 

@@ -1,0 +1,320 @@
+//! Server metrics: one set of OpenTelemetry instruments, read two ways: pushed over OTLP when an
+//! endpoint is configured, and rendered in the Prometheus text format on `GET /metrics` from a
+//! reader we collect on each scrape. Durations are seconds, with buckets from 1 ms to 60 s.
+
+use std::fmt::Write as _;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _, UpDownCounter};
+use opentelemetry::KeyValue;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
+use opentelemetry_sdk::metrics::reader::MetricReader;
+use opentelemetry_sdk::metrics::{
+    InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
+};
+
+/// Histogram bounds for durations in seconds: 1 ms … 60 s.
+pub const DURATION_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+];
+
+/// The instruments every part of the server records into.
+pub struct Metrics {
+    pub request_duration: Histogram<f64>,
+    pub time_to_first_token: Histogram<f64>,
+    pub time_per_output_token: Histogram<f64>,
+    pub stage_duration: Histogram<f64>,
+    pub tokens: Counter<u64>,
+    pub requests_in_flight: UpDownCounter<i64>,
+}
+
+static METRICS: OnceLock<Metrics> = OnceLock::new();
+
+/// The process's instruments (on the global meter provider, installed by `telemetry::init`).
+pub fn metrics() -> &'static Metrics {
+    METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter(super::span::SCOPE)))
+}
+
+impl Metrics {
+    fn new(meter: &Meter) -> Metrics {
+        let seconds = |name: &'static str, description: &'static str| {
+            meter
+                .f64_histogram(name)
+                .with_unit("s")
+                .with_description(description)
+                .with_boundaries(DURATION_BUCKETS.to_vec())
+                .build()
+        };
+        Metrics {
+            request_duration: seconds(
+                "gen_ai.server.request.duration",
+                "Time from request arrival to the last byte of the response",
+            ),
+            time_to_first_token: seconds(
+                "gen_ai.server.time_to_first_token",
+                "Time from request arrival to the first generated token",
+            ),
+            time_per_output_token: seconds(
+                "gen_ai.server.time_per_output_token",
+                "Decode time per generated token after the first",
+            ),
+            stage_duration: seconds("ragscope.stage.duration", "Duration of one pipeline stage"),
+            tokens: meter
+                .u64_counter("ragscope.token.usage")
+                .with_unit("{token}")
+                .with_description("Tokens processed, by gen_ai.token.type (input or output)")
+                .build(),
+            requests_in_flight: meter
+                .i64_up_down_counter("ragscope.requests.in_flight")
+                .with_unit("{request}")
+                .with_description("Requests being served")
+                .build(),
+        }
+    }
+
+    /// Records one stage's duration under its `rag.stage` label.
+    pub fn stage(&self, stage: &'static str, took: Duration) {
+        self.stage_duration
+            .record(took.as_secs_f64(), &[KeyValue::new("rag.stage", stage)]);
+    }
+}
+
+/// A [`ManualReader`] shared between the meter provider and the `/metrics` handler.
+#[derive(Debug, Clone, Default)]
+pub struct ScrapeReader(Arc<ManualReader>);
+
+impl MetricReader for ScrapeReader {
+    fn register_pipeline(&self, pipeline: Weak<Pipeline>) {
+        self.0.register_pipeline(pipeline)
+    }
+
+    fn collect(&self, rm: &mut ResourceMetrics) -> OTelSdkResult {
+        self.0.collect(rm)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn temporality(&self, kind: InstrumentKind) -> Temporality {
+        self.0.temporality(kind)
+    }
+}
+
+static SCRAPE: OnceLock<ScrapeReader> = OnceLock::new();
+
+/// Registers the reader `/metrics` renders from; `init` calls it once.
+pub fn scrape_reader() -> ScrapeReader {
+    SCRAPE.get_or_init(ScrapeReader::default).clone()
+}
+
+/// Installs a meter provider with only the scrape reader (when `init` was not called, e.g. in
+/// tests) so `/metrics` always has data.
+pub fn ensure_provider() -> Option<SdkMeterProvider> {
+    if SCRAPE.get().is_some() {
+        return None;
+    }
+    let provider = SdkMeterProvider::builder()
+        .with_reader(scrape_reader())
+        .build();
+    opentelemetry::global::set_meter_provider(provider.clone());
+    let _ = provider.meter(super::span::SCOPE);
+    Some(provider)
+}
+
+/// Prometheus name: dots become underscores, the unit and `_total` suffixes are added.
+fn prom_name(name: &str, unit: &str, counter: bool) -> String {
+    let mut n: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    match unit {
+        "s" if !n.ends_with("_seconds") => n.push_str("_seconds"),
+        "By" if !n.ends_with("_bytes") => n.push_str("_bytes"),
+        _ => {}
+    }
+    if counter {
+        n.push_str("_total");
+    }
+    n
+}
+
+fn escape(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn labels<'a>(attrs: impl Iterator<Item = &'a KeyValue>, extra: Option<(&str, String)>) -> String {
+    let mut parts: Vec<String> = attrs
+        .map(|kv| {
+            let key: String = kv
+                .key
+                .as_str()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            format!("{key}=\"{}\"", escape(&kv.value.to_string()))
+        })
+        .collect();
+    if let Some((k, v)) = extra {
+        parts.push(format!("{k}=\"{v}\""));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!("{{{}}}", parts.join(","))
+    }
+}
+
+fn format_f64(v: f64) -> String {
+    if v.is_infinite() {
+        if v > 0.0 {
+            "+Inf".into()
+        } else {
+            "-Inf".into()
+        }
+    } else {
+        format!("{v}")
+    }
+}
+
+/// Renders everything the scrape reader collects in the Prometheus text format (0.0.4).
+pub fn render_prometheus() -> String {
+    let mut rm = ResourceMetrics::default();
+    if scrape_reader().collect(&mut rm).is_err() {
+        return String::new();
+    }
+    let mut out = String::new();
+    for scope in rm.scope_metrics() {
+        for metric in scope.metrics() {
+            let help = escape(metric.description());
+            macro_rules! sum_or_gauge {
+                ($data:expr, $to_f64:expr) => {
+                    match $data {
+                        MetricData::Sum(sum) => {
+                            let counter = sum.is_monotonic();
+                            let name = prom_name(metric.name(), metric.unit(), counter);
+                            let kind = if counter { "counter" } else { "gauge" };
+                            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                            for p in sum.data_points() {
+                                let _ = writeln!(
+                                    out,
+                                    "{name}{} {}",
+                                    labels(p.attributes(), None),
+                                    format_f64($to_f64(p.value()))
+                                );
+                            }
+                        }
+                        MetricData::Gauge(g) => {
+                            let name = prom_name(metric.name(), metric.unit(), false);
+                            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+                            for p in g.data_points() {
+                                let _ = writeln!(
+                                    out,
+                                    "{name}{} {}",
+                                    labels(p.attributes(), None),
+                                    format_f64($to_f64(p.value()))
+                                );
+                            }
+                        }
+                        MetricData::Histogram(h) => {
+                            let name = prom_name(metric.name(), metric.unit(), false);
+                            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+                            for p in h.data_points() {
+                                let mut cumulative = 0u64;
+                                for (bound, count) in p.bounds().zip(p.bucket_counts()) {
+                                    cumulative += count;
+                                    let _ = writeln!(
+                                        out,
+                                        "{name}_bucket{} {cumulative}",
+                                        labels(p.attributes(), Some(("le", format_f64(bound))))
+                                    );
+                                }
+                                let _ = writeln!(
+                                    out,
+                                    "{name}_bucket{} {}",
+                                    labels(p.attributes(), Some(("le", "+Inf".into()))),
+                                    p.count()
+                                );
+                                let _ = writeln!(
+                                    out,
+                                    "{name}_sum{} {}",
+                                    labels(p.attributes(), None),
+                                    format_f64($to_f64(p.sum()))
+                                );
+                                let _ = writeln!(
+                                    out,
+                                    "{name}_count{} {}",
+                                    labels(p.attributes(), None),
+                                    p.count()
+                                );
+                            }
+                        }
+                        MetricData::ExponentialHistogram(_) => {}
+                    }
+                };
+            }
+            match metric.data() {
+                AggregatedMetrics::F64(d) => sum_or_gauge!(d, |v: f64| v),
+                AggregatedMetrics::U64(d) => sum_or_gauge!(d, |v: u64| v as f64),
+                AggregatedMetrics::I64(d) => sum_or_gauge!(d, |v: i64| v as f64),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_prometheus_conventions() {
+        assert_eq!(
+            prom_name("gen_ai.server.request.duration", "s", false),
+            "gen_ai_server_request_duration_seconds"
+        );
+        assert_eq!(
+            prom_name("ragscope.token.usage", "{token}", true),
+            "ragscope_token_usage_total"
+        );
+    }
+
+    #[test]
+    fn recorded_values_render_as_cumulative_histograms() {
+        let _provider = ensure_provider();
+        let m = metrics();
+        m.stage("embed", Duration::from_millis(3));
+        m.stage("embed", Duration::from_millis(30));
+        m.tokens
+            .add(5, &[KeyValue::new("gen_ai.token.type", "input")]);
+        let text = render_prometheus();
+        assert!(
+            text.contains("# TYPE ragscope_stage_duration_seconds histogram"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "ragscope_stage_duration_seconds_bucket{rag_stage=\"embed\",le=\"0.005\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "ragscope_stage_duration_seconds_bucket{rag_stage=\"embed\",le=\"+Inf\"} 2"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("ragscope_token_usage_total{gen_ai_token_type=\"input\"} 5"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,130 @@
+//! An in-process OTLP receiver (gRPC and HTTP/protobuf) that keeps what it is sent.
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message;
+use tokio::net::TcpListener;
+
+#[derive(Clone, Default)]
+pub struct Received {
+    pub traces: Arc<Mutex<Vec<ExportTraceServiceRequest>>>,
+    pub metrics: Arc<Mutex<Vec<ExportMetricsServiceRequest>>>,
+}
+
+impl Received {
+    /// Every span received, with its resource's `service.name`.
+    pub fn spans(&self) -> Vec<(String, Span)> {
+        let mut out = Vec::new();
+        for req in self.traces.lock().unwrap().iter() {
+            for rs in &req.resource_spans {
+                let service = rs
+                    .resource
+                    .as_ref()
+                    .and_then(|r| r.attributes.iter().find(|a| a.key == "service.name"))
+                    .and_then(|a| a.value.as_ref())
+                    .map(|v| format!("{:?}", v.value))
+                    .unwrap_or_default();
+                for ss in &rs.scope_spans {
+                    for span in &ss.spans {
+                        out.push((service.clone(), span.clone()));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    pub fn metric_names(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for req in self.metrics.lock().unwrap().iter() {
+            for rm in &req.resource_metrics {
+                for sm in &rm.scope_metrics {
+                    names.extend(sm.metrics.iter().map(|m| m.name.clone()));
+                }
+            }
+        }
+        names
+    }
+}
+
+#[tonic::async_trait]
+impl TraceService for Received {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        self.traces.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+#[tonic::async_trait]
+impl MetricsService for Received {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        self.metrics.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
+    }
+}
+
+/// Starts a gRPC receiver; returns its endpoint URL.
+pub async fn grpc(received: Received) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(received.clone()))
+            .add_service(MetricsServiceServer::new(received))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    url
+}
+
+/// Starts an HTTP/protobuf receiver (`/v1/traces`, `/v1/metrics`); returns its base URL.
+pub async fn http(received: Received) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let traces = received.clone();
+    let metrics = received;
+    let app = axum::Router::new()
+        .route(
+            "/v1/traces",
+            axum::routing::post(move |body: Bytes| async move {
+                traces
+                    .traces
+                    .lock()
+                    .unwrap()
+                    .push(ExportTraceServiceRequest::decode(body).unwrap());
+                ExportTraceServiceResponse::default().encode_to_vec()
+            }),
+        )
+        .route(
+            "/v1/metrics",
+            axum::routing::post(move |body: Bytes| async move {
+                metrics
+                    .metrics
+                    .lock()
+                    .unwrap()
+                    .push(ExportMetricsServiceRequest::decode(body).unwrap());
+                ExportMetricsServiceResponse::default().encode_to_vec()
+            }),
+        );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
