@@ -91,6 +91,9 @@ pub struct RagAnswer {
     pub usage: Usage,
     pub timings: Timings,
     pub finish_reason: FinishReason,
+    /// When the worker finished, on the shared clock: the `respond` stage starts here.
+    #[serde(skip)]
+    pub finished_at: Instant,
 }
 
 /// What a streaming request sees, in order: sources once, then tokens.
@@ -384,6 +387,7 @@ impl Pipeline {
             },
             timings,
             finish_reason: generated.finish,
+            finished_at: clock::now(),
         })
     }
 

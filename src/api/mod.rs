@@ -138,6 +138,25 @@ fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
 /// The request's server span, available to handlers as an extension.
 pub type RequestStage = Arc<Stage>;
 
+/// A stage a handler leaves in its response's extensions to be ended when the body has been
+/// written (`respond`: from the worker's last step to the last byte).
+#[derive(Clone)]
+pub struct ResponseStage(pub Arc<Stage>);
+
+/// Wraps a JSON answer with a `respond` stage that starts when the worker finished.
+pub fn respond_json<T: serde::Serialize>(
+    request: &Stage,
+    finished_at: std::time::Instant,
+    body: &T,
+) -> Response {
+    let respond = request.child_at("respond", finished_at);
+    let mut response = Json(body).into_response();
+    response
+        .extensions_mut()
+        .insert(ResponseStage(Arc::new(respond)));
+    response
+}
+
 async fn trace_request(mut req: Request, next: Next) -> Response {
     let parent = crate::telemetry::extract_context(req.headers());
     let route = req
@@ -182,9 +201,11 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
         }
     }
     // The span ends when the body has been sent (or dropped by a client that went away).
+    let respond = response.extensions_mut().remove::<ResponseStage>();
     let (parts, body) = response.into_parts();
     let guarded = Guarded {
         inner: body.into_data_stream(),
+        respond,
         attributes: vec![
             KeyValue::new("http.route", route),
             KeyValue::new("http.response.status_code", status.as_u16() as i64),
@@ -210,6 +231,7 @@ impl Drop for InFlight {
 /// request's duration.
 struct Guarded<S> {
     inner: S,
+    respond: Option<ResponseStage>,
     stage: RequestStage,
     attributes: Vec<KeyValue>,
     _in_flight: InFlight,
@@ -217,9 +239,14 @@ struct Guarded<S> {
 
 impl<S> Drop for Guarded<S> {
     fn drop(&mut self) {
+        // The child ends before its parent; both end now, whoever still holds them.
+        if let Some(respond) = self.respond.take() {
+            crate::telemetry::metrics::metrics().stage("respond", respond.0.finish_now());
+        }
+        let took = self.stage.finish_now();
         crate::telemetry::metrics::metrics()
             .request_duration
-            .record(self.stage.elapsed().as_secs_f64(), &self.attributes);
+            .record(took.as_secs_f64(), &self.attributes);
     }
 }
 

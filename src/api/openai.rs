@@ -21,6 +21,7 @@ use super::rag::{rag_request, Asked};
 use super::{AppState, RequestStage};
 use crate::generate::ChatMessage;
 use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer};
+use crate::telemetry::span::Stage;
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
 const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
@@ -164,7 +165,7 @@ pub async fn chat_completions(
     let model = pipeline.generator.model_id().to_string();
     if !body.stream {
         let a = pipeline.start_query(req, &stage, None)?.await?;
-        return Ok(Json(json!({
+        let body = json!({
             "id": id,
             "object": "chat.completion",
             "created": unix_now(),
@@ -178,12 +179,13 @@ pub async fn chat_completions(
             "usage": a.usage,
             "sources": a.sources,
             "timings": a.timings,
-        }))
-        .into_response());
+        });
+        return Ok(super::respond_json(&stage, a.finished_at, &body));
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let answer = pipeline.start_query(req, &stage, Some(tx))?;
-    Ok(Sse::new(chunks(rx, answer, id, model, stage))
+    let writing = stage.child("stream");
+    Ok(Sse::new(chunks(rx, answer, id, model, stage, writing))
         .keep_alive(KeepAlive::default())
         .into_response())
 }
@@ -202,9 +204,9 @@ fn chunks(
     id: String,
     model: String,
     stage: RequestStage,
+    writing: Stage,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     async_stream::stream! {
-        let writing = stage.child("stream");
         let created = unix_now();
         let chunk = |delta: Value, finish: Value| json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -229,7 +231,7 @@ fn chunks(
             }
         }
         yield Ok(SseEvent::default().data("[DONE]"));
-        writing.end();
+        crate::telemetry::metrics::metrics().stage("stream", writing.end());
     }
 }
 

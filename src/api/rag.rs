@@ -20,6 +20,7 @@ use crate::generate::{ChatMessage, Sampling};
 use crate::pipeline::{Event, Pipeline, RagAnswer, RagRequest};
 use crate::retrieve::Filter;
 use crate::telemetry::clock;
+use crate::telemetry::span::Stage;
 
 pub const MAX_QUERY_CHARS: usize = 4096;
 pub const MAX_TOP_K: usize = 100;
@@ -182,11 +183,12 @@ pub async fn query(
     }
     if !body.stream {
         let answer = pipeline.start_query(req, &stage, None)?.await?;
-        return Ok(Json(answer).into_response());
+        return Ok(super::respond_json(&stage, answer.finished_at, &answer));
     }
     let (tx, rx) = mpsc::unbounded_channel();
     let answer = pipeline.start_query(req, &stage, Some(tx))?;
-    Ok(Sse::new(rag_events(rx, answer, stage))
+    let writing = stage.child("stream");
+    Ok(Sse::new(rag_events(rx, answer, stage, writing))
         .keep_alive(KeepAlive::default())
         .into_response())
 }
@@ -198,9 +200,9 @@ fn rag_events(
         + Send
         + 'static,
     stage: RequestStage,
+    writing: Stage,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     async_stream::stream! {
-        let writing = stage.child("stream");
         let mut tokens = 0i64;
         while let Some(event) = rx.recv().await {
             match event {
@@ -225,7 +227,7 @@ fn rag_events(
                 yield Ok(SseEvent::default().event("error").json_data(e.body()).unwrap_or_default());
             }
         }
-        writing.end();
+        crate::telemetry::metrics::metrics().stage("stream", writing.end());
     }
 }
 

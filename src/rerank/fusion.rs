@@ -27,10 +27,13 @@ pub struct FusionReranker {
     pub lexical_weight: f32,
 }
 
+/// k = 60 (the constant of the original RRF paper) was chosen on `ragscope eval`: against
+/// retrieval order it keeps recall@1 (0.78), lifts recall@4 0.90 → 0.96, recall@10 0.94 → 1.00
+/// and MRR 0.848 → 0.860; k = 10 reached recall@4 0.98 but lost recall@1 (0.76).
 impl Default for FusionReranker {
     fn default() -> Self {
         FusionReranker {
-            k: 10.0,
+            k: 60.0,
             lexical_weight: 1.0,
         }
     }

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use opentelemetry::metrics::{Counter, Histogram, Meter, MeterProvider as _, UpDownCounter};
+use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
@@ -124,7 +124,7 @@ pub fn ensure_provider() -> Option<SdkMeterProvider> {
         .with_reader(scrape_reader())
         .build();
     opentelemetry::global::set_meter_provider(provider.clone());
-    let _ = provider.meter(super::span::SCOPE);
+    super::register_process_gauges();
     Some(provider)
 }
 

@@ -190,7 +190,7 @@ fn meter_provider() -> Result<SdkMeterProvider> {
 }
 
 /// Gauges read at collection time: dropped spans and build info.
-fn register_process_gauges() {
+pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
     let stats = export_stats();
     let _dropped = meter

@@ -9,6 +9,7 @@
 //! its children created there keep their parent.
 
 use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,7 +28,9 @@ pub struct Stage {
     started: Instant,
     /// Attributes copied onto every descendant (request id, baggage colours).
     inherited: Arc<[KeyValue]>,
-    ended: bool,
+    /// Set once the span has ended; a shared stage (`Arc<Stage>`) may be ended by one holder
+    /// while others still hold it.
+    ended: AtomicBool,
 }
 
 impl Stage {
@@ -61,7 +64,7 @@ impl Stage {
             cx: parent.with_span(span),
             started,
             inherited,
-            ended: false,
+            ended: AtomicBool::new(false),
         }
     }
 
@@ -151,22 +154,27 @@ impl Stage {
     }
 
     /// Ends the stage at a given reading of the clock (never before it started).
-    pub fn end_at(mut self, at: Instant) -> Duration {
+    pub fn end_at(self, at: Instant) -> Duration {
         self.finish(at)
     }
 
-    fn finish(&mut self, at: Instant) -> Duration {
+    /// Ends a shared stage now, whoever else still holds it (the request span ends when its
+    /// response body is done, not when the last worker lets go of it). Later calls do nothing.
+    pub fn finish_now(&self) -> Duration {
+        self.finish(clock::now())
+    }
+
+    fn finish(&self, at: Instant) -> Duration {
         let at = at.max(self.started);
-        self.ended = true;
-        self.cx.span().end_with_timestamp(clock::to_wall(at));
+        if !self.ended.swap(true, Ordering::AcqRel) {
+            self.cx.span().end_with_timestamp(clock::to_wall(at));
+        }
         at - self.started
     }
 }
 
 impl Drop for Stage {
     fn drop(&mut self) {
-        if !self.ended {
-            self.finish(clock::now());
-        }
+        self.finish(clock::now());
     }
 }

@@ -1,6 +1,7 @@
 //! `spawn_app`: a real server (real models, a fresh embedded store) on 127.0.0.1:0.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::Parser;
 use ragscope::config::{Cli, Command, ServeArgs};
@@ -76,13 +77,40 @@ async fn start(data_dir: &Path, extra: &[&str], tmp: Option<tempfile::TempDir>) 
     .await
     .unwrap()
     .expect("pipeline loads");
+    serve(pipeline, &args, tmp).await
+}
+
+/// A server over stand-in stages (for tests about telemetry and serving, not models).
+pub async fn spawn_fake_app(generator: crate::fakes::FakeGenerator) -> TestApp {
+    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+        std::mem::forget(provider);
+    }
+    let args = serve_args(Path::new("unused"), &[]);
+    let pipeline = ragscope::pipeline::Pipeline {
+        embedder: Arc::new(crate::fakes::FakeEmbedder),
+        store: Arc::new(crate::fakes::FakeStore::default()),
+        reranker: Some(Arc::new(ragscope::rerank::fusion::FusionReranker::default())),
+        generator: Arc::new(generator),
+        workers: ragscope::worker::Workers::new(1, 64),
+        defaults: args.pipeline.clone(),
+        chunker: ragscope::app::chunker(&args.store),
+    };
+    serve(pipeline, &args, None).await
+}
+
+async fn serve(
+    pipeline: ragscope::pipeline::Pipeline,
+    args: &ServeArgs,
+    tmp: Option<tempfile::TempDir>,
+) -> TestApp {
     let state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = oneshot::channel();
+    let max_body_bytes = args.server.max_body_bytes;
     let server = tokio::spawn(async move {
         let _tmp = tmp;
-        ragscope::app::run(listener, state, args.server.max_body_bytes, async {
+        ragscope::app::run(listener, state, max_body_bytes, async {
             let _ = rx.await;
         })
         .await

@@ -1,7 +1,9 @@
 //! Integration tests: the real server on port 0 with the real models and the embedded store.
 
+mod coverage;
 mod documents;
 mod errors;
+mod fakes;
 mod helpers;
 mod openai;
 mod query;

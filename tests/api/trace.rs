@@ -265,3 +265,51 @@ async fn a_streamed_request_is_traced_over_grpc() {
 async fn a_streamed_request_is_traced_over_http() {
     a_streamed_request_is_traced_end_to_end(Protocol::HttpBinary).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_collector_costs_counted_spans_not_requests() {
+    // An address nobody listens on.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(format!("http://{dead}"))
+        .with_timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator { tokens: 4 }).await;
+    app.ingest_fixtures().await;
+    for i in 0..50 {
+        let (status, body) = app
+            .post(
+                "/v1/rag/query",
+                &json!({"query": format!("q{i}"), "max_tokens": 4}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let _ = tokio::task::spawn_blocking(move || provider.force_flush())
+        .await
+        .unwrap();
+    let stats = ragscope::telemetry::export_stats();
+    assert!(stats.dropped() >= 50 * 10, "dropped {}", stats.dropped());
+    let scrape = app
+        .client
+        .get(app.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = scrape
+        .lines()
+        .find(|l| l.starts_with("ragscope_spans_dropped_total{reason=\"export_failed\"}"))
+        .unwrap_or_else(|| panic!("no dropped-span counter in {scrape}"));
+    let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(value >= 500.0, "{line}");
+}

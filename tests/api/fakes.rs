@@ -1,0 +1,170 @@
+//! Stand-in stages for tests about telemetry and serving, not about models: they take a fixed,
+//! short time so a thousand requests run in seconds.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use opentelemetry::KeyValue;
+use ragscope::embed::{EmbedError, Embedder};
+use ragscope::generate::{
+    ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator,
+};
+use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
+use ragscope::telemetry::{clock, span::Stage};
+
+/// Busy-waits: sleeping would hand the core to other tests and blur the timings.
+fn spin(d: Duration) {
+    let until = Instant::now() + d;
+    while Instant::now() < until {
+        std::hint::spin_loop();
+    }
+}
+
+pub struct FakeEmbedder;
+
+impl Embedder for FakeEmbedder {
+    fn model_id(&self) -> &str {
+        "fake-embedder"
+    }
+    fn dimension(&self) -> usize {
+        4
+    }
+    fn max_tokens(&self) -> usize {
+        256
+    }
+    fn count_tokens(&self, text: &str) -> Result<usize, EmbedError> {
+        Ok(text.split_whitespace().count())
+    }
+    fn embed(&self, texts: &[&str], stage: &Stage) -> Result<Vec<Vec<f32>>, EmbedError> {
+        let t = stage.child("tokenize");
+        spin(Duration::from_micros(200));
+        t.end();
+        let f = stage.child("forward");
+        spin(Duration::from_millis(1));
+        f.end();
+        Ok(texts.iter().map(|_| vec![0.5; 4]).collect())
+    }
+}
+
+#[derive(Default)]
+pub struct FakeStore {
+    chunks: Mutex<Vec<Chunk>>,
+}
+
+impl VectorStore for FakeStore {
+    fn info(&self) -> StoreInfo {
+        StoreInfo {
+            system: "fake",
+            collection: "fake".into(),
+            index: "plain",
+            points: self.chunks.lock().unwrap().len(),
+        }
+    }
+    fn upsert(&self, chunks: &[Chunk], _vectors: &[Vec<f32>]) -> Result<(), StoreError> {
+        self.chunks.lock().unwrap().extend_from_slice(chunks);
+        Ok(())
+    }
+    fn search(
+        &self,
+        _v: &[f32],
+        top_k: usize,
+        _f: Option<&Filter>,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        spin(Duration::from_micros(300));
+        let chunks = self.chunks.lock().unwrap();
+        Ok(chunks
+            .iter()
+            .take(top_k)
+            .map(|c| ScoredChunk {
+                chunk: c.clone(),
+                score: 0.5,
+            })
+            .collect())
+    }
+    fn existing(&self, ids: &[String]) -> Result<HashSet<String>, StoreError> {
+        let chunks = self.chunks.lock().unwrap();
+        Ok(ids
+            .iter()
+            .filter(|id| chunks.iter().any(|c| &c.id == *id))
+            .cloned()
+            .collect())
+    }
+    fn delete_document(&self, doc_id: &str) -> Result<usize, StoreError> {
+        let mut chunks = self.chunks.lock().unwrap();
+        let before = chunks.len();
+        chunks.retain(|c| c.doc_id != doc_id);
+        Ok(before - chunks.len())
+    }
+    fn count(&self) -> Result<usize, StoreError> {
+        Ok(self.chunks.lock().unwrap().len())
+    }
+    fn build_index(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+/// Generates `tokens` words, one per 300 µs, after a 2 ms "prefill".
+pub struct FakeGenerator {
+    pub tokens: usize,
+}
+
+impl Generator for FakeGenerator {
+    fn model_id(&self) -> &str {
+        "fake-generator"
+    }
+    fn context_window(&self) -> usize {
+        4096
+    }
+    fn count_tokens(&self, text: &str) -> Result<usize, GenerateError> {
+        Ok(text.split_whitespace().count())
+    }
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError> {
+        let words: usize = messages
+            .iter()
+            .map(|m| m.content.split_whitespace().count() + 4)
+            .sum();
+        Ok(vec![7; words])
+    }
+    fn generate(
+        &self,
+        req: GenerateRequest<'_>,
+        stage: &Stage,
+        on_token: &mut dyn FnMut(&str) -> Flow,
+    ) -> Result<Generated, GenerateError> {
+        let prefill = stage.child("prefill");
+        spin(Duration::from_millis(2));
+        let prefill_took = prefill.end();
+        let decode = stage.child("decode");
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        let mut first = None;
+        let mut finish = FinishReason::Length;
+        for i in 0..self.tokens.min(req.max_tokens) {
+            spin(Duration::from_micros(300));
+            let now = clock::now();
+            first.get_or_insert(now);
+            decode.event_at(
+                "token",
+                now,
+                vec![KeyValue::new("gen_ai.token.index", i as i64)],
+            );
+            tokens.push(i as u32);
+            let piece = format!(" w{i}");
+            text.push_str(&piece);
+            if on_token(&piece) == Flow::Stop {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+        }
+        Ok(Generated {
+            text,
+            tokens,
+            finish,
+            prompt_tokens: req.prompt.len(),
+            prefill: prefill_took,
+            decode: decode.end(),
+            first_token_at: first,
+        })
+    }
+}
