@@ -62,10 +62,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/v1/rerank", post(rag::rerank))
         .route("/v1/documents", post(documents::create))
         .route("/v1/documents/{id}", delete(documents::remove))
+        .route_layer(middleware::from_fn(trace_request))
+        // Probes and scrapes are not traced: they would bury the requests people look for.
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus_metrics))
-        .route_layer(middleware::from_fn(trace_request))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
