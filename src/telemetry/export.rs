@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use opentelemetry::Context;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{Span, SpanData, SpanExporter, SpanProcessor};
+use opentelemetry_sdk::Resource;
 
 /// Counts of what happened to finished spans.
 #[derive(Debug, Default)]
@@ -70,6 +71,8 @@ impl QueueSettings {
 enum Message {
     Span(Box<SpanData>),
     Flush(SyncSender<()>),
+    /// The provider's resource (`service.name`, …), which the exporter attaches to every batch.
+    Resource(Resource),
 }
 
 /// A [`SpanProcessor`] that queues finished spans for a background export thread.
@@ -105,14 +108,14 @@ impl ExportQueue {
 }
 
 fn export_loop<E: SpanExporter>(
-    exporter: E,
+    mut exporter: E,
     rx: Receiver<Message>,
     settings: QueueSettings,
     stats: &ExportStats,
 ) {
     let mut batch: Vec<SpanData> = Vec::with_capacity(settings.max_batch);
     let mut deadline = Instant::now() + settings.delay;
-    let export = |batch: &mut Vec<SpanData>| {
+    let export = |exporter: &E, batch: &mut Vec<SpanData>| {
         if batch.is_empty() {
             return;
         }
@@ -133,21 +136,22 @@ fn export_loop<E: SpanExporter>(
             Ok(Message::Span(span)) => {
                 batch.push(*span);
                 if batch.len() >= settings.max_batch {
-                    export(&mut batch);
+                    export(&exporter, &mut batch);
                     deadline = Instant::now() + settings.delay;
                 }
             }
+            Ok(Message::Resource(resource)) => exporter.set_resource(&resource),
             Ok(Message::Flush(done)) => {
                 // Spans queued before the flush request are already in the batch.
-                export(&mut batch);
+                export(&exporter, &mut batch);
                 let _ = done.send(());
             }
             Err(RecvTimeoutError::Timeout) => {
-                export(&mut batch);
+                export(&exporter, &mut batch);
                 deadline = Instant::now() + settings.delay;
             }
             Err(RecvTimeoutError::Disconnected) => {
-                export(&mut batch);
+                export(&exporter, &mut batch);
                 return;
             }
         }
@@ -183,6 +187,12 @@ impl SpanProcessor for ExportQueue {
         done_rx
             .recv_timeout(Duration::from_secs(30))
             .map_err(|_| OTelSdkError::Timeout(Duration::from_secs(30)))
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        if let Some(tx) = self.sender() {
+            let _ = tx.send(Message::Resource(resource.clone()));
+        }
     }
 
     fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {

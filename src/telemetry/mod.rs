@@ -10,17 +10,19 @@ pub mod export;
 pub mod metrics;
 pub mod span;
 
+use std::collections::HashMap;
 use std::env;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
 use opentelemetry::baggage::BaggageExt;
 use opentelemetry::propagation::{Extractor, TextMapCompositePropagator, TextMapPropagator};
+use opentelemetry::trace::TracerProvider as _;
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::metrics::SdkMeterProvider;
 use opentelemetry_sdk::propagation::{BaggagePropagator, TraceContextPropagator};
-use opentelemetry_sdk::trace::{SdkTracerProvider, SpanExporter};
+use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter};
 use opentelemetry_sdk::Resource;
 use tracing_subscriber::EnvFilter;
 
@@ -35,13 +37,15 @@ const BAGGAGE_ATTRIBUTES_ENV: &str = "RAGSCOPE_BAGGAGE_ATTRIBUTES";
 /// Flushes and shuts down the providers on drop.
 pub struct TelemetryGuard {
     tracer: Option<SdkTracerProvider>,
+    /// One provider per stage service (`RAGSCOPE_STAGE_SERVICES`), else empty.
+    stage_tracers: Vec<SdkTracerProvider>,
     meter: Option<SdkMeterProvider>,
 }
 
 impl TelemetryGuard {
     /// Exports everything recorded so far (tests, and before exit).
     pub fn flush(&self) {
-        if let Some(p) = &self.tracer {
+        for p in self.tracer.iter().chain(&self.stage_tracers) {
             let _ = p.force_flush();
         }
         if let Some(p) = &self.meter {
@@ -53,7 +57,12 @@ impl TelemetryGuard {
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
         self.flush();
-        if let Some(provider) = self.tracer.take() {
+        for provider in self
+            .tracer
+            .take()
+            .into_iter()
+            .chain(self.stage_tracers.drain(..))
+        {
             let _ = provider.shutdown();
         }
         if let Some(provider) = self.meter.take() {
@@ -137,11 +146,30 @@ pub fn init() -> Result<TelemetryGuard> {
         tracing::info!("span export off (set OTEL_EXPORTER_OTLP_ENDPOINT to turn it on)");
         return Ok(TelemetryGuard {
             tracer: None,
+            stage_tracers: Vec::new(),
             meter: Some(meter),
         });
     }
     let protocol = protocol_for("TRACES")?;
-    let exporter = match protocol {
+    let provider = tracer_provider(otlp_span_exporter(protocol)?, resource());
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    let stage_providers =
+        if env_nonempty("RAGSCOPE_STAGE_SERVICES").is_some_and(|v| v == "true" || v == "1") {
+            tracing::info!("each stage exported under its own service.name");
+            install_stage_services(|| otlp_span_exporter(protocol))?
+        } else {
+            Vec::new()
+        };
+    tracing::info!(?protocol, "exporting spans over OTLP");
+    Ok(TelemetryGuard {
+        tracer: Some(provider),
+        stage_tracers: stage_providers,
+        meter: Some(meter),
+    })
+}
+
+fn otlp_span_exporter(protocol: Protocol) -> Result<opentelemetry_otlp::SpanExporter> {
+    Ok(match protocol {
         Protocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
             .build()?,
@@ -149,14 +177,36 @@ pub fn init() -> Result<TelemetryGuard> {
             .with_http()
             .with_protocol(protocol)
             .build()?,
-    };
-    let provider = tracer_provider(exporter, resource());
-    opentelemetry::global::set_tracer_provider(provider.clone());
-    tracing::info!(?protocol, "exporting spans over OTLP");
-    Ok(TelemetryGuard {
-        tracer: Some(provider),
-        meter: Some(meter),
     })
+}
+
+/// Exports each pipeline stage under its own `service.name` (`ragscope-embed`, …), so
+/// Jaeger and Tempo draw stages in different colours; parentage is unchanged. Returns the
+/// providers to flush and shut down.
+pub fn install_stage_services<E: SpanExporter + 'static>(
+    make_exporter: impl Fn() -> Result<E>,
+) -> Result<Vec<SdkTracerProvider>> {
+    let mut tracers = HashMap::new();
+    let mut providers = Vec::new();
+    for service in span::STAGE_SERVICES {
+        let resource = Resource::builder()
+            .with_service_name(service)
+            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+            .build();
+        let provider = tracer_provider(make_exporter()?, resource);
+        tracers.insert(service, provider.tracer(span::SCOPE));
+        providers.push(provider);
+    }
+    let _ = STAGE_TRACERS.set(tracers);
+    Ok(providers)
+}
+
+static STAGE_TRACERS: std::sync::OnceLock<HashMap<&'static str, SdkTracer>> =
+    std::sync::OnceLock::new();
+
+/// The tracer of a per-stage service, when per-stage services are on.
+pub(crate) fn stage_tracer(service: &str) -> Option<&'static SdkTracer> {
+    STAGE_TRACERS.get()?.get(service)
 }
 
 /// The meter provider: always the `/metrics` scrape reader; plus an OTLP push every

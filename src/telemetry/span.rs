@@ -28,6 +28,9 @@ pub struct Stage {
     started: Instant,
     /// Attributes copied onto every descendant (request id, baggage colours).
     inherited: Arc<[KeyValue]>,
+    /// The `service.name` this stage and its children are exported under when per-stage
+    /// services are on (`RAGSCOPE_STAGE_SERVICES`).
+    service: Option<&'static str>,
     /// Set once the span has ended; a shared stage (`Arc<Stage>`) may be ended by one holder
     /// while others still hold it.
     ended: AtomicBool,
@@ -41,7 +44,7 @@ impl Stage {
         parent: &Context,
         inherited: Vec<KeyValue>,
     ) -> Stage {
-        Self::start_at(name, kind, parent, inherited.into(), clock::now())
+        Self::start_at(name, kind, parent, inherited.into(), clock::now(), None)
     }
 
     fn start_at(
@@ -50,20 +53,31 @@ impl Stage {
         parent: &Context,
         inherited: Arc<[KeyValue]>,
         started: Instant,
+        parent_service: Option<&'static str>,
     ) -> Stage {
         let name = name.into();
-        let tracer = opentelemetry::global::tracer(SCOPE);
-        let span = tracer
-            .span_builder(name.clone())
-            .with_kind(kind)
-            .with_start_time(clock::to_wall(started))
-            .with_attributes(inherited.iter().cloned())
-            .start_with_context(&tracer, parent);
+        let service = stage_service(&name).or(parent_service);
+        let builder = |tracer_name: Cow<'static, str>| {
+            opentelemetry::trace::SpanBuilder::from_name(tracer_name)
+                .with_kind(kind.clone())
+                .with_start_time(clock::to_wall(started))
+                .with_attributes(inherited.iter().cloned())
+        };
+        let cx = match service.and_then(super::stage_tracer) {
+            Some(tracer) => {
+                parent.with_span(tracer.build_with_context(builder(name.clone()), parent))
+            }
+            None => {
+                let tracer = opentelemetry::global::tracer(SCOPE);
+                parent.with_span(tracer.build_with_context(builder(name.clone()), parent))
+            }
+        };
         Stage {
             name,
-            cx: parent.with_span(span),
+            cx,
             started,
             inherited,
+            service,
             ended: AtomicBool::new(false),
         }
     }
@@ -83,6 +97,7 @@ impl Stage {
             &self.cx,
             self.inherited.clone(),
             at.max(self.started),
+            self.service,
         )
     }
 
@@ -172,6 +187,32 @@ impl Stage {
         at - self.started
     }
 }
+
+/// The per-stage `service.name` of a pipeline stage, from its span name; children inherit
+/// their parent's. Tracing backends colour services apart, so each stage gets its own colour.
+pub fn stage_service(name: &str) -> Option<&'static str> {
+    Some(match name.split(' ').next()? {
+        "queue" => "ragscope-queue",
+        "embeddings" => "ragscope-embed",
+        "retrieval" => "ragscope-retrieve",
+        "rerank" => "ragscope-rerank",
+        "prompt" => "ragscope-prompt",
+        "chat" => "ragscope-generate",
+        "stream" | "respond" => "ragscope-respond",
+        _ => return None,
+    })
+}
+
+/// Every per-stage service name.
+pub const STAGE_SERVICES: [&str; 7] = [
+    "ragscope-queue",
+    "ragscope-embed",
+    "ragscope-retrieve",
+    "ragscope-rerank",
+    "ragscope-prompt",
+    "ragscope-generate",
+    "ragscope-respond",
+];
 
 impl Drop for Stage {
     fn drop(&mut self) {

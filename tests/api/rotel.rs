@@ -219,6 +219,11 @@ async fn exports_to_rotel(protocol: &str) {
             "rotel did not receive {w} over {protocol}: {names:?}"
         );
     }
+    let log = std::fs::read_to_string(&log_path).unwrap();
+    assert!(
+        log.contains("service.name: Str(ragscope-e2e)"),
+        "OTEL_SERVICE_NAME not on the resource"
+    );
     let by_id: HashMap<&str, &RotelSpan> = spans.iter().map(|s| (s.id.as_str(), s)).collect();
     let root = spans
         .iter()

@@ -126,12 +126,19 @@ async fn a_streamed_request_is_traced_end_to_end(protocol: Protocol) {
     .await
     .unwrap();
 
-    let spans: Vec<Span> = received
+    let with_service: Vec<(String, Span)> = received
         .spans()
         .into_iter()
-        .map(|(_, s)| s)
-        .filter(|s| hex(&s.trace_id) == CLIENT_TRACE)
+        .filter(|(_, s)| hex(&s.trace_id) == CLIENT_TRACE)
         .collect();
+    for (service, span) in &with_service {
+        assert!(
+            service.contains("\"ragscope\""),
+            "{} exported under {service:?}",
+            span.name
+        );
+    }
+    let spans: Vec<Span> = with_service.into_iter().map(|(_, s)| s).collect();
     let by_id: HashMap<String, &Span> = spans.iter().map(|s| (hex(&s.span_id), s)).collect();
     let children = |parent: &Span| -> Vec<&Span> {
         spans
@@ -312,4 +319,78 @@ async fn a_dead_collector_costs_counted_spans_not_requests() {
         .unwrap_or_else(|| panic!("no dropped-span counter in {scrape}"));
     let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
     assert!(value >= 500.0, "{line}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_can_be_exported_as_services_of_their_own_with_parentage_intact() {
+    let received = Received::default();
+    let endpoint = receiver::grpc(received.clone()).await;
+    let exporter = || {
+        Ok(opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(endpoint.clone())
+            .build()?)
+    };
+    let (tracer, _meter) = providers(Protocol::Grpc, &endpoint);
+    let stage_providers = ragscope::telemetry::install_stage_services(exporter).unwrap();
+    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator { tokens: 3 }).await;
+    app.ingest_fixtures().await;
+    let r = app
+        .client
+        .post(app.url("/v1/rag/query"))
+        .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))
+        .json(&json!({"query": "colours", "max_tokens": 3}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.bytes().await.unwrap();
+    tokio::task::spawn_blocking(move || {
+        tracer.force_flush().unwrap();
+        for p in stage_providers {
+            p.force_flush().unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    let spans: Vec<(String, Span)> = received
+        .spans()
+        .into_iter()
+        .filter(|(_, s)| hex(&s.trace_id) == CLIENT_TRACE)
+        .collect();
+    let service_of = |name: &str| -> String {
+        spans
+            .iter()
+            .find(|(_, s)| s.name == name)
+            .map(|(svc, _)| svc.clone())
+            .unwrap_or_default()
+    };
+    assert!(
+        service_of("POST /v1/rag/query").contains("\"ragscope\""),
+        "{spans:?}"
+    );
+    assert!(service_of("embeddings fake-embedder").contains("ragscope-embed"));
+    assert!(
+        service_of("tokenize").contains("ragscope-embed"),
+        "children keep their stage's service"
+    );
+    assert!(service_of("retrieval fake").contains("ragscope-retrieve"));
+    assert!(service_of("chat fake-generator").contains("ragscope-generate"));
+    assert!(service_of("decode").contains("ragscope-generate"));
+    let root = spans
+        .iter()
+        .find(|(_, s)| s.name == "POST /v1/rag/query")
+        .unwrap()
+        .1
+        .clone();
+    let embed = spans
+        .iter()
+        .find(|(_, s)| s.name == "embeddings fake-embedder")
+        .unwrap()
+        .1
+        .clone();
+    assert_eq!(
+        embed.parent_span_id, root.span_id,
+        "parentage crosses services"
+    );
 }
