@@ -38,7 +38,7 @@ async fn a_thousand_requests_nest_exactly_and_the_stages_cover_each_request() {
     let provider =
         ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
-    let app = spawn_fake_app(FakeGenerator { tokens: 24 }).await;
+    let app = spawn_fake_app(FakeGenerator::new(24)).await;
     app.ingest_fixtures().await;
     const N: usize = 1000;
     for i in 0..N {

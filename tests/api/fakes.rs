@@ -104,9 +104,19 @@ impl VectorStore for FakeStore {
     }
 }
 
-/// Generates `tokens` words, one per 300 µs, after a 2 ms "prefill".
+/// Generates `tokens` words, one per `token_us` µs, after a 2 ms "prefill".
 pub struct FakeGenerator {
     pub tokens: usize,
+    pub token_us: u64,
+}
+
+impl FakeGenerator {
+    pub fn new(tokens: usize) -> Self {
+        FakeGenerator {
+            tokens,
+            token_us: 300,
+        }
+    }
 }
 
 impl Generator for FakeGenerator {
@@ -141,7 +151,7 @@ impl Generator for FakeGenerator {
         let mut first = None;
         let mut finish = FinishReason::Length;
         for i in 0..self.tokens.min(req.max_tokens) {
-            spin(Duration::from_micros(300));
+            spin(Duration::from_micros(self.token_us));
             let now = clock::now();
             first.get_or_insert(now);
             decode.event_at(

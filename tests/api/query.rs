@@ -193,3 +193,34 @@ async fn health_and_ready_report_the_loaded_server() {
     assert_eq!(body["models"]["generator"], "SmolLM2-135M-Instruct");
     assert_eq!(body["store"]["system"], "qdrant-edge");
 }
+
+#[tokio::test]
+async fn a_client_that_goes_away_mid_stream_stops_its_generation() {
+    // 3,000 stand-in tokens take 9 s; the worker is free again long before that.
+    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator {
+        tokens: 3000,
+        token_us: 3000,
+    })
+    .await;
+    app.ingest_fixtures().await;
+    let q = json!({"query": "long", "max_tokens": 3000, "stream": true});
+    let mut r = app
+        .client
+        .post(app.url("/v1/rag/query"))
+        .json(&q)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.chunk().await.unwrap().expect("first event");
+    drop(r);
+    let (status, body) = app
+        .post("/v1/rag/query", &json!({"query": "short", "max_tokens": 2}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let queued = body["timings"]["queue_ms"].as_f64().unwrap();
+    assert!(
+        queued < 2000.0,
+        "waited {queued} ms behind an abandoned generation"
+    );
+}

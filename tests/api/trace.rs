@@ -288,7 +288,7 @@ async fn a_dead_collector_costs_counted_spans_not_requests() {
         .unwrap();
     let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
-    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator { tokens: 4 }).await;
+    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator::new(4)).await;
     app.ingest_fixtures().await;
     for i in 0..50 {
         let (status, body) = app
@@ -333,7 +333,7 @@ async fn stages_can_be_exported_as_services_of_their_own_with_parentage_intact()
     };
     let (tracer, _meter) = providers(Protocol::Grpc, &endpoint);
     let stage_providers = ragscope::telemetry::install_stage_services(exporter).unwrap();
-    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator { tokens: 3 }).await;
+    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator::new(3)).await;
     app.ingest_fixtures().await;
     let r = app
         .client
