@@ -23,6 +23,7 @@ use crate::prompt;
 use crate::rerank::{Candidate, RerankError, Reranker};
 use crate::retrieve::{Filter, ScoredChunk, StoreError, VectorStore};
 use crate::telemetry::clock::{self, millis};
+use crate::telemetry::profile;
 use crate::telemetry::span::Stage;
 use crate::worker::{QueueFull, Workers};
 
@@ -268,7 +269,9 @@ impl Pipeline {
         // 1. Embed the query.
         let stage = request.child(format!("embeddings {}", self.embedder.model_id()));
         stage.set_all(model_attributes("embeddings", self.embedder.model_id()));
+        let profiled = profile::label(&stage);
         let vector = self.embedder.embed(&[&req.query], &stage)?.remove(0);
+        drop(profiled);
         timings.embed_ms = millis(stage.end());
 
         // 2. Retrieve candidates.
@@ -337,6 +340,7 @@ impl Pipeline {
         if let Some(p) = req.sampling.top_p {
             stage.set(KeyValue::new("gen_ai.request.top_p", p));
         }
+        let profiled = profile::label(&stage);
         let mut on_token = |piece: &str| match events {
             Some(tx) if tx.send(Event::Token(piece.to_string())).is_err() => Flow::Stop,
             _ => Flow::Continue,
@@ -352,6 +356,7 @@ impl Pipeline {
             &stage,
             &mut on_token,
         )?;
+        drop(profiled);
         let ttft = generated
             .first_token_at
             .map(|t| millis(t.saturating_duration_since(request.started())));
@@ -413,7 +418,9 @@ impl Pipeline {
                         retrieval_score: h.score,
                     })
                     .collect();
+                let profiled = profile::label(&stage);
                 let scores = reranker.score(query, &candidates, &stage)?;
+                drop(profiled);
                 timings.rerank_ms = millis(stage.end());
                 scores
             }

@@ -35,7 +35,8 @@ const INDEXED_KEYWORDS: [&str; 2] = ["doc_id", "source"];
 /// and the chunk fields as payload. Searches are exact scans until [`VectorStore::build_index`]
 /// builds HNSW.
 pub struct EdgeStore {
-    shard: EdgeShard,
+    /// Dropped by hand in `Drop`, see there.
+    shard: std::mem::ManuallyDrop<EdgeShard>,
     collection: String,
     dimension: usize,
     path: PathBuf,
@@ -44,6 +45,19 @@ pub struct EdgeStore {
     /// `optimize` while it swaps segments; holding this around update+flush and around optimize
     /// makes that impossible. Searches never take it.
     writer: Mutex<()>,
+}
+
+impl Drop for EdgeStore {
+    fn drop(&mut self) {
+        // `EdgeShard`'s own Drop flushes with `expect()`. Every acknowledged write was already
+        // flushed, so a failing final flush (its directory removed, a full disk) must not turn
+        // shutdown into a panic, or an abort when the thread is already unwinding.
+        // SAFETY: `shard` is not used after this.
+        let shard = unsafe { std::mem::ManuallyDrop::take(&mut self.shard) };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(shard))).is_err() {
+            tracing::warn!(path = %self.path.display(), "final flush of the vector store failed");
+        }
+    }
 }
 
 impl EdgeStore {
@@ -89,7 +103,7 @@ impl EdgeStore {
         };
 
         let store = EdgeStore {
-            shard,
+            shard: std::mem::ManuallyDrop::new(shard),
             collection: collection.to_string(),
             dimension,
             path,

@@ -8,6 +8,7 @@
 pub mod clock;
 pub mod export;
 pub mod metrics;
+pub mod profile;
 pub mod span;
 
 use std::collections::HashMap;
@@ -40,6 +41,8 @@ pub struct TelemetryGuard {
     /// One provider per stage service (`RAGSCOPE_STAGE_SERVICES`), else empty.
     stage_tracers: Vec<SdkTracerProvider>,
     meter: Option<SdkMeterProvider>,
+    /// Stops the Pyroscope agent last, after the spans that point at its profiles.
+    _profiler: Option<profile::ProfilerGuard>,
 }
 
 impl TelemetryGuard {
@@ -142,12 +145,18 @@ pub fn init() -> Result<TelemetryGuard> {
         .try_init();
     opentelemetry::global::set_text_map_propagator(w3c_propagator());
     let meter = meter_provider()?;
+    let service = env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into());
+    let profiler = match profile::ProfileSettings::from_env(&service) {
+        Some(settings) => Some(profile::start(&settings)?),
+        None => None,
+    };
     if !tracing_wanted() {
         tracing::info!("span export off (set OTEL_EXPORTER_OTLP_ENDPOINT to turn it on)");
         return Ok(TelemetryGuard {
             tracer: None,
             stage_tracers: Vec::new(),
             meter: Some(meter),
+            _profiler: profiler,
         });
     }
     let protocol = protocol_for("TRACES")?;
@@ -165,6 +174,7 @@ pub fn init() -> Result<TelemetryGuard> {
         tracer: Some(provider),
         stage_tracers: stage_providers,
         meter: Some(meter),
+        _profiler: profiler,
     })
 }
 

@@ -7,6 +7,7 @@ mod fakes;
 mod helpers;
 mod metrics;
 mod openai;
+mod profile;
 mod query;
 mod receiver;
 mod rotel;

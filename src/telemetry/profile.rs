@@ -1,0 +1,164 @@
+//! CPU profiles cut by span: the Pyroscope agent (pprof backend, SIGPROF sampling) runs when a
+//! server address is configured, and while a pipeline stage runs, the samples of the threads
+//! doing its work carry that stage's `span_id`, `trace_id` and `span_name` labels. The stage's
+//! span gets `pyroscope.profile.id` = its span id, which is what Grafana's "profiles for this
+//! span" looks up.
+//!
+//! The threads doing a stage's work are the model worker running it and the compute pool candle
+//! parallelises on (rayon's global pool), so both are labelled. Each label change makes the
+//! agent cut its sample buffer (~1 ms, FACTS.md), so labels change at stage granularity only.
+//! With more than one model worker, compute-pool samples of concurrent stages carry both
+//! stages' labels: per-span profiles are exact with one worker (the default).
+
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use opentelemetry::KeyValue;
+use pyroscope::backend::{pprof_backend, BackendConfig, PprofConfig, Tag};
+use pyroscope::pyroscope::{PyroscopeAgentBuilder, PyroscopeAgentRunning};
+use pyroscope::{PyroscopeAgent, ThreadId};
+
+use super::span::Stage;
+
+/// Where and how to profile.
+#[derive(Debug, Clone)]
+pub struct ProfileSettings {
+    /// Pyroscope server, e.g. `http://pyroscope:4040`.
+    pub url: String,
+    pub application: String,
+    /// Samples per second per thread.
+    pub sample_rate: u32,
+    pub upload_interval: Duration,
+}
+
+impl ProfileSettings {
+    /// From `RAGSCOPE_PYROSCOPE_URL` (or `PYROSCOPE_SERVER_ADDRESS`),
+    /// `RAGSCOPE_PYROSCOPE_SAMPLE_RATE` (default 100 Hz) and
+    /// `RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL` (seconds, default 10); `None` when no address is set.
+    pub fn from_env(application: &str) -> Option<ProfileSettings> {
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let url = var("RAGSCOPE_PYROSCOPE_URL").or_else(|| var("PYROSCOPE_SERVER_ADDRESS"))?;
+        Some(ProfileSettings {
+            url,
+            application: application.to_string(),
+            sample_rate: var("RAGSCOPE_PYROSCOPE_SAMPLE_RATE")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(100),
+            upload_interval: var("RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL")
+                .and_then(|v| v.parse::<f64>().ok())
+                .filter(|v| *v > 0.0)
+                .map_or(Duration::from_secs(10), Duration::from_secs_f64),
+        })
+    }
+}
+
+struct Profiler {
+    agent: Mutex<Option<PyroscopeAgent<PyroscopeAgentRunning>>>,
+    /// rayon's global pool: where candle's kernels run.
+    compute_threads: Vec<ThreadId>,
+}
+
+static PROFILER: OnceLock<Profiler> = OnceLock::new();
+
+/// Stops the agent (uploading what it holds) when dropped.
+pub struct ProfilerGuard;
+
+impl Drop for ProfilerGuard {
+    fn drop(&mut self) {
+        if let Some(p) = PROFILER.get() {
+            if let Some(agent) = p.agent.lock().expect("profiler lock").take() {
+                if let Ok(ready) = agent.stop() {
+                    ready.shutdown();
+                }
+            }
+        }
+    }
+}
+
+/// Starts the agent. Upload failures are the agent's to log; they never reach a request.
+pub fn start(settings: &ProfileSettings) -> Result<ProfilerGuard> {
+    let compute_threads: Vec<ThreadId> = rayon::broadcast(|_| ThreadId::pthread_self());
+    let backend = pprof_backend(
+        PprofConfig {
+            sample_rate: settings.sample_rate,
+        },
+        BackendConfig::default(),
+    );
+    let agent = PyroscopeAgentBuilder::new(
+        &settings.url,
+        &settings.application,
+        settings.sample_rate,
+        "pyroscope-rs",
+        env!("CARGO_PKG_VERSION"),
+        backend,
+    )
+    .upload_interval(settings.upload_interval)
+    .build()
+    .context("building the Pyroscope agent")?
+    .start()
+    .context("starting the Pyroscope agent")?;
+    let _ = PROFILER.set(Profiler {
+        agent: Mutex::new(Some(agent)),
+        compute_threads,
+    });
+    tracing::info!(url = %settings.url, rate = settings.sample_rate, "CPU profiling to Pyroscope");
+    Ok(ProfilerGuard)
+}
+
+pub fn enabled() -> bool {
+    PROFILER
+        .get()
+        .is_some_and(|p| p.agent.lock().is_ok_and(|a| a.is_some()))
+}
+
+/// While alive, CPU samples of the calling thread and the compute pool are labelled with
+/// `stage`'s span. `None` when profiling is off or the span is not recorded.
+pub struct Labelled {
+    threads: Vec<ThreadId>,
+    tags: Vec<Tag>,
+}
+
+/// Labels the current thread and the compute pool with `stage` until the result is dropped,
+/// and marks the span as profiled.
+pub fn label(stage: &Stage) -> Option<Labelled> {
+    let profiler = PROFILER.get()?;
+    let span_id = stage.span_id()?;
+    let trace_id = stage.trace_id()?;
+    let guard = profiler.agent.lock().ok()?;
+    let agent = guard.as_ref()?;
+    let mut threads = profiler.compute_threads.clone();
+    let me = ThreadId::pthread_self();
+    if !threads.contains(&me) {
+        threads.push(me);
+    }
+    let tags = vec![
+        Tag::new("span_id".into(), span_id.clone()),
+        Tag::new("trace_id".into(), trace_id),
+        Tag::new("span_name".into(), stage.name().to_string()),
+    ];
+    for t in &threads {
+        for tag in &tags {
+            let _ = agent.add_thread_tag(t.clone(), tag.clone());
+        }
+    }
+    stage.set(KeyValue::new("pyroscope.profile.id", span_id));
+    Some(Labelled { threads, tags })
+}
+
+impl Drop for Labelled {
+    fn drop(&mut self) {
+        let Some(profiler) = PROFILER.get() else {
+            return;
+        };
+        let Ok(guard) = profiler.agent.lock() else {
+            return;
+        };
+        let Some(agent) = guard.as_ref() else { return };
+        for t in &self.threads {
+            for tag in &self.tags {
+                let _ = agent.remove_thread_tag(t.clone(), tag.clone());
+            }
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! CPU profiles cut by span: an in-process Pyroscope push receiver decodes what the agent
+//! uploads and finds samples labelled with the span id of a stage in the exported trace, with
+//! candle's frames in that stage's stacks. A dead profiler costs no request.
+
+use std::collections::{HashMap, HashSet};
+use std::io::Read;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use opentelemetry_sdk::trace::InMemorySpanExporter;
+use prost::Message;
+use pyroscope::encode::gen::google::Profile;
+use pyroscope::encode::gen::push::PushRequest;
+use ragscope::telemetry::profile::{self, ProfileSettings};
+use serde_json::json;
+use tokio::net::TcpListener;
+
+use crate::helpers::spawn_app;
+
+/// Starts a Pyroscope push endpoint; returns its URL and what it receives.
+async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
+    let pushes: Arc<Mutex<Vec<PushRequest>>> = Arc::default();
+    let kept = pushes.clone();
+    let app = axum::Router::new().route(
+        "/push.v1.PusherService/Push",
+        axum::routing::post(move |body: Bytes| async move {
+            let mut raw = Vec::new();
+            flate2::read::GzDecoder::new(&body[..])
+                .read_to_end(&mut raw)
+                .unwrap();
+            kept.lock()
+                .unwrap()
+                .push(PushRequest::decode(&raw[..]).unwrap());
+            Vec::<u8>::new()
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, pushes)
+}
+
+/// span_id label → (samples, whether any stack holds a candle frame).
+fn samples_by_span(pushes: &[PushRequest]) -> HashMap<String, (i64, bool)> {
+    let mut out: HashMap<String, (i64, bool)> = HashMap::new();
+    for push in pushes {
+        for series in &push.series {
+            for raw in &series.samples {
+                let p = Profile::decode(&raw.raw_profile[..]).unwrap();
+                let s = |i: i64| p.string_table[i as usize].as_str();
+                let functions: HashMap<u64, &str> =
+                    p.function.iter().map(|f| (f.id, s(f.name))).collect();
+                let locations: HashMap<u64, Vec<&str>> = p
+                    .location
+                    .iter()
+                    .map(|l| {
+                        (
+                            l.id,
+                            l.line
+                                .iter()
+                                .filter_map(|line| functions.get(&line.function_id).copied())
+                                .collect(),
+                        )
+                    })
+                    .collect();
+                for sample in &p.sample {
+                    let Some(span) = sample
+                        .label
+                        .iter()
+                        .find(|l| s(l.key) == "span_id")
+                        .map(|l| s(l.str).to_string())
+                    else {
+                        continue;
+                    };
+                    let candle = sample
+                        .location_id
+                        .iter()
+                        .filter_map(|id| locations.get(id))
+                        .flatten()
+                        .any(|f| f.contains("candle"));
+                    let entry = out.entry(span).or_default();
+                    entry.0 += sample.value.first().copied().unwrap_or(1);
+                    entry.1 |= candle;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cpu_samples_carry_the_span_ids_of_the_stages_that_ran() {
+    let (url, pushes) = receiver().await;
+    let exporter = InMemorySpanExporter::default();
+    let tracer =
+        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
+    opentelemetry::global::set_tracer_provider(tracer.clone());
+    let guard = profile::start(&ProfileSettings {
+        url,
+        application: "ragscope-test".into(),
+        sample_rate: 100,
+        upload_interval: Duration::from_secs(1),
+    })
+    .unwrap();
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    for q in [
+        "What is the capital of Zorbia?",
+        "Who invented the flumox?",
+        "What does git stash pop do?",
+    ] {
+        let (status, _) = app
+            .post("/v1/rag/query", &json!({"query": q, "max_tokens": 48}))
+            .await;
+        assert_eq!(status, 200);
+    }
+    tokio::task::spawn_blocking(move || {
+        drop(guard); // stops the agent, uploading what it holds
+        tracer.force_flush().unwrap();
+    })
+    .await
+    .unwrap();
+
+    let pushes = pushes.lock().unwrap().clone();
+    assert!(!pushes.is_empty(), "the agent uploaded nothing");
+    let labels = &pushes[0].series[0].labels;
+    assert!(
+        labels
+            .iter()
+            .any(|l| l.name == "service_name" && l.value == "ragscope-test"),
+        "{labels:?}"
+    );
+    let by_span = samples_by_span(&pushes);
+    let spans = exporter.get_finished_spans().unwrap();
+    let profiled: HashMap<String, String> = spans
+        .iter()
+        .filter(|s| {
+            s.attributes
+                .iter()
+                .any(|a| a.key.as_str() == "pyroscope.profile.id")
+        })
+        .map(|s| (s.span_context.span_id().to_string(), s.name.to_string()))
+        .collect();
+    let chat: HashSet<&String> = profiled
+        .iter()
+        .filter(|(_, n)| n.starts_with("chat "))
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(
+        chat.len(),
+        3,
+        "every chat span is marked as profiled: {profiled:?}"
+    );
+    let mut by_name: HashMap<String, i64> = HashMap::new();
+    for (id, (n, _)) in &by_span {
+        *by_name
+            .entry(profiled.get(id).cloned().unwrap_or_default())
+            .or_default() += n;
+    }
+    println!("samples by span name: {by_name:?}");
+    let matched: Vec<(&String, &(i64, bool))> =
+        by_span.iter().filter(|(id, _)| chat.contains(id)).collect();
+    assert!(
+        !matched.is_empty(),
+        "no samples labelled with a chat span id; labels seen: {:?}",
+        by_span.keys()
+    );
+    assert!(
+        matched.iter().any(|(_, (_, candle))| *candle),
+        "chat samples lack candle frames: {matched:?}"
+    );
+    // Every labelled sample belongs to a span that exists in the trace.
+    for id in by_span.keys() {
+        assert!(
+            profiled.contains_key(id),
+            "samples labelled with unknown span {id}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_profiler_costs_no_request() {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let guard = profile::start(&ProfileSettings {
+        url: format!("http://{dead}"),
+        application: "ragscope-test".into(),
+        sample_rate: 100,
+        upload_interval: Duration::from_millis(500),
+    })
+    .unwrap();
+    let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator::new(200)).await;
+    app.ingest_fixtures().await;
+    for i in 0..20 {
+        let (status, body) = app
+            .post(
+                "/v1/rag/query",
+                &json!({"query": format!("q{i}"), "max_tokens": 200}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    assert!(profile::enabled());
+    tokio::task::spawn_blocking(move || drop(guard))
+        .await
+        .unwrap();
+}
