@@ -199,6 +199,16 @@ pub struct BenchArgs {
     /// Synthetic chunks for the large retrieval measurement.
     #[arg(long, default_value_t = 100_000)]
     pub synthetic_chunks: usize,
+    /// Instead of the stage figures, measure what telemetry costs: throughput and latency with
+    /// telemetry off, with spans and metrics, and with profiling too, in interleaved rounds.
+    #[arg(long)]
+    pub telemetry_overhead: bool,
+    /// Requests per variant per round (telemetry overhead).
+    #[arg(long, default_value_t = 24)]
+    pub requests: usize,
+    /// Requests in flight at once (telemetry overhead).
+    #[arg(long, default_value_t = 2)]
+    pub concurrency: usize,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]

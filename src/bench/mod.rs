@@ -1,6 +1,8 @@
 //! `ragscope bench`: speed of every stage on this machine, printed as a table. Measurements,
 //! not assertions: the README quotes its output with the command that produced it.
 
+mod overhead;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,6 +44,9 @@ fn median(xs: &mut [f64]) -> f64 {
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
+    if args.telemetry_overhead {
+        return overhead::run(&args).await;
+    }
     let handle = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || bench(&args, &handle)).await?
 }
