@@ -142,6 +142,7 @@ pub fn load_pipeline(
         workers: Workers::new(server.workers, server.queue_capacity),
         defaults: pipeline.clone(),
         chunker: chunker(store),
+        query_cache: crate::embed::cache::QueryCache::new(pipeline.query_cache),
     })
 }
 

@@ -104,6 +104,9 @@ pub struct PipelineArgs {
     /// How decode steps appear in traces: events, spans or off.
     #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
     pub token_trace: TokenTrace,
+    /// Query embeddings kept in an LRU cache (0 turns it off).
+    #[arg(long, env = "RAGSCOPE_QUERY_CACHE", default_value_t = 1024)]
+    pub query_cache: usize,
     /// Record query and answer text on spans (off by default: content may be sensitive).
     #[arg(long, env = "RAGSCOPE_CAPTURE_CONTENT", default_value_t = false, action = clap::ArgAction::Set)]
     pub capture_content: bool,

@@ -13,6 +13,7 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::PipelineArgs;
+use crate::embed::cache::QueryCache;
 use crate::embed::{EmbedError, Embedder};
 use crate::generate::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generator, Sampling,
@@ -37,6 +38,7 @@ pub struct Pipeline {
     pub workers: Workers,
     pub defaults: PipelineArgs,
     pub chunker: ChunkerConfig,
+    pub query_cache: QueryCache,
 }
 
 #[derive(Debug, Clone)]
@@ -269,9 +271,20 @@ impl Pipeline {
         // 1. Embed the query.
         let stage = request.child(format!("embeddings {}", self.embedder.model_id()));
         stage.set_all(model_attributes("embeddings", self.embedder.model_id()));
-        let profiled = profile::label(&stage);
-        let vector = self.embedder.embed(&[&req.query], &stage)?.remove(0);
-        drop(profiled);
+        let vector = match self.query_cache.get(&req.query) {
+            Some(vector) => {
+                stage.set(KeyValue::new("rag.cache.hit", true));
+                vector
+            }
+            None => {
+                stage.set(KeyValue::new("rag.cache.hit", false));
+                let profiled = profile::label(&stage);
+                let vector = self.embedder.embed(&[&req.query], &stage)?.remove(0);
+                drop(profiled);
+                self.query_cache.put(&req.query, vector.clone());
+                vector
+            }
+        };
         timings.embed_ms = millis(stage.end());
 
         // 2. Retrieve candidates.

@@ -5,6 +5,7 @@
 //! stage the caller passes in.
 
 pub mod bert;
+pub mod cache;
 
 use crate::telemetry::span::Stage;
 

@@ -28,7 +28,20 @@ pub struct Metrics {
     pub stage_duration: Histogram<f64>,
     pub tokens: Counter<u64>,
     pub requests_in_flight: UpDownCounter<i64>,
+    pub cache_requests: Counter<u64>,
 }
+
+/// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
+#[derive(Debug, Default)]
+pub struct KvCacheUsage {
+    pub bytes: std::sync::atomic::AtomicU64,
+    pub tokens: std::sync::atomic::AtomicU64,
+}
+
+pub static KV_CACHE: KvCacheUsage = KvCacheUsage {
+    bytes: std::sync::atomic::AtomicU64::new(0),
+    tokens: std::sync::atomic::AtomicU64::new(0),
+};
 
 static METRICS: OnceLock<Metrics> = OnceLock::new();
 
@@ -70,6 +83,11 @@ impl Metrics {
                 .i64_up_down_counter("ragscope.requests.in_flight")
                 .with_unit("{request}")
                 .with_description("Requests being served")
+                .build(),
+            cache_requests: meter
+                .u64_counter("ragscope.cache.requests")
+                .with_unit("{request}")
+                .with_description("Cache look-ups by cache and result (hit or miss)")
                 .build(),
         }
     }

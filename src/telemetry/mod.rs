@@ -269,6 +269,32 @@ pub(crate) fn register_process_gauges() {
             );
         })
         .build();
+    let _kv_bytes = meter
+        .u64_observable_gauge("ragscope.kv_cache.bytes")
+        .with_unit("By")
+        .with_description("KV-cache memory held by running generations")
+        .with_callback(|o| {
+            o.observe(
+                metrics::KV_CACHE
+                    .bytes
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                &[],
+            )
+        })
+        .build();
+    let _kv_tokens = meter
+        .u64_observable_gauge("ragscope.kv_cache.tokens")
+        .with_unit("{token}")
+        .with_description("Token positions reserved in the KV caches of running generations")
+        .with_callback(|o| {
+            o.observe(
+                metrics::KV_CACHE
+                    .tokens
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                &[],
+            )
+        })
+        .build();
     let _build = meter
         .u64_observable_gauge("ragscope.build.info")
         .with_description("Always 1; the labels say which build is running")

@@ -94,6 +94,7 @@ pub async fn spawn_fake_app(generator: crate::fakes::FakeGenerator) -> TestApp {
         workers: ragscope::worker::Workers::new(1, 64),
         defaults: args.pipeline.clone(),
         chunker: ragscope::app::chunker(&args.store),
+        query_cache: ragscope::embed::cache::QueryCache::new(0),
     };
     serve(pipeline, &args, None).await
 }

@@ -49,6 +49,9 @@ async fn metrics_after_traffic_pass_promtool() {
         "ragscope_requests_in_flight",
         "ragscope_spans_dropped_total",
         "ragscope_build_info",
+        "ragscope_kv_cache_bytes",
+        "ragscope_kv_cache_tokens",
+        "ragscope_cache_requests_total{cache=\"query_embedding\",result=\"miss\"}",
     ] {
         assert!(text.contains(name), "{name} missing from /metrics:\n{text}");
     }
