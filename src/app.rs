@@ -9,7 +9,6 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use opentelemetry::trace::SpanKind;
 use tokio::net::TcpListener;
 
 use crate::api::{self, AppState, Readiness};
@@ -146,6 +145,23 @@ pub fn load_pipeline(
     })
 }
 
+/// The pipeline with the configured corpus ingested (evaluation, benchmarks).
+pub fn load_with_corpus(
+    models: &ModelArgs,
+    store: &StoreArgs,
+    server: &ServerArgs,
+    pipeline: &PipelineArgs,
+) -> Result<Arc<Pipeline>> {
+    let loaded = Arc::new(load_pipeline(models, store, server, pipeline)?);
+    ingest_corpus(
+        &loaded,
+        &server.corpus,
+        &store.data_dir,
+        &Readiness::default(),
+    )?;
+    Ok(loaded)
+}
+
 /// Ingests the named corpus unless it was fully ingested before, reporting progress, then
 /// builds the vector index.
 pub fn ingest_corpus(
@@ -168,12 +184,7 @@ pub fn ingest_corpus(
     let started = Instant::now();
     let mut chunks = 0;
     for (i, doc) in docs.iter().enumerate() {
-        let stage = Stage::start(
-            "ingest",
-            SpanKind::Internal,
-            &opentelemetry::Context::new(),
-            vec![],
-        );
+        let stage = Stage::root("ingest");
         let outcome = ingest_document(
             doc,
             pipeline.embedder.as_ref(),

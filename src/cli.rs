@@ -2,7 +2,6 @@
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
-use opentelemetry::trace::SpanKind;
 use serde_json::{json, Value};
 
 use crate::app;
@@ -55,12 +54,7 @@ pub async fn ingest(args: IngestArgs) -> Result<()> {
         let docs = read_paths(&args.paths)?;
         let chunker = app::chunker(&args.store);
         for (i, doc) in docs.iter().enumerate() {
-            let stage = Stage::start(
-                "ingest",
-                SpanKind::Internal,
-                &opentelemetry::Context::new(),
-                vec![],
-            );
+            let stage = Stage::root("ingest");
             let o = ingest_document(doc, embedder.as_ref(), store.as_ref(), chunker, &stage)
                 .with_context(|| format!("ingesting {}", doc.source))?;
             println!(

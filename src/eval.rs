@@ -6,19 +6,16 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use opentelemetry::trace::SpanKind;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::api::Readiness;
 use crate::app;
 use crate::config::EvalArgs;
-use crate::generate::Sampling;
 use crate::pipeline::RagRequest;
 use crate::rerank::fusion::FusionReranker;
 use crate::rerank::{ranking, Candidate, Reranker};
 use crate::retrieve::ScoredChunk;
-use crate::telemetry::{clock, span::Stage};
+use crate::telemetry::span::Stage;
 
 #[derive(Debug, Deserialize)]
 pub struct Question {
@@ -79,18 +76,7 @@ pub async fn run(args: EvalArgs) -> Result<()> {
 
 fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let questions = load_questions(&args.questions)?;
-    let pipeline = Arc::new(app::load_pipeline(
-        &args.models,
-        &args.store,
-        &args.server,
-        &args.pipeline,
-    )?);
-    app::ingest_corpus(
-        &pipeline,
-        &args.server.corpus,
-        &args.store.data_dir,
-        &Readiness::default(),
-    )?;
+    let pipeline = app::load_with_corpus(&args.models, &args.store, &args.server, &args.pipeline)?;
     let top_k = args
         .pipeline
         .top_k
@@ -120,14 +106,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         ),
     ];
     let mut scores = vec![RankScores::default(); variants.len()];
-    let root = || {
-        Stage::start(
-            "eval",
-            SpanKind::Internal,
-            &opentelemetry::Context::new(),
-            vec![],
-        )
-    };
+    let root = || Stage::root("eval");
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
@@ -183,16 +162,11 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         );
         for q in &questions {
             let stage = Arc::new(root());
-            let req = RagRequest {
-                query: q.question.clone(),
-                history: Vec::new(),
-                top_k: args.pipeline.top_k,
-                rerank_top_n: args.pipeline.rerank_top_n,
-                max_tokens: args.pipeline.max_tokens,
-                sampling: Sampling::default(),
-                filter: None,
-                deadline: clock::now() + args.server.request_timeout,
-            };
+            let req = RagRequest::with_defaults(
+                q.question.clone(),
+                &args.pipeline,
+                args.server.request_timeout,
+            );
             let answer = handle.block_on(pipeline.start_query(req, &stage, None)?)?;
             let lower = answer.answer.to_lowercase();
             let ok = q

@@ -5,7 +5,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use serde::Serialize;
@@ -52,6 +52,22 @@ pub struct RagRequest {
     pub sampling: Sampling,
     pub filter: Option<Filter>,
     pub deadline: Instant,
+}
+
+impl RagRequest {
+    /// A question with the server's default settings (evaluation, benchmarks).
+    pub fn with_defaults(query: String, defaults: &PipelineArgs, timeout: Duration) -> RagRequest {
+        RagRequest {
+            query,
+            history: Vec::new(),
+            top_k: defaults.top_k,
+            rerank_top_n: defaults.rerank_top_n,
+            max_tokens: defaults.max_tokens,
+            sampling: Sampling::default(),
+            filter: None,
+            deadline: clock::now() + timeout,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

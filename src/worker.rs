@@ -135,12 +135,10 @@ fn worker_loop(rx: &Mutex<Receiver<Job>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::SpanKind;
-    use opentelemetry::Context;
     use std::time::Duration;
 
     fn root() -> Stage {
-        Stage::start("t", SpanKind::Internal, &Context::new(), vec![])
+        Stage::root("t")
     }
 
     #[tokio::test]

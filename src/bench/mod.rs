@@ -7,10 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use opentelemetry::trace::SpanKind;
 use rand::{Rng, SeedableRng};
 
-use crate::api::Readiness;
 use crate::app;
 use crate::config::BenchArgs;
 use crate::generate::{ChatMessage, Flow, GenerateRequest, Sampling};
@@ -20,12 +18,7 @@ use crate::retrieve::{Chunk, VectorStore};
 use crate::telemetry::{clock, span::Stage};
 
 fn stage() -> Stage {
-    Stage::start(
-        "bench",
-        SpanKind::Internal,
-        &opentelemetry::Context::new(),
-        vec![],
-    )
+    Stage::root("bench")
 }
 
 /// p-th percentile (0..=100) of durations, in milliseconds.
@@ -53,18 +46,7 @@ pub async fn run(args: BenchArgs) -> Result<()> {
 
 fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let rounds = args.rounds.max(1);
-    let pipeline = Arc::new(app::load_pipeline(
-        &args.models,
-        &args.store,
-        &args.server,
-        &args.pipeline,
-    )?);
-    app::ingest_corpus(
-        &pipeline,
-        &args.server.corpus,
-        &args.store.data_dir,
-        &Readiness::default(),
-    )?;
+    let pipeline = app::load_with_corpus(&args.models, &args.store, &args.server, &args.pipeline)?;
     let questions = crate::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)
         .unwrap_or_else(|_| vec!["How do I undo the last commit?".to_string(); 10]);
     println!(
@@ -249,16 +231,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let mut ttft = Vec::new();
     for q in questions.iter().take(5) {
         let root = Arc::new(stage());
-        let req = RagRequest {
-            query: q.clone(),
-            history: Vec::new(),
-            top_k: args.pipeline.top_k,
-            rerank_top_n: args.pipeline.rerank_top_n,
-            max_tokens: args.pipeline.max_tokens,
-            sampling: Sampling::default(),
-            filter: None,
-            deadline: clock::now() + args.server.request_timeout,
-        };
+        let req = RagRequest::with_defaults(q.clone(), &args.pipeline, args.server.request_timeout);
         let t = Instant::now();
         let a = handle.block_on(pipeline.start_query(req, &root, None)?)?;
         e2e.push(t.elapsed());

@@ -179,8 +179,6 @@ impl Embedder for BertEmbedder {
 mod tests {
     use super::*;
     use crate::telemetry::span::Stage;
-    use opentelemetry::trace::SpanKind;
-    use opentelemetry::Context;
 
     fn embedder() -> BertEmbedder {
         let dir = crate::models::test_model_dir("all-MiniLM-L6-v2");
@@ -188,7 +186,7 @@ mod tests {
     }
 
     fn stage() -> Stage {
-        Stage::start("test", SpanKind::Internal, &Context::new(), vec![])
+        Stage::root("test")
     }
 
     fn dot(a: &[f32], b: &[f32]) -> f32 {

@@ -947,8 +947,6 @@ mod tests {
     use std::time::Instant;
 
     use candle_transformers::models::quantized_llama::ModelWeights;
-    use opentelemetry::trace::SpanKind;
-    use opentelemetry::Context;
 
     use super::*;
 
@@ -972,7 +970,7 @@ mod tests {
 
     /// A no-op stage: no global tracer provider is installed in unit tests.
     fn stage() -> Stage {
-        Stage::start("test", SpanKind::Internal, &Context::new(), vec![])
+        Stage::root("test")
     }
 
     fn request(prompt: &[u32], max_tokens: usize, sampling: Sampling) -> GenerateRequest<'_> {

@@ -140,8 +140,6 @@ impl Reranker for CrossEncoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::SpanKind;
-    use opentelemetry::Context;
 
     /// The MiniLM backbone with a head built here: weights drawn from a fixed seed, written to a
     /// checkpoint directory in the Hugging Face layout and loaded back through `load`.
@@ -179,7 +177,7 @@ mod tests {
     #[test]
     fn loads_a_checkpoint_and_scores_pairs_consistently() {
         let (ce, _dir) = encoder_with_head(1.0);
-        let stage = Stage::start("t", SpanKind::Internal, &Context::new(), vec![]);
+        let stage = Stage::root("t");
         let passages = [
             "git stash pop restores the most recent stash",
             "a recipe for bread",

@@ -122,8 +122,6 @@ impl Reranker for FusionReranker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::SpanKind;
-    use opentelemetry::Context;
 
     #[test]
     fn terms_keep_options_and_drop_stopwords() {
@@ -149,7 +147,7 @@ mod tests {
 
     #[test]
     fn fusion_lifts_a_lexical_match_over_a_slightly_closer_vector() {
-        let stage = Stage::start("t", SpanKind::Internal, &Context::new(), vec![]);
+        let stage = Stage::root("t");
         let c = [
             Candidate {
                 text: "record changes to the repository",

@@ -47,6 +47,12 @@ impl Stage {
         Self::start_at(name, kind, parent, inherited.into(), clock::now(), None)
     }
 
+    /// A stage with no parent, for work outside any request: corpus ingest at start-up,
+    /// benchmarks, evaluation, tests.
+    pub fn root(name: impl Into<Cow<'static, str>>) -> Stage {
+        Self::start(name, SpanKind::Internal, &Context::new(), Vec::new())
+    }
+
     fn start_at(
         name: impl Into<Cow<'static, str>>,
         kind: SpanKind,
