@@ -149,6 +149,7 @@ pub struct TokenBytes {
 }
 
 impl TokenBytes {
+    /// Decodes every vocabulary entry once, at load time.
     pub fn new(tokenizer: &Tokenizer) -> TokenBytes {
         let table = bytes_to_unicode();
         let byte_of: HashMap<char, u8> = (0..=255u8).map(|b| (table[b as usize], b)).collect();
@@ -205,6 +206,7 @@ pub struct Utf8Stream {
 }
 
 impl Utf8Stream {
+    /// An empty stream.
     pub fn new() -> Utf8Stream {
         Utf8Stream::default()
     }
