@@ -48,6 +48,14 @@ impl Received {
         out
     }
 
+    /// The spans of one trace (hex trace id), with their `service.name`.
+    pub fn spans_of(&self, trace_id: &str) -> Vec<(String, Span)> {
+        self.spans()
+            .into_iter()
+            .filter(|(_, s)| hex(&s.trace_id) == trace_id)
+            .collect()
+    }
+
     pub fn metric_names(&self) -> Vec<String> {
         let mut names = Vec::new();
         for req in self.metrics.lock().unwrap().iter() {
@@ -127,4 +135,9 @@ pub async fn http(received: Received) -> String {
         );
     tokio::spawn(async move { axum::serve(listener, app).await });
     url
+}
+
+/// Lower-case hex of an id's bytes.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

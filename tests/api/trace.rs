@@ -11,7 +11,7 @@ use opentelemetry_sdk::trace::SdkTracerProvider;
 use serde_json::json;
 
 use crate::helpers::spawn_app;
-use crate::receiver::{self, Received};
+use crate::receiver::{self, hex, Received};
 
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
@@ -126,11 +126,7 @@ async fn a_streamed_request_is_traced_end_to_end(protocol: Protocol) {
     .await
     .unwrap();
 
-    let with_service: Vec<(String, Span)> = received
-        .spans()
-        .into_iter()
-        .filter(|(_, s)| hex(&s.trace_id) == CLIENT_TRACE)
-        .collect();
+    let with_service: Vec<(String, Span)> = received.spans_of(CLIENT_TRACE);
     for (service, span) in &with_service {
         assert!(
             service.contains("\"ragscope\""),
@@ -259,10 +255,6 @@ async fn a_streamed_request_is_traced_end_to_end(protocol: Protocol) {
     );
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_request_is_traced_over_grpc() {
     a_streamed_request_is_traced_end_to_end(Protocol::Grpc).await;
@@ -353,11 +345,7 @@ async fn stages_can_be_exported_as_services_of_their_own_with_parentage_intact()
     })
     .await
     .unwrap();
-    let spans: Vec<(String, Span)> = received
-        .spans()
-        .into_iter()
-        .filter(|(_, s)| hex(&s.trace_id) == CLIENT_TRACE)
-        .collect();
+    let spans: Vec<(String, Span)> = received.spans_of(CLIENT_TRACE);
     let service_of = |name: &str| -> String {
         spans
             .iter()
