@@ -235,6 +235,7 @@ pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> 
         pipeline: Arc::new(OnceLock::new()),
         readiness: Arc::new(Readiness::default()),
         request_timeout,
+        faults: Arc::default(),
     };
     let _ = state.pipeline.set(Arc::new(pipeline));
     state.readiness.ready.store(true, Ordering::Relaxed);
@@ -254,6 +255,7 @@ pub async fn serve(
         pipeline: Arc::new(OnceLock::new()),
         readiness: Arc::new(Readiness::default()),
         request_timeout: args.server.request_timeout,
+        faults: Arc::new(crate::fault::Faults::from_args(&args.faults)?),
     };
     let loading = state.clone();
     let max_body_bytes = args.server.max_body_bytes;

@@ -34,6 +34,8 @@ pub enum Command {
     },
     /// Print speed figures for every stage.
     Bench(BenchArgs),
+    /// Where the latency went: per-stage self/inclusive time, shares, critical path, residual.
+    Attribute(AttributeArgs),
 }
 
 #[derive(Debug, Subcommand)]
@@ -144,6 +146,25 @@ pub struct ServeArgs {
     pub store: StoreArgs,
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+    #[command(flatten)]
+    pub faults: FaultArgs,
+}
+
+/// Fault and latency injection (see `fault`): all off unless `--faults true`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FaultArgs {
+    /// Allow fault and latency injection at all.
+    #[arg(long, env = "RAGSCOPE_FAULTS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub faults: bool,
+    /// The plan injected into every request from the start: JSON, or @file.
+    #[arg(long, env = "RAGSCOPE_FAULT_PLAN")]
+    pub fault_plan: Option<String>,
+    /// Bearer token that `GET|PUT|DELETE /admin/faults` require; without it that endpoint is off.
+    #[arg(long, env = "RAGSCOPE_FAULT_ADMIN_TOKEN", hide_env_values = true)]
+    pub fault_admin_token: Option<String>,
+    /// Let a request bring its own plan in the `x-ragscope-fault` header.
+    #[arg(long, env = "RAGSCOPE_FAULT_HEADER", default_value_t = false, action = clap::ArgAction::Set)]
+    pub fault_header: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -220,6 +241,40 @@ pub struct BenchArgs {
     pub store: StoreArgs,
     #[command(flatten)]
     pub pipeline: PipelineArgs,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct AttributeArgs {
+    /// A server's recent-trace buffer (`GET /debug/traces`), e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    pub server: Option<String>,
+    /// OTLP JSON files (the collector's file exporter: one export request per line).
+    #[arg(long)]
+    pub file: Vec<PathBuf>,
+    /// A Jaeger query API, e.g. http://127.0.0.1:16686.
+    #[arg(long)]
+    pub jaeger: Option<String>,
+    /// A Tempo HTTP API, e.g. http://127.0.0.1:3200.
+    #[arg(long)]
+    pub tempo: Option<String>,
+    /// Service whose traces to fetch from Jaeger or Tempo.
+    #[arg(long, default_value = "ragscope")]
+    pub service: String,
+    /// Most traces to fetch.
+    #[arg(long, default_value_t = 1000)]
+    pub limit: usize,
+    /// How far back Jaeger searches (Jaeger's duration syntax).
+    #[arg(long, default_value = "1h")]
+    pub lookback: String,
+    /// Analyse traces whose root span name starts with one of these (all roots if none given).
+    #[arg(long, default_values_t = ["POST /v1/rag/query".to_string(), "POST /v1/chat/completions".to_string()])]
+    pub root: Vec<String>,
+    /// Also write the report as JSON (the load generator's report reads it).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// A report written earlier with --json: say which stage explains the change.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
 }
 
 fn parse_seconds(s: &str) -> Result<Duration, String> {

@@ -10,17 +10,21 @@
 //! - [`ingest`]: documents → text → chunks → vectors in the store; the bundled corpus.
 //! - [`models`]: the model manifest, fetching and verifying weights.
 //! - [`telemetry`]: the shared clock, stage spans, exporters.
+//! - [`fault`]: fault and latency injection (off unless configured), for experiments.
+//! - [`attribute`]: where the latency went, per stage, from recorded traces.
 //! - [`device`]: the one place that picks CPU or CUDA.
 //! - [`cli`], [`eval`], [`bench`]: the other subcommands.
 
 pub mod api;
 pub mod app;
+pub mod attribute;
 pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod device;
 pub mod embed;
 pub mod eval;
+pub mod fault;
 pub mod generate;
 pub mod ingest;
 pub mod models;

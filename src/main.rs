@@ -15,6 +15,7 @@ async fn main() -> Result<()> {
         Command::Query(query) => cli::query(query).await,
         Command::Eval(eval) => ragscope::eval::run(eval).await,
         Command::Bench(bench) => ragscope::bench::run(bench).await,
+        Command::Attribute(a) => ragscope::attribute::run(a).await,
         Command::Models { action } => match action {
             ModelsAction::Fetch(m) => cli::fetch_models(&m),
             ModelsAction::Verify(m) => cli::verify_models(&m),

@@ -15,6 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::config::PipelineArgs;
 use crate::embed::cache::QueryCache;
 use crate::embed::{EmbedError, Embedder};
+use crate::fault::{FaultPlan, FaultStage, Injected};
 use crate::generate::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generator, Sampling,
 };
@@ -52,6 +53,8 @@ pub struct RagRequest {
     pub sampling: Sampling,
     pub filter: Option<Filter>,
     pub deadline: Instant,
+    /// Faults to inject (empty unless the server allows injection).
+    pub faults: Arc<FaultPlan>,
 }
 
 impl RagRequest {
@@ -66,6 +69,7 @@ impl RagRequest {
             sampling: Sampling::default(),
             filter: None,
             deadline: clock::now() + timeout,
+            faults: Arc::default(),
         }
     }
 }
@@ -140,6 +144,8 @@ pub enum PipelineError {
     Generate(#[from] GenerateError),
     #[error(transparent)]
     Ingest(#[from] IngestError),
+    #[error(transparent)]
+    Injected(#[from] Injected),
 }
 
 impl From<QueueFull> for PipelineError {
@@ -161,6 +167,7 @@ impl PipelineError {
             PipelineError::Generate(GenerateError::ContextOverflow { .. }) => "context_overflow",
             PipelineError::Generate(_) => "generate",
             PipelineError::Ingest(_) => "ingest",
+            PipelineError::Injected(_) => "injected_fault",
         }
     }
 }
@@ -287,6 +294,7 @@ impl Pipeline {
         // 1. Embed the query.
         let stage = request.child(format!("embeddings {}", self.embedder.model_id()));
         stage.set_all(model_attributes("embeddings", self.embedder.model_id()));
+        req.faults.apply(FaultStage::Embeddings, &stage)?;
         let vector = match self.query_cache.get(&req.query) {
             Some(vector) => {
                 stage.set(KeyValue::new("rag.cache.hit", true));
@@ -315,6 +323,7 @@ impl Pipeline {
             KeyValue::new("rag.retrieval.index", info.index),
             KeyValue::new("rag.retrieval.filtered", req.filter.is_some()),
         ]);
+        req.faults.apply(FaultStage::Retrieval, &stage)?;
         let hits = self.store.search(&vector, req.top_k, req.filter.as_ref())?;
         stage.set(KeyValue::new(
             "db.response.returned_rows",
@@ -323,7 +332,7 @@ impl Pipeline {
         timings.retrieve_ms = millis(stage.end());
 
         // 3. Rerank and keep the best `rerank_top_n`.
-        let mut ranked = self.rank(&req.query, hits, request, &mut timings)?;
+        let mut ranked = self.rank(req, hits, request, &mut timings)?;
         ranked.truncate(req.rerank_top_n);
         if let Some(tx) = events {
             let _ = tx.send(Event::Sources(ranked.clone()));
@@ -332,6 +341,7 @@ impl Pipeline {
 
         // 4. Build the prompt within the context window.
         let stage = request.child("prompt");
+        req.faults.apply(FaultStage::Prompt, &stage)?;
         let passages: Vec<&str> = ranked.iter().map(|s| s.text.as_str()).collect();
         let built = prompt::build(
             self.generator.as_ref(),
@@ -369,10 +379,19 @@ impl Pipeline {
         if let Some(p) = req.sampling.top_p {
             stage.set(KeyValue::new("gen_ai.request.top_p", p));
         }
+        req.faults.apply(FaultStage::Chat, &stage)?;
         let profiled = profile::label(&stage);
-        let mut on_token = |piece: &str| match events {
-            Some(tx) if tx.send(Event::Token(piece.to_string())).is_err() => Flow::Stop,
-            _ => Flow::Continue,
+        let token_delay = req.faults.token_delay();
+        let mut delayed_tokens = 0;
+        let mut on_token = |piece: &str| {
+            if let Some(d) = token_delay {
+                std::thread::sleep(d);
+                delayed_tokens += 1;
+            }
+            match events {
+                Some(tx) if tx.send(Event::Token(piece.to_string())).is_err() => Flow::Stop,
+                _ => Flow::Continue,
+            }
         };
         let generated = self.generator.generate(
             GenerateRequest {
@@ -386,6 +405,13 @@ impl Pipeline {
             &mut on_token,
         )?;
         drop(profiled);
+        if let Some(d) = token_delay {
+            stage.set_all([
+                KeyValue::new("rag.fault.token_delay_ms", millis(d)),
+                KeyValue::new("rag.fault.delayed_tokens", delayed_tokens as i64),
+            ]);
+            crate::fault::count(FaultStage::Chat, "token_delay");
+        }
         let ttft = generated
             .first_token_at
             .map(|t| millis(t.saturating_duration_since(request.started())));
@@ -428,7 +454,7 @@ impl Pipeline {
     /// Reorders candidates by the reranker's scores (or keeps retrieval order without one).
     fn rank(
         &self,
-        query: &str,
+        req: &RagRequest,
         hits: Vec<ScoredChunk>,
         request: &Stage,
         timings: &mut Timings,
@@ -447,8 +473,9 @@ impl Pipeline {
                         retrieval_score: h.score,
                     })
                     .collect();
+                req.faults.apply(FaultStage::Rerank, &stage)?;
                 let profiled = profile::label(&stage);
-                let scores = reranker.score(query, &candidates, &stage)?;
+                let scores = reranker.score(&req.query, &candidates, &stage)?;
                 drop(profiled);
                 timings.rerank_ms = millis(stage.end());
                 scores

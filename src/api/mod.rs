@@ -2,6 +2,7 @@
 //! comes from the caller's `traceparent`; handlers hand that span to the pipeline, and it ends
 //! only when the response body has been written, so streamed answers are timed to the last byte.
 
+pub mod admin;
 pub mod documents;
 pub mod error;
 pub mod json;
@@ -36,6 +37,8 @@ pub struct AppState {
     pub pipeline: Arc<OnceLock<Arc<Pipeline>>>,
     pub readiness: Arc<Readiness>,
     pub request_timeout: Duration,
+    /// Fault injection settings and the current plan (off by default).
+    pub faults: Arc<crate::fault::Faults>,
 }
 
 /// What `/ready` reports while the server starts.
@@ -63,6 +66,17 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/v1/documents", post(documents::create))
         .route("/v1/documents/{id}", delete(documents::remove))
         .route_layer(middleware::from_fn(trace_request))
+        // Experiment controls are not traced either: they are not part of the system under test.
+        .route(
+            "/admin/faults",
+            get(admin::get_faults)
+                .put(admin::put_faults)
+                .delete(admin::clear_faults),
+        )
+        .route(
+            "/debug/traces",
+            get(admin::recent_traces).delete(admin::clear_traces),
+        )
         // Probes and scrapes are not traced: they would bury the requests people look for.
         .route("/health", get(health))
         .route("/ready", get(ready))

@@ -104,6 +104,7 @@ fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
+    headers: axum::http::HeaderMap,
     ValidJson(body): ValidJson<ChatBody>,
 ) -> Result<Response, ApiError> {
     let pipeline = state.pipeline()?;
@@ -136,7 +137,7 @@ pub async fn chat_completions(
     }
     // Our own system prompt frames the passages; the client's system turns are kept as context.
     let last_index = body.messages.len() - 1;
-    let req = rag_request(
+    let mut req = rag_request(
         &pipeline,
         &state,
         Asked {
@@ -161,6 +162,7 @@ pub async fn chat_completions(
         },
         _ => e,
     })?;
+    req.faults = super::admin::request_faults(&state, &headers, &stage)?;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = pipeline.generator.model_id().to_string();
     if !body.stream {

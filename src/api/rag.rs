@@ -4,6 +4,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -147,6 +148,7 @@ pub fn rag_request(
         },
         filter,
         deadline: clock::now() + state.request_timeout,
+        faults: Arc::default(),
     })
 }
 
@@ -160,10 +162,11 @@ impl ApiError {
 pub async fn query(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
+    headers: HeaderMap,
     ValidJson(body): ValidJson<QueryBody>,
 ) -> Result<Response, ApiError> {
     let pipeline = state.pipeline()?;
-    let req = rag_request(
+    let mut req = rag_request(
         &pipeline,
         &state,
         Asked {
@@ -178,6 +181,7 @@ pub async fn query(
             filter: body.filter,
         },
     )?;
+    req.faults = super::admin::request_faults(&state, &headers, &stage)?;
     if pipeline.defaults.capture_content {
         stage.set(KeyValue::new("rag.query.text", req.query.clone()));
     }

@@ -29,6 +29,8 @@ pub struct Metrics {
     pub tokens: Counter<u64>,
     pub requests_in_flight: UpDownCounter<i64>,
     pub cache_requests: Counter<u64>,
+    /// Injected faults by `rag.stage` and `kind` (delay, cpu_burn, error, token_delay).
+    pub faults_injected: Counter<u64>,
 }
 
 /// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
@@ -88,6 +90,11 @@ impl Metrics {
                 .u64_counter("ragscope.cache.requests")
                 .with_unit("{request}")
                 .with_description("Cache look-ups by cache and result (hit or miss)")
+                .build(),
+            faults_injected: meter
+                .u64_counter("ragscope.faults.injected")
+                .with_unit("{fault}")
+                .with_description("Faults injected on purpose (only with --faults true)")
                 .build(),
         }
     }

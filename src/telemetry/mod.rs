@@ -5,6 +5,7 @@
 //! flushes and shuts the providers down when dropped. Export runs on the SDK's own thread and
 //! never blocks a request; a dead collector costs dropped spans, not requests.
 
+pub mod buffer;
 pub mod clock;
 pub mod export;
 pub mod metrics;
@@ -87,10 +88,11 @@ pub fn tracer_provider<E: SpanExporter + 'static>(
     resource: Resource,
 ) -> SdkTracerProvider {
     let queue = ExportQueue::new(exporter, QueueSettings::from_env(), export_stats());
-    SdkTracerProvider::builder()
-        .with_span_processor(queue)
-        .with_resource(resource)
-        .build()
+    let mut builder = SdkTracerProvider::builder().with_span_processor(queue);
+    if let Some(recent) = buffer::processor() {
+        builder = builder.with_span_processor(recent);
+    }
+    builder.with_resource(resource).build()
 }
 
 /// `service.name` from `OTEL_SERVICE_NAME` (default `ragscope`) plus `OTEL_RESOURCE_ATTRIBUTES`.
@@ -152,8 +154,19 @@ pub fn init() -> Result<TelemetryGuard> {
     };
     if !tracing_wanted() {
         tracing::info!("span export off (set OTEL_EXPORTER_OTLP_ENDPOINT to turn it on)");
+        // Spans still feed the recent-trace buffer (`/debug/traces`) unless the SDK is off.
+        let sdk_off =
+            env_nonempty("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+        let tracer = buffer::processor().filter(|_| !sdk_off).map(|recent| {
+            let provider = SdkTracerProvider::builder()
+                .with_span_processor(recent)
+                .with_resource(resource())
+                .build();
+            opentelemetry::global::set_tracer_provider(provider.clone());
+            provider
+        });
         return Ok(TelemetryGuard {
-            tracer: None,
+            tracer,
             stage_tracers: Vec::new(),
             meter: Some(meter),
             _profiler: profiler,

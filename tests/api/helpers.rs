@@ -82,10 +82,18 @@ async fn start(data_dir: &Path, extra: &[&str], tmp: Option<tempfile::TempDir>) 
 
 /// A server over stand-in stages (for tests about telemetry and serving, not models).
 pub async fn spawn_fake_app(generator: crate::fakes::FakeGenerator) -> TestApp {
+    spawn_fake_app_with(generator, &[]).await
+}
+
+/// The same, with extra `serve` flags.
+pub async fn spawn_fake_app_with(
+    generator: crate::fakes::FakeGenerator,
+    extra: &[&str],
+) -> TestApp {
     if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
-    let args = serve_args(Path::new("unused"), &[]);
+    let args = serve_args(Path::new("unused"), extra);
     let pipeline = ragscope::pipeline::Pipeline {
         embedder: Arc::new(crate::fakes::FakeEmbedder),
         store: Arc::new(crate::fakes::FakeStore::default()),
@@ -104,7 +112,8 @@ async fn serve(
     args: &ServeArgs,
     tmp: Option<tempfile::TempDir>,
 ) -> TestApp {
-    let state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
+    let mut state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
+    state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (tx, rx) = oneshot::channel();

@@ -1,9 +1,11 @@
 //! Integration tests: the real server on port 0 with the real models and the embedded store.
 
+mod attribution;
 mod coverage;
 mod documents;
 mod errors;
 mod fakes;
+mod faults;
 mod helpers;
 mod metrics;
 mod openai;

@@ -1,0 +1,158 @@
+//! Run-time switches for experiments: the fault plan (`/admin/faults`, bearer token) and the
+//! per-request `x-ragscope-fault` header, plus the recent-trace buffer that `ragscope attribute`
+//! reads (`/debug/traces`).
+
+use std::sync::Arc;
+
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use opentelemetry::KeyValue;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::error::ApiError;
+use super::AppState;
+use crate::fault::{FaultPlan, HEADER};
+use crate::telemetry::span::Stage;
+
+/// The plan a request runs: its own from the header when the server allows that, else the
+/// server's. Records which one on the request span when it injects anything.
+pub fn request_faults(
+    state: &AppState,
+    headers: &HeaderMap,
+    request: &Stage,
+) -> Result<Arc<FaultPlan>, ApiError> {
+    let faults = &state.faults;
+    let (plan, source) = match headers.get(HEADER) {
+        Some(value) => {
+            if !(faults.enabled && faults.allow_header) {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "invalid_request_error",
+                    format!("{HEADER}: per-request faults are off on this server (start it with --faults true --fault-header true)"),
+                )
+                .with_code("faults_disabled"));
+            }
+            let text = value
+                .to_str()
+                .map_err(|_| ApiError::field(HEADER, "must be ASCII JSON"))?;
+            let plan = FaultPlan::parse(text).map_err(|e| ApiError::field(HEADER, e))?;
+            (Arc::new(plan), "header")
+        }
+        None if faults.enabled => (faults.current(), "server"),
+        None => return Ok(Arc::default()),
+    };
+    if !plan.is_empty() {
+        request.set(KeyValue::new("rag.fault.plan", source));
+    }
+    Ok(plan)
+}
+
+/// `GET /admin/faults`: the server's current plan.
+pub async fn get_faults(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    Json(state.faults.current().as_ref()).into_response()
+}
+
+/// `PUT /admin/faults`: replaces the plan every request runs (the body is the plan).
+pub async fn put_faults(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    match FaultPlan::parse(&body) {
+        Ok(plan) => {
+            tracing::warn!(plan = %body.trim(), "fault plan replaced");
+            state.faults.replace(plan);
+            Json(state.faults.current().as_ref()).into_response()
+        }
+        Err(e) => ApiError::field("body", e).into_response(),
+    }
+}
+
+/// `DELETE /admin/faults`: stops injecting.
+pub async fn clear_faults(State(state): State<AppState>, headers: HeaderMap) -> Response {
+    if let Err(e) = authorize(&state, &headers) {
+        return e.into_response();
+    }
+    state.faults.replace(FaultPlan::default());
+    tracing::warn!("fault plan cleared");
+    StatusCode::NO_CONTENT.into_response()
+}
+
+fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = state
+        .faults
+        .admin_token
+        .as_deref()
+        .filter(|_| state.faults.enabled)
+    else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "path: /admin/faults is off (start the server with --faults true --fault-admin-token …)",
+        )
+        .with_code("not_found"));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
+        return Ok(());
+    }
+    let mut e = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "authentication_error",
+        "authorization: a valid `Bearer <admin token>` is required",
+    );
+    e.param = Some("authorization".into());
+    Err(e)
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracesQuery {
+    /// Most recent traces to return (default all that are buffered).
+    limit: Option<usize>,
+}
+
+/// `GET /debug/traces?limit=N`: the most recent finished traces, as OTLP JSON
+/// (`{"resourceSpans": [...]}`), the same format the collector's file exporter writes.
+pub async fn recent_traces(
+    query: Result<Query<TracesQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let limit = match query {
+        Ok(Query(q)) => q.limit,
+        Err(e) => return ApiError::field("limit", e.body_text()).into_response(),
+    };
+    match crate::telemetry::buffer::recent() {
+        Some(buffer) => Json(buffer.otlp_json(limit)).into_response(),
+        None => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "path: the recent-trace buffer is off (RAGSCOPE_TRACE_BUFFER=0 or OTEL_SDK_DISABLED)",
+        )
+        .with_code("not_found")
+        .into_response(),
+    }
+}
+
+/// `DELETE /debug/traces`: empties the buffer (between the runs of an experiment).
+pub async fn clear_traces() -> Response {
+    if let Some(buffer) = crate::telemetry::buffer::recent() {
+        buffer.clear();
+    }
+    (StatusCode::OK, Json(json!({"cleared": true}))).into_response()
+}

@@ -1,0 +1,260 @@
+//! The server's own recent-trace buffer: the last `RAGSCOPE_TRACE_BUFFER` finished spans
+//! (default 4096, 0 turns it off), served as OTLP JSON at `GET /debug/traces` so
+//! `ragscope attribute --server URL` works without a collector. Recording a span here is one
+//! short lock and a push; the oldest spans fall off the end.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use opentelemetry::trace::{SpanKind, Status};
+use opentelemetry::{Context, KeyValue, Value};
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
+use opentelemetry_sdk::Resource;
+use serde_json::{json, Value as Json};
+
+const CAPACITY_ENV: &str = "RAGSCOPE_TRACE_BUFFER";
+const DEFAULT_CAPACITY: usize = 4096;
+
+/// Finished spans, oldest first, each with the `service.name` it was exported under.
+pub struct TraceBuffer {
+    capacity: usize,
+    spans: Mutex<VecDeque<(Arc<str>, SpanData)>>,
+}
+
+static RECENT: OnceLock<Option<Arc<TraceBuffer>>> = OnceLock::new();
+
+/// The process's buffer, unless it is turned off.
+pub fn recent() -> Option<Arc<TraceBuffer>> {
+    RECENT
+        .get_or_init(|| {
+            let capacity = std::env::var(CAPACITY_ENV)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(DEFAULT_CAPACITY);
+            (capacity > 0).then(|| Arc::new(TraceBuffer::new(capacity)))
+        })
+        .clone()
+}
+
+/// A span processor feeding the buffer, for one tracer provider.
+pub fn processor() -> Option<BufferProcessor> {
+    recent().map(|buffer| BufferProcessor {
+        buffer,
+        service: Arc::from(super::SERVICE_NAME),
+    })
+}
+
+impl TraceBuffer {
+    pub fn new(capacity: usize) -> TraceBuffer {
+        TraceBuffer {
+            capacity,
+            spans: Mutex::new(VecDeque::with_capacity(capacity.min(65_536))),
+        }
+    }
+
+    pub fn push(&self, service: Arc<str>, span: SpanData) {
+        let mut spans = self.spans.lock().expect("trace buffer lock");
+        if spans.len() == self.capacity {
+            spans.pop_front();
+        }
+        spans.push_back((service, span));
+    }
+
+    pub fn clear(&self) {
+        self.spans.lock().expect("trace buffer lock").clear();
+    }
+
+    /// The spans of the `limit` most recently finished traces (all when `None`), as OTLP JSON.
+    pub fn otlp_json(&self, limit: Option<usize>) -> Json {
+        let spans = self.spans.lock().expect("trace buffer lock").clone();
+        let mut last_end: HashMap<opentelemetry::trace::TraceId, SystemTime> = HashMap::new();
+        for (_, s) in &spans {
+            let end = last_end
+                .entry(s.span_context.trace_id())
+                .or_insert(s.end_time);
+            *end = (*end).max(s.end_time);
+        }
+        let keep: Option<std::collections::HashSet<_>> = limit.map(|n| {
+            let mut traces: Vec<_> = last_end.into_iter().collect();
+            traces.sort_by_key(|&(_, end)| std::cmp::Reverse(end));
+            traces.into_iter().take(n).map(|(id, _)| id).collect()
+        });
+        let chosen = spans.iter().filter(|(_, s)| {
+            keep.as_ref()
+                .is_none_or(|k| k.contains(&s.span_context.trace_id()))
+        });
+        otlp_json(chosen.map(|(service, s)| (service.as_ref(), s)))
+    }
+}
+
+/// Spans as an OTLP/JSON `ExportTraceServiceRequest`, one resource per service name.
+pub fn otlp_json<'a>(spans: impl IntoIterator<Item = (&'a str, &'a SpanData)>) -> Json {
+    let mut by_service: Vec<(&str, Vec<Json>)> = Vec::new();
+    for (service, span) in spans {
+        let encoded = span_json(span);
+        match by_service.iter_mut().find(|(s, _)| *s == service) {
+            Some((_, list)) => list.push(encoded),
+            None => by_service.push((service, vec![encoded])),
+        }
+    }
+    let resource_spans: Vec<Json> = by_service
+        .into_iter()
+        .map(|(service, spans)| {
+            json!({
+                "resource": {"attributes": [attribute(&KeyValue::new("service.name", service.to_string()))]},
+                "scopeSpans": [{"scope": {"name": super::span::SCOPE}, "spans": spans}],
+            })
+        })
+        .collect();
+    json!({ "resourceSpans": resource_spans })
+}
+
+fn span_json(s: &SpanData) -> Json {
+    let parent = if s.parent_span_id == opentelemetry::trace::SpanId::INVALID {
+        String::new()
+    } else {
+        s.parent_span_id.to_string()
+    };
+    let (code, message) = match &s.status {
+        Status::Unset => (0, String::new()),
+        Status::Ok => (1, String::new()),
+        Status::Error { description } => (2, description.to_string()),
+    };
+    json!({
+        "traceId": s.span_context.trace_id().to_string(),
+        "spanId": s.span_context.span_id().to_string(),
+        "parentSpanId": parent,
+        "name": s.name,
+        "kind": kind_number(&s.span_kind),
+        "startTimeUnixNano": nanos(s.start_time).to_string(),
+        "endTimeUnixNano": nanos(s.end_time).to_string(),
+        "attributes": s.attributes.iter().map(attribute).collect::<Vec<_>>(),
+        "events": s.events.iter().map(|e| json!({
+            "name": e.name,
+            "timeUnixNano": nanos(e.timestamp).to_string(),
+            "attributes": e.attributes.iter().map(attribute).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "status": {"code": code, "message": message},
+    })
+}
+
+fn kind_number(kind: &SpanKind) -> u8 {
+    match kind {
+        SpanKind::Internal => 1,
+        SpanKind::Server => 2,
+        SpanKind::Client => 3,
+        SpanKind::Producer => 4,
+        SpanKind::Consumer => 5,
+    }
+}
+
+fn nanos(t: SystemTime) -> u128 {
+    t.duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos()
+}
+
+/// One attribute in OTLP/JSON form (64-bit integers as strings, as the mapping says).
+fn attribute(kv: &KeyValue) -> Json {
+    let value = match &kv.value {
+        Value::Bool(b) => json!({"boolValue": b}),
+        Value::I64(i) => json!({"intValue": i.to_string()}),
+        Value::F64(f) => json!({"doubleValue": f}),
+        other => json!({"stringValue": other.to_string()}),
+    };
+    json!({"key": kv.key.as_str(), "value": value})
+}
+
+/// Feeds finished spans into the buffer.
+#[derive(Debug)]
+pub struct BufferProcessor {
+    buffer: Arc<TraceBuffer>,
+    service: Arc<str>,
+}
+
+impl std::fmt::Debug for TraceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceBuffer")
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl SpanProcessor for BufferProcessor {
+    fn on_start(&self, _span: &mut Span, _cx: &Context) {}
+
+    fn on_end(&self, span: SpanData) {
+        if span.span_context.is_sampled() {
+            self.buffer.push(self.service.clone(), span);
+        }
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        Ok(())
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        if let Some(name) = resource.get(&opentelemetry::Key::from_static_str("service.name")) {
+            self.service = Arc::from(name.to_string());
+        }
+    }
+
+    fn shutdown_with_timeout(&self, _timeout: Duration) -> OTelSdkResult {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    use opentelemetry_sdk::trace::{SpanEvents, SpanLinks};
+
+    fn span(trace: u128, id: u64, parent: u64, end_s: u64) -> SpanData {
+        SpanData {
+            span_context: SpanContext::new(
+                TraceId::from(trace),
+                SpanId::from(id),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            parent_span_id: SpanId::from(parent),
+            parent_span_is_remote: false,
+            span_kind: SpanKind::Internal,
+            name: format!("span {id}").into(),
+            start_time: UNIX_EPOCH + Duration::from_secs(end_s - 1),
+            end_time: UNIX_EPOCH + Duration::from_secs(end_s),
+            attributes: vec![KeyValue::new("n", 7i64)],
+            dropped_attributes_count: 0,
+            events: SpanEvents::default(),
+            links: SpanLinks::default(),
+            status: Status::Unset,
+            instrumentation_scope: Default::default(),
+        }
+    }
+
+    #[test]
+    fn keeps_the_newest_spans_and_the_latest_traces() {
+        let buffer = TraceBuffer::new(3);
+        for (trace, id, end) in [(1, 1, 10), (1, 2, 11), (2, 3, 20), (3, 4, 30)] {
+            buffer.push(Arc::from("svc"), span(trace, id, 0, end));
+        }
+        let all = buffer.otlp_json(None);
+        let spans = all["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            .as_array()
+            .unwrap();
+        assert_eq!(spans.len(), 3, "the oldest span fell off");
+        let latest = buffer.otlp_json(Some(1));
+        let spans = latest["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            .as_array()
+            .unwrap();
+        assert_eq!(spans.len(), 1);
+        assert_eq!(spans[0]["spanId"], "0000000000000004");
+        assert_eq!(spans[0]["parentSpanId"], "");
+        assert_eq!(spans[0]["endTimeUnixNano"], "30000000000");
+        assert_eq!(spans[0]["attributes"][0]["value"]["intValue"], "7");
+    }
+}
