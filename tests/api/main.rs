@@ -13,4 +13,5 @@ mod profile;
 mod query;
 mod receiver;
 mod rotel;
+mod stack;
 mod trace;

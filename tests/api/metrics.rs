@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::helpers::spawn_app;
 
-fn promtool() -> Option<PathBuf> {
+pub(crate) fn promtool() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("PROMTOOL") {
         return Some(PathBuf::from(p));
     }
