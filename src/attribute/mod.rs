@@ -134,6 +134,8 @@ struct TraceTimes {
     stages: HashMap<String, (f64, f64, f64)>,
     faults: HashMap<String, Vec<(String, String)>>,
     path: Vec<(String, f64)>,
+    /// When each stage first started, ms after the request began (for ordering the report).
+    offsets: HashMap<String, f64>,
 }
 
 /// The first word of a span name (`embeddings all-MiniLM-L6-v2` → `embeddings`): model and
@@ -216,6 +218,11 @@ fn trace_times(spans: &[&SpanRecord], ids: &HashMap<&str, usize>, root: usize) -
                 .iter()
                 .map(|&c| (spans[c].start_ns.max(start), spans[c].end_ns.min(end))),
         );
+        let offset = ms(start - r.start_ns);
+        t.offsets
+            .entry(path.clone())
+            .and_modify(|o| *o = o.min(offset))
+            .or_insert(offset);
         let entry = t.stages.entry(path.clone()).or_default();
         entry.0 += ms(inclusive - covered);
         entry.1 += ms(inclusive);
@@ -305,19 +312,20 @@ fn summarise(traces: Vec<TraceTimes>, failed: usize) -> Report {
         .collect();
     names.sort();
     names.dedup();
-    // In request order: by the mean position of the stage on the critical path.
+    // In request order: by when the stage starts on average; a parent before its children.
     let order = |name: &str| {
-        let positions: Vec<usize> = traces
+        let offsets: Vec<f64> = traces
             .iter()
-            .filter_map(|t| t.path.iter().position(|(s, _)| s == name))
+            .filter_map(|t| t.offsets.get(name).copied())
             .collect();
-        if positions.is_empty() {
-            f64::MAX
-        } else {
-            positions.iter().sum::<usize>() as f64 / positions.len() as f64
-        }
+        offsets.iter().sum::<f64>() / offsets.len().max(1) as f64
     };
-    names.sort_by(|a, b| order(a).total_cmp(&order(b)).then(a.cmp(b)));
+    names.sort_by(|a, b| {
+        order(a)
+            .total_cmp(&order(b))
+            .then(a.matches('›').count().cmp(&b.matches('›').count()))
+            .then(a.cmp(b))
+    });
     let stages: Vec<StageReport> = names
         .iter()
         .map(|name| {
