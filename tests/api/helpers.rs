@@ -82,13 +82,21 @@ async fn start(data_dir: &Path, extra: &[&str], tmp: Option<tempfile::TempDir>) 
 
 /// A server over stand-in stages (for tests about telemetry and serving, not models).
 pub async fn spawn_fake_app(generator: crate::fakes::FakeGenerator) -> TestApp {
+    spawn_fake_app_with_store(generator, Arc::new(crate::fakes::FakeStore::default())).await
+}
+
+/// Stand-in model stages over a given store (4-dimensional vectors).
+pub async fn spawn_fake_app_with_store(
+    generator: crate::fakes::FakeGenerator,
+    store: Arc<dyn ragscope::retrieve::VectorStore>,
+) -> TestApp {
     if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
     let args = serve_args(Path::new("unused"), &[]);
     let pipeline = ragscope::pipeline::Pipeline {
         embedder: Arc::new(crate::fakes::FakeEmbedder),
-        store: Arc::new(crate::fakes::FakeStore::default()),
+        store,
         reranker: Some(Arc::new(ragscope::rerank::fusion::FusionReranker::default())),
         generator: Arc::new(generator),
         workers: ragscope::worker::Workers::new(1, 64),
