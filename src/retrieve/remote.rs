@@ -245,6 +245,12 @@ impl RemoteStore {
 
     /// What a failed call means for the caller: unreachable servers are `Unavailable` (503).
     fn fail(&self, doing: &str, e: QdrantError) -> StoreError {
+        // A common slip: the REST port answers HTTP/1, so gRPC fails in confusing ways there.
+        let doing = if self.server.port == 6333 {
+            format!("{doing}; note 6333 is Qdrant's REST port, its gRPC port is 6334")
+        } else {
+            doing.to_string()
+        };
         match e {
             QdrantError::ResponseError { status } if unreachable(&status) => {
                 StoreError::Unavailable(format!(
