@@ -26,6 +26,7 @@ use crate::rerank::cross_encoder::CrossEncoder;
 use crate::rerank::fusion::FusionReranker;
 use crate::rerank::Reranker;
 use crate::retrieve::edge::EdgeStore;
+use crate::retrieve::remote::RemoteStore;
 use crate::retrieve::VectorStore;
 use crate::telemetry::span::Stage;
 use crate::worker::Workers;
@@ -105,7 +106,19 @@ fn model_name(spec: &str) -> String {
         .to_string()
 }
 
+/// The Qdrant server at `--qdrant-url` when one is given, else the embedded engine.
+/// Blocking: call it from a blocking or worker thread, not from async code.
 pub fn open_store(args: &StoreArgs, dimension: usize) -> Result<Arc<dyn VectorStore>> {
+    if let Some(url) = args.qdrant_url.as_deref().filter(|u| !u.trim().is_empty()) {
+        let store = RemoteStore::open(
+            url,
+            args.qdrant_api_key.as_deref(),
+            &args.collection,
+            dimension,
+        )
+        .with_context(|| format!("opening collection `{}` on {url}", args.collection))?;
+        return Ok(Arc::new(store));
+    }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("creating {}", args.data_dir.display()))?;
     let store = EdgeStore::open(&args.data_dir, &args.collection, dimension)

@@ -81,9 +81,17 @@ pub struct StoreArgs {
     /// Where the embedded store and the downloaded corpus live.
     #[arg(long, env = "RAGSCOPE_DATA_DIR", default_value = "data")]
     pub data_dir: PathBuf,
-    /// Collection (one Qdrant Edge shard directory under the data dir).
+    /// Collection: one Qdrant Edge shard directory under the data dir, or the collection on
+    /// the Qdrant server.
     #[arg(long, env = "RAGSCOPE_COLLECTION", default_value = "ragscope")]
     pub collection: String,
+    /// A Qdrant server's gRPC URL (e.g. http://qdrant:6334) to store vectors in instead of the
+    /// embedded engine; unset = embedded Qdrant Edge in the data dir.
+    #[arg(long, env = "RAGSCOPE_QDRANT_URL")]
+    pub qdrant_url: Option<String>,
+    /// API key for the Qdrant server, sent as `api-key` metadata.
+    #[arg(long, env = "RAGSCOPE_QDRANT_API_KEY", hide_env_values = true)]
+    pub qdrant_api_key: Option<String>,
     /// Largest chunk, in embedder tokens.
     #[arg(long, env = "RAGSCOPE_CHUNK_TOKENS", default_value_t = 200)]
     pub chunk_tokens: usize,

@@ -110,7 +110,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
-        let hits = pipeline.store.search(&vector, top_k, None)?;
+        let hits = pipeline.store.search(&vector, top_k, None, &stage)?;
         let candidates: Vec<Candidate> = hits
             .iter()
             .map(|h| Candidate {

@@ -314,6 +314,12 @@ impl Pipeline {
         // 2. Retrieve candidates.
         let info = self.store.info();
         let stage = request.child(format!("retrieval {}", info.collection));
+        if let Some(server) = &info.server {
+            stage.set_all([
+                KeyValue::new("server.address", server.address.clone()),
+                KeyValue::new("server.port", i64::from(server.port)),
+            ]);
+        }
         stage.set_all([
             KeyValue::new("db.system.name", info.system),
             KeyValue::new("db.collection.name", info.collection.clone()),
@@ -324,7 +330,9 @@ impl Pipeline {
             KeyValue::new("rag.retrieval.filtered", req.filter.is_some()),
         ]);
         req.faults.apply(FaultStage::Retrieval, &stage)?;
-        let hits = self.store.search(&vector, req.top_k, req.filter.as_ref())?;
+        let hits = self
+            .store
+            .search(&vector, req.top_k, req.filter.as_ref(), &stage)?;
         stage.set(KeyValue::new(
             "db.response.returned_rows",
             hits.len() as i64,

@@ -96,13 +96,15 @@ pub async fn create(
 
 pub async fn remove(
     State(state): State<AppState>,
+    Extension(stage): Extension<RequestStage>,
     Path(id): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
     check_id("id", &id)?;
     let store = pipeline.store.clone();
     let doc = id.clone();
-    let deleted = tokio::task::spawn_blocking(move || store.delete_document(&doc))
+    // Blocking: a remote store waits for its server (on its own runtime, not this one).
+    let deleted = tokio::task::spawn_blocking(move || store.delete_document(&doc, &stage))
         .await
         .map_err(|e| {
             ApiError::new(

@@ -10,6 +10,7 @@ use crate::embed::EmbedError;
 use crate::generate::GenerateError;
 use crate::ingest::IngestError;
 use crate::pipeline::PipelineError;
+use crate::retrieve::StoreError;
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -102,6 +103,12 @@ impl From<PipelineError> for ApiError {
                 ..ApiError::field("max_tokens", message)
             },
             PipelineError::Ingest(IngestError::Empty(_)) => ApiError::field("documents", message),
+            PipelineError::Store(StoreError::Unavailable(_))
+            | PipelineError::Ingest(IngestError::Store(StoreError::Unavailable(_))) => ApiError {
+                retry_after_s: Some(5),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+                    .with_code("store_unavailable")
+            },
             PipelineError::Embed(EmbedError::Tokenizer(_))
             | PipelineError::Generate(GenerateError::Tokenizer(_)) => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,

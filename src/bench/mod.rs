@@ -101,7 +101,9 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     for _ in 0..rounds * 20 {
         for v in &vectors {
             let t = Instant::now();
-            pipeline.store.search(v, args.pipeline.top_k, None)?;
+            pipeline
+                .store
+                .search(v, args.pipeline.top_k, None, &stage())?;
             lat.push(t.elapsed());
         }
     }
@@ -148,7 +150,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                     v.into_iter().map(|x| x / norm).collect()
                 })
                 .collect();
-            store.upsert(&chunks, &vecs)?;
+            store.upsert(&chunks, &vecs, &stage())?;
         }
         let upsert = t.elapsed();
         let t = Instant::now();
@@ -158,7 +160,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         for _ in 0..rounds * 20 {
             for v in &vectors {
                 let t = Instant::now();
-                store.search(v, args.pipeline.top_k, None)?;
+                store.search(v, args.pipeline.top_k, None, &stage())?;
                 lat.push(t.elapsed());
             }
         }

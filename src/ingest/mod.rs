@@ -171,7 +171,7 @@ pub fn ingest_document(
 ) -> Result<IngestOutcome, IngestError> {
     let chunks = plan_chunks(doc, embedder, cfg)?;
     let ids: Vec<String> = chunks.iter().map(|c| c.id.clone()).collect();
-    let existing = store.existing(&ids)?;
+    let existing = store.existing(&ids, stage)?;
     stage.set(KeyValue::new("rag.ingest.chunks", chunks.len() as i64));
     if existing.len() == ids.len() {
         return Ok(IngestOutcome {
@@ -184,8 +184,8 @@ pub fn ingest_document(
     let texts: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
     let vectors = embedder.embed(&texts, &embed_stage)?;
     embed_stage.end();
-    let removed = store.delete_document(&doc.id)?;
-    store.upsert(&chunks, &vectors)?;
+    let removed = store.delete_document(&doc.id, stage)?;
+    store.upsert(&chunks, &vectors, stage)?;
     Ok(IngestOutcome {
         id: doc.id.clone(),
         chunks: chunks.len(),

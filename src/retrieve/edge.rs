@@ -17,17 +17,16 @@ use qdrant_edge::{
     PointStructPersisted, QueryEnum, QueryRequest, ScoringQuery, UpdateOperation,
     WithPayloadInterface, WithVector, DEFAULT_VECTOR_NAME,
 };
-use serde_json::{Map, Value};
+use serde_json::Value;
 
+use super::payload::{self, chunk_from_payload, chunk_payload, PointKey, INDEXED_KEYWORDS};
 use super::{
     Chunk, Filter, FilterField, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore,
 };
+use crate::telemetry::span::Stage;
 
 /// Points per update operation: keeps each WAL record and each segment write-lock hold small.
-const UPSERT_BATCH: usize = 256;
-
-/// Payload fields with a keyword index: the filters the API exposes first.
-const INDEXED_KEYWORDS: [&str; 2] = ["doc_id", "source"];
+pub(crate) const UPSERT_BATCH: usize = 256;
 
 /// A collection stored in an embedded Qdrant Edge shard at `<dir>/<collection>`.
 ///
@@ -182,10 +181,16 @@ impl VectorStore for EdgeStore {
                 "plain"
             },
             points: info.points_count,
+            server: None,
         }
     }
 
-    fn upsert(&self, chunks: &[Chunk], vectors: &[Vec<f32>]) -> Result<(), StoreError> {
+    fn upsert(
+        &self,
+        chunks: &[Chunk],
+        vectors: &[Vec<f32>],
+        _stage: &Stage,
+    ) -> Result<(), StoreError> {
         if chunks.len() != vectors.len() {
             return Err(StoreError::Backend(format!(
                 "upsert: {} chunks but {} vectors",
@@ -227,6 +232,7 @@ impl VectorStore for EdgeStore {
         vector: &[f32],
         top_k: usize,
         filter: Option<&Filter>,
+        _stage: &Stage,
     ) -> Result<Vec<ScoredChunk>, StoreError> {
         self.check_dimension(vector)?;
         if top_k == 0 {
@@ -261,13 +267,13 @@ impl VectorStore for EdgeStore {
             .collect()
     }
 
-    fn existing(&self, ids: &[String]) -> Result<HashSet<String>, StoreError> {
+    fn existing(&self, ids: &[String], _stage: &Stage) -> Result<HashSet<String>, StoreError> {
         // Map back to the caller's spelling: the engine prints UUIDs in canonical form.
         let mut wanted: HashMap<PointId, &String> = HashMap::with_capacity(ids.len());
         for id in ids {
             // An id that is not a valid point id cannot have been stored.
-            if let Ok(point) = id.parse::<PointId>() {
-                wanted.insert(point, id);
+            if let Some(key) = PointKey::parse(id) {
+                wanted.insert(to_point_id(key), id);
             }
         }
         if wanted.is_empty() {
@@ -288,9 +294,9 @@ impl VectorStore for EdgeStore {
             .collect())
     }
 
-    fn delete_document(&self, doc_id: &str) -> Result<usize, StoreError> {
+    fn delete_document(&self, doc_id: &str, _stage: &Stage) -> Result<usize, StoreError> {
         let filter = QdrantFilter::new_must(QdrantCondition::Field(FieldCondition::new_match(
-            field_path(&FilterField::DocId)?,
+            payload_path(&payload::field_path(&FilterField::DocId)?)?,
             Match::from(doc_id.to_string()),
         )));
         // Counting and deleting under the writer lock: no upsert can slip in between, so the
@@ -406,8 +412,14 @@ fn backend(context: &str) -> impl FnOnce(OperationError) -> StoreError + '_ {
 }
 
 fn point_id(id: &str) -> Result<PointId, StoreError> {
-    id.parse::<PointId>()
-        .map_err(|()| StoreError::Backend(format!("chunk id `{id}` is not a UUID")))
+    PointKey::for_chunk(id).map(to_point_id)
+}
+
+fn to_point_id(key: PointKey) -> PointId {
+    match key {
+        PointKey::Num(n) => PointId::NumId(n),
+        PointKey::Uuid(u) => PointId::Uuid(u),
+    }
 }
 
 fn payload_path(key: &str) -> Result<JsonPath, StoreError> {
@@ -415,88 +427,25 @@ fn payload_path(key: &str) -> Result<JsonPath, StoreError> {
         .map_err(|()| StoreError::Backend(format!("`{key}` is not a valid payload path")))
 }
 
-fn chunk_payload(chunk: &Chunk) -> Map<String, Value> {
-    let mut payload = Map::with_capacity(5);
-    payload.insert("doc_id".into(), Value::String(chunk.doc_id.clone()));
-    payload.insert("text".into(), Value::String(chunk.text.clone()));
-    payload.insert("source".into(), Value::String(chunk.source.clone()));
-    payload.insert("position".into(), Value::from(chunk.position));
-    payload.insert("metadata".into(), Value::Object(chunk.metadata.clone()));
-    payload
-}
-
-fn chunk_from_payload(id: String, mut payload: Map<String, Value>) -> Result<Chunk, StoreError> {
-    let mut text_field = |name: &str| match payload.remove(name) {
-        Some(Value::String(s)) => Ok(s),
-        _ => Err(StoreError::Backend(format!(
-            "point {id}: payload field `{name}` is missing or not a string"
-        ))),
-    };
-    let doc_id = text_field("doc_id")?;
-    let text = text_field("text")?;
-    let source = text_field("source")?;
-    let position = payload
-        .get("position")
-        .and_then(Value::as_u64)
-        .and_then(|p| u32::try_from(p).ok())
-        .ok_or_else(|| {
-            StoreError::Backend(format!(
-                "point {id}: payload field `position` is missing or not a u32"
-            ))
-        })?;
-    let metadata = match payload.remove("metadata") {
-        Some(Value::Object(map)) => map,
-        _ => Map::new(),
-    };
-    Ok(Chunk {
-        id,
-        doc_id,
-        text,
-        source,
-        position,
-        metadata,
-    })
-}
-
-/// Our conjunction becomes qdrant's `must`; an empty filter is no filter.
+/// Our conjunction becomes the engine's `must`; an empty filter is no filter.
 fn to_qdrant_filter(filter: &Filter) -> Result<Option<QdrantFilter>, StoreError> {
-    if filter.conditions.is_empty() {
-        return Ok(None);
-    }
-    let must = filter
-        .conditions
-        .iter()
-        .map(|condition| {
-            let key = field_path(&condition.field)?;
-            let matches = match &condition.matches {
-                MatchValue::Keyword(word) => Match::from(word.clone()),
-                MatchValue::AnyKeyword(words) => Match::from(words.clone()),
-                MatchValue::Integer(i) => Match::from(*i),
-                MatchValue::Bool(b) => Match::from(*b),
-            };
-            Ok(QdrantCondition::Field(FieldCondition::new_match(
-                key, matches,
-            )))
-        })
-        .collect::<Result<Vec<_>, StoreError>>()?;
-    let mut qdrant = QdrantFilter::new();
-    qdrant.must = Some(must);
-    Ok(Some(qdrant))
-}
-
-fn field_path(field: &FilterField) -> Result<JsonPath, StoreError> {
-    match field {
-        FilterField::Metadata(key) => {
-            // Quoted so that a key with `.` or `[` stays one key instead of a deeper path.
-            if key.is_empty() || key.contains(['"', '\\']) {
-                return Err(StoreError::Backend(format!(
-                    "metadata key `{key}` cannot be used in a filter"
-                )));
-            }
-            payload_path(&format!("metadata.\"{key}\""))
-        }
-        other => payload_path(&other.payload_key()),
-    }
+    let must = payload::must_conditions(filter, |path, matches| {
+        let matches = match matches {
+            MatchValue::Keyword(word) => Match::from(word.clone()),
+            MatchValue::AnyKeyword(words) => Match::from(words.clone()),
+            MatchValue::Integer(i) => Match::from(*i),
+            MatchValue::Bool(b) => Match::from(*b),
+        };
+        Ok(QdrantCondition::Field(FieldCondition::new_match(
+            payload_path(&path)?,
+            matches,
+        )))
+    })?;
+    Ok(must.map(|must| {
+        let mut qdrant = QdrantFilter::new();
+        qdrant.must = Some(must);
+        qdrant
+    }))
 }
 
 #[cfg(test)]
@@ -515,6 +464,10 @@ mod tests {
     use crate::retrieve::Condition;
 
     const DIM: usize = 8;
+
+    fn stage() -> Stage {
+        Stage::root("test")
+    }
 
     fn chunk(doc_id: &str, position: u32, source: &str, metadata: Value) -> Chunk {
         let text = format!("{doc_id} chunk {position}");
@@ -575,7 +528,7 @@ mod tests {
         let dir = TempDir::new().unwrap();
         let store = EdgeStore::open(dir.path(), "test", DIM).unwrap();
         let (chunks, vectors) = sample();
-        store.upsert(&chunks, &vectors).unwrap();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
         (dir, store, chunks, vectors)
     }
 
@@ -594,7 +547,7 @@ mod tests {
         let (_dir, store, chunks, vectors) = open_sample();
         assert_eq!(store.count().unwrap(), chunks.len());
 
-        let hits = store.search(&vectors[3], 3, None).unwrap();
+        let hits = store.search(&vectors[3], 3, None, &stage()).unwrap();
         assert_eq!(hits.len(), 3);
         assert_eq!(
             hits[0].chunk, chunks[3],
@@ -621,11 +574,20 @@ mod tests {
     fn search_checks_dimension_and_top_k() {
         let (_dir, store, _, vectors) = open_sample();
         assert!(matches!(
-            store.search(&[1.0; DIM + 1], 3, None),
+            store.search(&[1.0; DIM + 1], 3, None, &stage()),
             Err(StoreError::Dimension { got, want }) if got == DIM + 1 && want == DIM
         ));
-        assert!(store.search(&vectors[0], 0, None).unwrap().is_empty());
-        assert_eq!(store.search(&vectors[0], 100, None).unwrap().len(), 6);
+        assert!(store
+            .search(&vectors[0], 0, None, &stage())
+            .unwrap()
+            .is_empty());
+        assert_eq!(
+            store
+                .search(&vectors[0], 100, None, &stage())
+                .unwrap()
+                .len(),
+            6
+        );
     }
 
     #[test]
@@ -633,7 +595,9 @@ mod tests {
         let (_dir, store, _, vectors) = open_sample();
         // The query is closest to a chunk of `b`, but only `a` may come back.
         let only_a = filter(FilterField::DocId, MatchValue::Keyword("a".into()));
-        let hits = store.search(&vectors[3], 10, Some(&only_a)).unwrap();
+        let hits = store
+            .search(&vectors[3], 10, Some(&only_a), &stage())
+            .unwrap();
         assert_eq!(doc_ids(&hits), vec!["a", "a", "a"]);
     }
 
@@ -644,7 +608,9 @@ mod tests {
             FilterField::Source,
             MatchValue::AnyKeyword(vec!["wiki".into(), "web".into()]),
         );
-        let hits = store.search(&vectors[0], 10, Some(&wiki_or_web)).unwrap();
+        let hits = store
+            .search(&vectors[0], 10, Some(&wiki_or_web), &stage())
+            .unwrap();
         let mut docs = doc_ids(&hits);
         docs.sort();
         assert_eq!(docs, vec!["b", "b", "c"]);
@@ -657,20 +623,30 @@ mod tests {
             FilterField::Metadata("lang".into()),
             MatchValue::Keyword("de".into()),
         );
-        let hits = store.search(&vectors[0], 10, Some(&lang_de)).unwrap();
+        let hits = store
+            .search(&vectors[0], 10, Some(&lang_de), &stage())
+            .unwrap();
         assert_eq!(doc_ids(&hits), vec!["b", "b"]);
 
         let year = filter(
             FilterField::Metadata("year".into()),
             MatchValue::Integer(2024),
         );
-        assert_eq!(store.search(&vectors[0], 10, Some(&year)).unwrap().len(), 3);
+        assert_eq!(
+            store
+                .search(&vectors[0], 10, Some(&year), &stage())
+                .unwrap()
+                .len(),
+            3
+        );
 
         let drafts = filter(
             FilterField::Metadata("draft".into()),
             MatchValue::Bool(true),
         );
-        let hits = store.search(&vectors[0], 10, Some(&drafts)).unwrap();
+        let hits = store
+            .search(&vectors[0], 10, Some(&drafts), &stage())
+            .unwrap();
         assert_eq!(hits.len(), 1);
         assert_eq!(hits[0].chunk.position, 2);
 
@@ -685,14 +661,14 @@ mod tests {
             ],
         };
         assert!(store
-            .search(&vectors[0], 10, Some(&both))
+            .search(&vectors[0], 10, Some(&both), &stage())
             .unwrap()
             .is_empty());
 
         // An empty filter is no filter.
         assert_eq!(
             store
-                .search(&vectors[0], 10, Some(&Filter::default()))
+                .search(&vectors[0], 10, Some(&Filter::default()), &stage())
                 .unwrap()
                 .len(),
             6
@@ -702,31 +678,31 @@ mod tests {
     #[test]
     fn delete_document_counts_and_removes() {
         let (_dir, store, chunks, vectors) = open_sample();
-        assert_eq!(store.delete_document("a").unwrap(), 3);
+        assert_eq!(store.delete_document("a", &stage()).unwrap(), 3);
         assert_eq!(store.count().unwrap(), 3);
         let a_ids: Vec<String> = chunks[..3].iter().map(|c| c.id.clone()).collect();
-        assert!(store.existing(&a_ids).unwrap().is_empty());
-        let hits = store.search(&vectors[0], 10, None).unwrap();
+        assert!(store.existing(&a_ids, &stage()).unwrap().is_empty());
+        let hits = store.search(&vectors[0], 10, None, &stage()).unwrap();
         assert!(
             !doc_ids(&hits).contains(&"a"),
             "deleted chunks are not found"
         );
         assert_eq!(
-            store.delete_document("a").unwrap(),
+            store.delete_document("a", &stage()).unwrap(),
             0,
             "second delete finds nothing"
         );
-        assert_eq!(store.delete_document("nope").unwrap(), 0);
+        assert_eq!(store.delete_document("nope", &stage()).unwrap(), 0);
     }
 
     #[test]
     fn reupsert_same_ids_does_not_grow() {
         let (_dir, store, mut chunks, vectors) = open_sample();
         chunks[0].text = "replaced".into();
-        store.upsert(&chunks, &vectors).unwrap();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
         assert_eq!(store.count().unwrap(), chunks.len());
         assert_eq!(store.info().points, chunks.len());
-        let hits = store.search(&vectors[0], 1, None).unwrap();
+        let hits = store.search(&vectors[0], 1, None, &stage()).unwrap();
         assert_eq!(
             hits[0].chunk.text, "replaced",
             "the upsert replaced the payload"
@@ -743,10 +719,10 @@ mod tests {
             "not-a-uuid".into(),
             chunks[5].id.clone(),
         ];
-        let found = store.existing(&asked).unwrap();
+        let found = store.existing(&asked, &stage()).unwrap();
         let expected: HashSet<String> = [chunks[1].id.clone(), chunks[5].id.clone()].into();
         assert_eq!(found, expected);
-        assert!(store.existing(&[]).unwrap().is_empty());
+        assert!(store.existing(&[], &stage()).unwrap().is_empty());
     }
 
     #[test]
@@ -755,13 +731,13 @@ mod tests {
         let store = EdgeStore::open(dir.path(), "test", DIM).unwrap();
         let (chunks, vectors) = sample();
         assert!(matches!(
-            store.upsert(&chunks[..1], &[vec![1.0; DIM - 1]]),
+            store.upsert(&chunks[..1], &[vec![1.0; DIM - 1]], &stage()),
             Err(StoreError::Dimension { got, want }) if got == DIM - 1 && want == DIM
         ));
-        assert!(store.upsert(&chunks[..2], &vectors[..1]).is_err());
+        assert!(store.upsert(&chunks[..2], &vectors[..1], &stage()).is_err());
         let mut bad = chunks[0].clone();
         bad.id = "not-a-uuid".into();
-        assert!(store.upsert(&[bad], &vectors[..1]).is_err());
+        assert!(store.upsert(&[bad], &vectors[..1], &stage()).is_err());
         assert_eq!(store.count().unwrap(), 0, "nothing was written");
     }
 
@@ -780,7 +756,12 @@ mod tests {
         let run = |store: &EdgeStore| -> Vec<Vec<(String, f32)>> {
             queries
                 .iter()
-                .flat_map(|q| [store.search(q, 4, None), store.search(q, 4, Some(&lang_en))])
+                .flat_map(|q| {
+                    [
+                        store.search(q, 4, None, &stage()),
+                        store.search(q, 4, Some(&lang_en), &stage()),
+                    ]
+                })
                 .map(|hits| {
                     hits.unwrap()
                         .into_iter()
@@ -792,13 +773,13 @@ mod tests {
 
         let before = {
             let store = EdgeStore::open(dir.path(), "keep", DIM).unwrap();
-            store.upsert(&chunks, &vectors).unwrap();
+            store.upsert(&chunks, &vectors, &stage()).unwrap();
             run(&store)
         };
         let store = EdgeStore::open(dir.path(), "keep", DIM).unwrap();
         assert_eq!(store.count().unwrap(), chunks.len());
         assert_eq!(run(&store), before, "identical results after reopen");
-        let hits = store.search(&vectors[4], 1, None).unwrap();
+        let hits = store.search(&vectors[4], 1, None, &stage()).unwrap();
         assert_eq!(hits[0].chunk, chunks[4], "payload survives reopen");
         // The keyword indexes were created once and are still there.
         let schema = store.shard.info().payload_schema;
@@ -820,20 +801,20 @@ mod tests {
         let store = EdgeStore::open(dir.path(), "live", DIM).unwrap();
         let b_ids: Vec<String> = chunks[3..5].iter().map(|c| c.id.clone()).collect();
 
-        store.upsert(&chunks, &vectors).unwrap();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
         copy_dir(&dir.path().join("live"), &dir.path().join("after-upsert"));
         let copy = EdgeStore::open(dir.path(), "after-upsert", DIM).unwrap();
         assert_eq!(copy.count().unwrap(), chunks.len());
         assert_eq!(
-            copy.search(&vectors[5], 1, None).unwrap()[0].chunk,
+            copy.search(&vectors[5], 1, None, &stage()).unwrap()[0].chunk,
             chunks[5]
         );
 
-        assert_eq!(store.delete_document("b").unwrap(), 2);
+        assert_eq!(store.delete_document("b", &stage()).unwrap(), 2);
         copy_dir(&dir.path().join("live"), &dir.path().join("after-delete"));
         let copy = EdgeStore::open(dir.path(), "after-delete", DIM).unwrap();
         assert_eq!(copy.count().unwrap(), chunks.len() - 2);
-        assert!(copy.existing(&b_ids).unwrap().is_empty());
+        assert!(copy.existing(&b_ids, &stage()).unwrap().is_empty());
     }
 
     /// `EdgeShard::flush` panics if another thread is inside `update`; the writer lock must
@@ -852,14 +833,14 @@ mod tests {
                             (0..5).map(|p| chunk(&doc, p, "gen", json!({}))).collect();
                         let vectors: Vec<Vec<f32>> =
                             (0..5).map(|p| axis_vector(w * 5 + p)).collect();
-                        store.upsert(&chunks, &vectors).unwrap();
+                        store.upsert(&chunks, &vectors, &stage()).unwrap();
                         if round % 2 == 1 {
-                            assert_eq!(store.delete_document(&doc).unwrap(), 5);
+                            assert_eq!(store.delete_document(&doc, &stage()).unwrap(), 5);
                         }
                         if w == 0 && round % 10 == 0 {
                             store.build_index().unwrap();
                         }
-                        store.search(&vectors[0], 3, None).unwrap();
+                        store.search(&vectors[0], 3, None, &stage()).unwrap();
                     }
                 })
             })
@@ -901,7 +882,7 @@ mod tests {
         {
             let store = EdgeStore::open(dir.path(), "dims", DIM).unwrap();
             let (chunks, vectors) = sample();
-            store.upsert(&chunks, &vectors).unwrap();
+            store.upsert(&chunks, &vectors, &stage()).unwrap();
         }
         let err = EdgeStore::open(dir.path(), "dims", DIM * 2)
             .err()
@@ -928,7 +909,7 @@ mod tests {
         let chunks: Vec<Chunk> = (0..N)
             .map(|i| chunk(&format!("doc{}", i / 10), (i % 10) as u32, "gen", json!({})))
             .collect();
-        store.upsert(&chunks, &vectors).unwrap();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
         assert_eq!(store.info().index, "plain");
 
         let done = Arc::new(AtomicBool::new(false));
@@ -942,7 +923,7 @@ mod tests {
                 while !done.load(Ordering::Acquire) {
                     let i = spans.len() % queries.len();
                     let began = Instant::now();
-                    let hits = store.search(&queries[i], 5, None).unwrap();
+                    let hits = store.search(&queries[i], 5, None, &stage()).unwrap();
                     spans.push((began, Instant::now()));
                     completed.fetch_add(1, Ordering::Release);
                     // A stored vector is its own nearest neighbour, before, during and after.
@@ -992,7 +973,7 @@ mod tests {
             queries
                 .iter()
                 .map(|q| {
-                    let hits = store.search(q, 5, None).unwrap();
+                    let hits = store.search(q, 5, None, &stage()).unwrap();
                     hits.into_iter().map(|h| h.chunk.id).collect()
                 })
                 .collect()

@@ -2,15 +2,21 @@
 //! the payload filter a query may carry.
 //!
 //! The pipeline talks to a `dyn VectorStore`; the default backend is the in-process Qdrant Edge
-//! engine ([`edge`]). Calls are synchronous: the pipeline runs them on a model-worker thread and
-//! an embedded search takes well under a millisecond.
+//! engine ([`edge`]), the other a Qdrant server over gRPC ([`remote`]). Both store the same
+//! points and lower filters the same way ([`payload`]). Calls are synchronous: the pipeline runs
+//! them on a model-worker thread (an embedded search takes well under a millisecond; the remote
+//! store bridges to its own async runtime), never on the HTTP server's async threads.
 
 pub mod edge;
+pub mod payload;
+pub mod remote;
 
 use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+
+use crate::telemetry::span::Stage;
 
 /// One chunk of an ingested document, as stored with its vector.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -140,32 +146,57 @@ fn valid_metadata_key(key: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
-/// What a backend says about itself, for spans (`db.*`) and `/ready`.
+/// What a backend says about itself, for spans (`db.*`, `server.*`) and `/ready`. Cheap: the
+/// pipeline asks for it on every query, so a remote backend answers from what it last saw.
 #[derive(Debug, Clone, Serialize)]
 pub struct StoreInfo {
-    /// `db.system.name`, e.g. `qdrant-edge`.
+    /// `db.system.name`: `qdrant-edge` in process, `qdrant` for a server.
     pub system: &'static str,
     pub collection: String,
-    /// `plain` (exact scan) until the HNSW index is built, then `hnsw`.
+    /// `plain` (exact scan) until the HNSW index is built, then `hnsw`; `unknown` while a
+    /// remote server has not been reached.
     pub index: &'static str,
     pub points: usize,
+    /// `server.address` / `server.port` of a remote store; `None` in process.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub server: Option<ServerAddress>,
+}
+
+/// Where a remote store lives, as the OpenTelemetry `server.*` attributes name it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServerAddress {
+    pub address: String,
+    pub port: u16,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("vector has {got} dimensions, the collection has {want}")]
     Dimension { got: usize, want: usize },
+    /// The store could not be reached (a remote server down or unreachable): a condition of
+    /// the deployment, not of the request, so the API answers 503 and stays up.
+    #[error("vector store unavailable: {0}")]
+    Unavailable(String),
     #[error("vector store: {0}")]
     Backend(String),
 }
 
 /// A vector store holding chunks and their embeddings. Implementations are shared between
 /// threads; writes and searches may run concurrently.
+///
+/// The calls a request makes take the caller's `stage` (the retrieval or ingest span): a remote
+/// backend sends its trace context along, so the server's work joins the request's trace.
+/// Callers run these on worker or blocking threads, never on an async executor's threads.
 pub trait VectorStore: Send + Sync {
     fn info(&self) -> StoreInfo;
 
     /// Inserts or replaces chunks; `vectors[i]` belongs to `chunks[i]`. Durable on return.
-    fn upsert(&self, chunks: &[Chunk], vectors: &[Vec<f32>]) -> Result<(), StoreError>;
+    fn upsert(
+        &self,
+        chunks: &[Chunk],
+        vectors: &[Vec<f32>],
+        stage: &Stage,
+    ) -> Result<(), StoreError>;
 
     /// The `top_k` nearest chunks to `vector` that pass `filter`, best first.
     fn search(
@@ -173,13 +204,14 @@ pub trait VectorStore: Send + Sync {
         vector: &[f32],
         top_k: usize,
         filter: Option<&Filter>,
+        stage: &Stage,
     ) -> Result<Vec<ScoredChunk>, StoreError>;
 
     /// Which of these chunk ids are already stored (lets ingest skip re-embedding).
-    fn existing(&self, ids: &[String]) -> Result<HashSet<String>, StoreError>;
+    fn existing(&self, ids: &[String], stage: &Stage) -> Result<HashSet<String>, StoreError>;
 
     /// Removes every chunk of a document; returns how many were removed.
-    fn delete_document(&self, doc_id: &str) -> Result<usize, StoreError>;
+    fn delete_document(&self, doc_id: &str, stage: &Stage) -> Result<usize, StoreError>;
 
     /// Number of stored chunks.
     fn count(&self) -> Result<usize, StoreError>;

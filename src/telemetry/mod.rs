@@ -345,6 +345,19 @@ pub fn extract_context(headers: &axum::http::HeaderMap) -> Context {
         .extract(&HeaderExtractor(headers))
 }
 
+/// `cx`'s trace context and baggage as W3C `traceparent`/`tracestate`/`baggage` header pairs,
+/// for calls this server makes (nothing when `cx` holds no valid span and no baggage).
+pub fn inject_context(cx: &Context) -> Vec<(String, String)> {
+    static PROPAGATOR: std::sync::OnceLock<TextMapCompositePropagator> = std::sync::OnceLock::new();
+    let mut headers = std::collections::HashMap::new();
+    PROPAGATOR
+        .get_or_init(w3c_propagator)
+        .inject_context(cx, &mut headers);
+    let mut pairs: Vec<(String, String)> = headers.into_iter().collect();
+    pairs.sort();
+    pairs
+}
+
 /// Baggage members named in `RAGSCOPE_BAGGAGE_ATTRIBUTES` (comma-separated), as attributes
 /// `baggage.<key>`, so one `colour=blue` header colours every span of the request.
 pub fn baggage_attributes(cx: &Context) -> Vec<KeyValue> {

@@ -59,9 +59,15 @@ impl VectorStore for FakeStore {
             collection: "fake".into(),
             index: "plain",
             points: self.chunks.lock().unwrap().len(),
+            server: None,
         }
     }
-    fn upsert(&self, chunks: &[Chunk], _vectors: &[Vec<f32>]) -> Result<(), StoreError> {
+    fn upsert(
+        &self,
+        chunks: &[Chunk],
+        _vectors: &[Vec<f32>],
+        _stage: &Stage,
+    ) -> Result<(), StoreError> {
         self.chunks.lock().unwrap().extend_from_slice(chunks);
         Ok(())
     }
@@ -70,6 +76,7 @@ impl VectorStore for FakeStore {
         _v: &[f32],
         top_k: usize,
         _f: Option<&Filter>,
+        _stage: &Stage,
     ) -> Result<Vec<ScoredChunk>, StoreError> {
         spin(Duration::from_micros(300));
         let chunks = self.chunks.lock().unwrap();
@@ -82,7 +89,7 @@ impl VectorStore for FakeStore {
             })
             .collect())
     }
-    fn existing(&self, ids: &[String]) -> Result<HashSet<String>, StoreError> {
+    fn existing(&self, ids: &[String], _stage: &Stage) -> Result<HashSet<String>, StoreError> {
         let chunks = self.chunks.lock().unwrap();
         Ok(ids
             .iter()
@@ -90,7 +97,7 @@ impl VectorStore for FakeStore {
             .cloned()
             .collect())
     }
-    fn delete_document(&self, doc_id: &str) -> Result<usize, StoreError> {
+    fn delete_document(&self, doc_id: &str, _stage: &Stage) -> Result<usize, StoreError> {
         let mut chunks = self.chunks.lock().unwrap();
         let before = chunks.len();
         chunks.retain(|c| c.doc_id != doc_id);

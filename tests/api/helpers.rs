@@ -90,13 +90,29 @@ pub async fn spawn_fake_app_with(
     generator: crate::fakes::FakeGenerator,
     extra: &[&str],
 ) -> TestApp {
+    fake_app(generator, Arc::new(crate::fakes::FakeStore::default()), extra).await
+}
+
+/// Stand-in model stages over a given store (4-dimensional vectors).
+pub async fn spawn_fake_app_with_store(
+    generator: crate::fakes::FakeGenerator,
+    store: Arc<dyn ragscope::retrieve::VectorStore>,
+) -> TestApp {
+    fake_app(generator, store, &[]).await
+}
+
+async fn fake_app(
+    generator: crate::fakes::FakeGenerator,
+    store: Arc<dyn ragscope::retrieve::VectorStore>,
+    extra: &[&str],
+) -> TestApp {
     if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
     let args = serve_args(Path::new("unused"), extra);
     let pipeline = ragscope::pipeline::Pipeline {
         embedder: Arc::new(crate::fakes::FakeEmbedder),
-        store: Arc::new(crate::fakes::FakeStore::default()),
+        store,
         reranker: Some(Arc::new(ragscope::rerank::fusion::FusionReranker::default())),
         generator: Arc::new(generator),
         workers: ragscope::worker::Workers::new(1, 64),

@@ -1,0 +1,662 @@
+//! A Qdrant server as the vector store, over gRPC with `qdrant-client`: what lets several
+//! stateless ragscope replicas share one collection (or a Qdrant cluster).
+//!
+//! Same points as the embedded engine (chunk UUID as id, one unnamed cosine vector, the chunk
+//! as payload, keyword indexes on `doc_id` and `source`) and the same filter lowering, both from
+//! [`payload`](super::payload). The trait is synchronous and runs on model-worker or blocking
+//! threads; each call is driven on a small tokio runtime this store owns, so no caller ever
+//! blocks an executor thread. Every call a request makes carries the caller's W3C trace
+//! context (`traceparent`, `tracestate`, `baggage`) as gRPC metadata.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use qdrant_client::qdrant::point_id::PointIdOptions;
+use qdrant_client::qdrant::r#match::MatchValue as QdrantMatch;
+use qdrant_client::qdrant::vectors_config::Config as VectorsConfig;
+use qdrant_client::qdrant::{
+    CollectionInfo, Condition as QdrantCondition, CountPointsBuilder, CreateCollectionBuilder,
+    CreateFieldIndexCollectionBuilder, DeletePointsBuilder, Distance, FieldType,
+    Filter as QdrantFilter, GetPointsBuilder, PointId, PointStruct, QueryPointsBuilder,
+    RepeatedStrings, UpsertPointsBuilder, VectorParamsBuilder,
+};
+use qdrant_client::{Payload, Qdrant, QdrantError};
+use serde_json::Map;
+use tokio::runtime::Runtime;
+use tonic::Code;
+
+use super::edge::UPSERT_BATCH;
+use super::payload::{self, chunk_from_payload, chunk_payload, PointKey, INDEXED_KEYWORDS};
+use super::{
+    Chunk, Filter, FilterField, MatchValue, ScoredChunk, ServerAddress, StoreError, StoreInfo,
+    VectorStore,
+};
+use crate::telemetry::span::Stage;
+
+/// Longest wait for a TCP/TLS connection to the server.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// Longest wait for one call (an upsert batch waits until the server has applied it).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// How old the point count and index state in [`VectorStore::info`] may get.
+const STATS_MAX_AGE: Duration = Duration::from_secs(2);
+
+/// A collection on a Qdrant server.
+pub struct RemoteStore {
+    client: Qdrant,
+    /// Drives every call; `None` only while dropping (see `Drop`).
+    runtime: Option<Runtime>,
+    url: String,
+    server: ServerAddress,
+    collection: String,
+    dimension: usize,
+    /// Point count and index state, refreshed in the background: `info` runs per query and on
+    /// async threads, so it must never wait for the server.
+    stats: Arc<Mutex<Stats>>,
+    /// Serialises this process's writes, so that `delete_document`'s count is the number it
+    /// removed. (Replicas sharing the collection are not serialised with each other.)
+    writer: Mutex<()>,
+}
+
+#[derive(Debug, Clone)]
+struct Stats {
+    points: usize,
+    index: &'static str,
+    refreshed: Option<Instant>,
+    refreshing: bool,
+}
+
+impl Drop for RemoteStore {
+    fn drop(&mut self) {
+        // The last handle may go away on an async thread (server shutdown), where dropping a
+        // runtime would block and panic; calls in flight have all returned by now.
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl RemoteStore {
+    /// Connects to the server at `url` (gRPC, e.g. `http://qdrant:6334`) and makes sure the
+    /// collection and its payload indexes exist, creating what is missing.
+    ///
+    /// Fails if the server cannot be reached ([`StoreError::Unavailable`]), or if the
+    /// collection exists with another dimension or distance than this embedder's.
+    pub fn open(
+        url: &str,
+        api_key: Option<&str>,
+        collection: &str,
+        dimension: usize,
+    ) -> Result<RemoteStore, StoreError> {
+        if dimension == 0 {
+            return Err(StoreError::Backend(format!(
+                "collection `{collection}`: vector dimension must be positive"
+            )));
+        }
+        let server = server_address(url)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("qdrant-client")
+            .enable_all()
+            .build()
+            .map_err(|e| StoreError::Backend(format!("starting the Qdrant client runtime: {e}")))?;
+        let client = Qdrant::from_url(url)
+            .api_key(api_key.map(str::to_string))
+            .connect_timeout(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
+            .skip_compatibility_check()
+            .build()
+            .map_err(|e| StoreError::Backend(format!("Qdrant URL {url}: {e}")))?;
+        let store = RemoteStore {
+            client,
+            runtime: Some(runtime),
+            url: url.to_string(),
+            server,
+            collection: collection.to_string(),
+            dimension,
+            stats: Arc::new(Mutex::new(Stats {
+                points: 0,
+                index: "unknown",
+                refreshed: None,
+                refreshing: false,
+            })),
+            writer: Mutex::new(()),
+        };
+        let info = store.ensure_collection()?;
+        store.record_stats(&info);
+        Ok(store)
+    }
+
+    /// The vector dimension this collection holds.
+    pub fn dimension(&self) -> usize {
+        self.dimension
+    }
+
+    /// Creates the collection if missing, checks it fits, creates missing payload indexes.
+    fn ensure_collection(&self) -> Result<CollectionInfo, StoreError> {
+        let info = match self.collection_info()? {
+            Some(info) => info,
+            None => {
+                let name = self.collection.clone();
+                let dim = self.dimension as u64;
+                let created = self.run(None, |c| async move {
+                    c.create_collection(
+                        CreateCollectionBuilder::new(name)
+                            .vectors_config(VectorParamsBuilder::new(dim, Distance::Cosine)),
+                    )
+                    .await
+                });
+                match (created, self.collection_info()?) {
+                    (_, Some(info)) => info, // ours, or another replica's that won the race
+                    (Err(e), None) => return Err(self.fail("creating the collection", e)),
+                    (Ok(_), None) => {
+                        return Err(StoreError::Backend(format!(
+                            "collection `{}` on {} was created but cannot be read back",
+                            self.collection, self.url
+                        )))
+                    }
+                }
+            }
+        };
+        self.check_compatible(&info)?;
+        for field in INDEXED_KEYWORDS {
+            if info.payload_schema.contains_key(field) {
+                continue;
+            }
+            let name = self.collection.clone();
+            self.run(None, |c| async move {
+                c.create_field_index(
+                    CreateFieldIndexCollectionBuilder::new(name, field, FieldType::Keyword)
+                        .wait(true),
+                )
+                .await
+            })
+            .map_err(|e| self.fail(&format!("creating the keyword index on `{field}`"), e))?;
+        }
+        Ok(info)
+    }
+
+    /// The collection's info, `None` if it does not exist.
+    fn collection_info(&self) -> Result<Option<CollectionInfo>, StoreError> {
+        let name = self.collection.clone();
+        match self.run(None, |c| async move { c.collection_info(name).await }) {
+            Ok(response) => Ok(response.result),
+            Err(QdrantError::ResponseError { status }) if status.code() == Code::NotFound => {
+                Ok(None)
+            }
+            Err(e) => Err(self.fail("reading the collection", e)),
+        }
+    }
+
+    fn check_compatible(&self, info: &CollectionInfo) -> Result<(), StoreError> {
+        let vectors = info
+            .config
+            .as_ref()
+            .and_then(|c| c.params.as_ref())
+            .and_then(|p| p.vectors_config.as_ref())
+            .and_then(|v| v.config.as_ref());
+        let Some(VectorsConfig::Params(params)) = vectors else {
+            return Err(StoreError::Backend(format!(
+                "collection `{}` on {} has no unnamed dense vector: not a ragscope collection",
+                self.collection, self.url
+            )));
+        };
+        if params.size != self.dimension as u64 {
+            return Err(StoreError::Backend(format!(
+                "collection `{}` on {} holds {}-dimensional vectors but the embedder produces {}; \
+                 use another collection name or delete the collection and re-ingest",
+                self.collection, self.url, params.size, self.dimension
+            )));
+        }
+        if params.distance != Distance::Cosine as i32 {
+            return Err(StoreError::Backend(format!(
+                "collection `{}` on {} uses {:?} distance, ragscope needs cosine",
+                self.collection,
+                self.url,
+                Distance::try_from(params.distance).unwrap_or(Distance::UnknownDistance)
+            )));
+        }
+        Ok(())
+    }
+
+    fn record_stats(&self, info: &CollectionInfo) {
+        store_stats(&self.stats, info);
+    }
+
+    /// Runs one client call on this store's runtime, with `stage`'s trace context as metadata.
+    fn run<T, F, Fut>(&self, stage: Option<&Stage>, call: F) -> Result<T, QdrantError>
+    where
+        F: FnOnce(Qdrant) -> Fut,
+        Fut: Future<Output = Result<T, QdrantError>>,
+    {
+        let mut client = self.client.clone();
+        if let Some(stage) = stage {
+            client
+                .config
+                .custom_headers
+                .extend(crate::telemetry::inject_context(stage.context()));
+        }
+        self.runtime
+            .as_ref()
+            .expect("the runtime lives until drop")
+            .block_on(call(client))
+    }
+
+    /// What a failed call means for the caller: unreachable servers are `Unavailable` (503).
+    fn fail(&self, doing: &str, e: QdrantError) -> StoreError {
+        // A common slip: the REST port answers HTTP/1, so gRPC fails in confusing ways there.
+        let doing = if self.server.port == 6333 {
+            format!("{doing}; note 6333 is Qdrant's REST port, its gRPC port is 6334")
+        } else {
+            doing.to_string()
+        };
+        match e {
+            QdrantError::ResponseError { status } if unreachable(&status) => {
+                StoreError::Unavailable(format!(
+                    "Qdrant at {} did not answer ({doing}): {}",
+                    self.url,
+                    status.message()
+                ))
+            }
+            QdrantError::ResourceExhaustedError {
+                status,
+                retry_after_seconds,
+            } => StoreError::Unavailable(format!(
+                "Qdrant at {} is overloaded ({doing}), retry after {retry_after_seconds} s: {}",
+                self.url,
+                status.message()
+            )),
+            QdrantError::ResponseError { status }
+                if matches!(
+                    status.code(),
+                    Code::Unauthenticated | Code::PermissionDenied
+                ) =>
+            {
+                StoreError::Backend(format!(
+                    "Qdrant at {} refused the request ({doing}); check --qdrant-api-key: {}",
+                    self.url,
+                    status.message()
+                ))
+            }
+            QdrantError::ResponseError { status } => StoreError::Backend(format!(
+                "{doing} on Qdrant at {}: {:?}: {}",
+                self.url,
+                status.code(),
+                status.message()
+            )),
+            other => StoreError::Backend(format!("{doing} on Qdrant at {}: {other}", self.url)),
+        }
+    }
+
+    fn check_dimension(&self, vector: &[f32]) -> Result<(), StoreError> {
+        if vector.len() != self.dimension {
+            return Err(StoreError::Dimension {
+                got: vector.len(),
+                want: self.dimension,
+            });
+        }
+        Ok(())
+    }
+
+    fn lock_writer(&self) -> MutexGuard<'_, ()> {
+        // Guards no data: a panic in another writer leaves nothing inconsistent.
+        self.writer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn doc_filter(doc_id: &str) -> Result<QdrantFilter, StoreError> {
+        let path = payload::field_path(&FilterField::DocId)?;
+        Ok(QdrantFilter::must([QdrantCondition::matches(
+            path,
+            QdrantMatch::Keyword(doc_id.to_string()),
+        )]))
+    }
+}
+
+impl VectorStore for RemoteStore {
+    fn info(&self) -> StoreInfo {
+        let mut stats = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        let stale = stats
+            .refreshed
+            .is_none_or(|at| at.elapsed() > STATS_MAX_AGE);
+        if stale && !stats.refreshing {
+            // Refreshed in the background: this may run on an async thread, and a query
+            // should not wait for a second round trip.
+            stats.refreshing = true;
+            let (client, name, shared) = (
+                self.client.clone(),
+                self.collection.clone(),
+                self.stats.clone(),
+            );
+            if let Some(runtime) = &self.runtime {
+                runtime.spawn(async move {
+                    let result = client.collection_info(name).await;
+                    match result.ok().and_then(|r| r.result) {
+                        Some(info) => store_stats(&shared, &info),
+                        None => {
+                            let mut stats = shared.lock().unwrap_or_else(|e| e.into_inner());
+                            stats.refreshing = false;
+                            stats.refreshed = Some(Instant::now());
+                        }
+                    }
+                });
+            }
+        }
+        StoreInfo {
+            system: "qdrant",
+            collection: self.collection.clone(),
+            index: stats.index,
+            points: stats.points,
+            server: Some(self.server.clone()),
+        }
+    }
+
+    fn upsert(
+        &self,
+        chunks: &[Chunk],
+        vectors: &[Vec<f32>],
+        stage: &Stage,
+    ) -> Result<(), StoreError> {
+        if chunks.len() != vectors.len() {
+            return Err(StoreError::Backend(format!(
+                "upsert: {} chunks but {} vectors",
+                chunks.len(),
+                vectors.len()
+            )));
+        }
+        let mut points = Vec::with_capacity(chunks.len());
+        for (chunk, vector) in chunks.iter().zip(vectors) {
+            self.check_dimension(vector)?;
+            let id = to_point_id(PointKey::for_chunk(&chunk.id)?);
+            points.push(PointStruct::new(
+                id,
+                vector.clone(),
+                Payload::from(chunk_payload(chunk)),
+            ));
+        }
+        let _writer = self.lock_writer();
+        while !points.is_empty() {
+            let rest = points.split_off(points.len().min(UPSERT_BATCH));
+            let batch = std::mem::replace(&mut points, rest);
+            let name = self.collection.clone();
+            // `wait`: the call returns once the server has applied and logged the batch.
+            self.run(Some(stage), |c| async move {
+                c.upsert_points(UpsertPointsBuilder::new(name, batch).wait(true))
+                    .await
+            })
+            .map_err(|e| self.fail("upserting points", e))?;
+        }
+        Ok(())
+    }
+
+    fn search(
+        &self,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<&Filter>,
+        stage: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        self.check_dimension(vector)?;
+        if top_k == 0 {
+            return Ok(Vec::new());
+        }
+        let mut query = QueryPointsBuilder::new(self.collection.clone())
+            .query(vector.to_vec())
+            .limit(top_k as u64)
+            .with_payload(true);
+        if let Some(filter) = filter.map(to_qdrant_filter).transpose()?.flatten() {
+            query = query.filter(filter);
+        }
+        let response = self
+            .run(Some(stage), |c| async move { c.query(query).await })
+            .map_err(|e| self.fail("searching", e))?;
+        response
+            .result
+            .into_iter()
+            .map(|point| {
+                let payload: Map<String, serde_json::Value> = point
+                    .payload
+                    .into_iter()
+                    .map(|(k, v)| (k, v.into_json()))
+                    .collect();
+                Ok(ScoredChunk {
+                    chunk: chunk_from_payload(point_id_string(point.id.as_ref())?, payload)?,
+                    score: point.score,
+                })
+            })
+            .collect()
+    }
+
+    fn existing(&self, ids: &[String], stage: &Stage) -> Result<HashSet<String>, StoreError> {
+        // Map back to the caller's spelling: the server prints UUIDs in canonical form.
+        let wanted: HashMap<PointKey, &String> = ids
+            .iter()
+            .filter_map(|id| PointKey::parse(id).map(|key| (key, id)))
+            .collect();
+        if wanted.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let point_ids: Vec<PointId> = wanted.keys().map(|k| to_point_id(*k)).collect();
+        let name = self.collection.clone();
+        let response = self
+            .run(Some(stage), |c| async move {
+                c.get_points(
+                    GetPointsBuilder::new(name, point_ids)
+                        .with_payload(false)
+                        .with_vectors(false),
+                )
+                .await
+            })
+            .map_err(|e| self.fail("looking up ids", e))?;
+        Ok(response
+            .result
+            .iter()
+            .filter_map(|point| {
+                let key = PointKey::parse(&point_id_string(point.id.as_ref()).ok()?)?;
+                wanted.get(&key).map(|id| (*id).clone())
+            })
+            .collect())
+    }
+
+    fn delete_document(&self, doc_id: &str, stage: &Stage) -> Result<usize, StoreError> {
+        let filter = Self::doc_filter(doc_id)?;
+        let _writer = self.lock_writer();
+        let name = self.collection.clone();
+        let count_filter = filter.clone();
+        let removed = self
+            .run(Some(stage), |c| async move {
+                c.count(
+                    CountPointsBuilder::new(name)
+                        .filter(count_filter)
+                        .exact(true),
+                )
+                .await
+            })
+            .map_err(|e| self.fail(&format!("counting chunks of `{doc_id}`"), e))?
+            .result
+            .map_or(0, |r| r.count as usize);
+        if removed == 0 {
+            return Ok(0);
+        }
+        let name = self.collection.clone();
+        self.run(Some(stage), |c| async move {
+            c.delete_points(DeletePointsBuilder::new(name).points(filter).wait(true))
+                .await
+        })
+        .map_err(|e| self.fail(&format!("deleting chunks of `{doc_id}`"), e))?;
+        Ok(removed)
+    }
+
+    fn count(&self) -> Result<usize, StoreError> {
+        let name = self.collection.clone();
+        let response = self
+            .run(None, |c| async move {
+                c.count(CountPointsBuilder::new(name).exact(true)).await
+            })
+            .map_err(|e| self.fail("counting points", e))?;
+        Ok(response.result.map_or(0, |r| r.count as usize))
+    }
+
+    /// Nothing to do: the server's optimizers build HNSW in the background by themselves, for
+    /// every segment that outgrows the collection's indexing threshold (Qdrant's default,
+    /// about 6.5k MiniLM vectors); below it an exact scan is as fast. There is no call that
+    /// forces an index build.
+    fn build_index(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+fn store_stats(shared: &Mutex<Stats>, info: &CollectionInfo) {
+    let mut stats = shared.lock().unwrap_or_else(|e| e.into_inner());
+    stats.points = info.points_count.unwrap_or(0) as usize;
+    stats.index = if info.indexed_vectors_count.unwrap_or(0) > 0 {
+        "hnsw"
+    } else {
+        "plain"
+    };
+    stats.refreshed = Some(Instant::now());
+    stats.refreshing = false;
+}
+
+/// Connection failures and timeouts: the server is down or unreachable, not the request wrong.
+fn unreachable(status: &tonic::Status) -> bool {
+    match status.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
+        // The client reports a failed connect as `Internal`.
+        Code::Internal => status.message().starts_with("Failed to connect"),
+        _ => false,
+    }
+}
+
+/// `server.address` and `server.port` from the URL (the scheme's port when none is given).
+fn server_address(url: &str) -> Result<ServerAddress, StoreError> {
+    let uri: tonic::transport::Uri = url
+        .parse()
+        .map_err(|e| StoreError::Backend(format!("Qdrant URL `{url}` is not a URL: {e}")))?;
+    let address = uri
+        .host()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| {
+            StoreError::Backend(format!(
+                "Qdrant URL `{url}` has no host (expected e.g. http://qdrant:6334)"
+            ))
+        })?
+        .trim_matches(['[', ']'])
+        .to_string();
+    let port = match (uri.port_u16(), uri.scheme_str()) {
+        (Some(port), _) => port,
+        (None, Some("https")) => 443,
+        (None, Some("http")) => 80,
+        _ => {
+            return Err(StoreError::Backend(format!(
+                "Qdrant URL `{url}` needs http:// or https://"
+            )))
+        }
+    };
+    Ok(ServerAddress { address, port })
+}
+
+fn to_point_id(key: PointKey) -> PointId {
+    match key {
+        PointKey::Num(n) => PointId::from(n),
+        PointKey::Uuid(u) => PointId::from(u.hyphenated().to_string()),
+    }
+}
+
+fn point_id_string(id: Option<&PointId>) -> Result<String, StoreError> {
+    match id.and_then(|id| id.point_id_options.as_ref()) {
+        Some(PointIdOptions::Num(n)) => Ok(n.to_string()),
+        // Normalised, so both backends spell ids alike whatever the server sends.
+        Some(PointIdOptions::Uuid(u)) => {
+            Ok(PointKey::parse(u).map_or(u.clone(), |k| k.to_string()))
+        }
+        None => Err(StoreError::Backend(
+            "a point came back without an id".into(),
+        )),
+    }
+}
+
+/// Our conjunction becomes the server's `must`; an empty filter is no filter. Strings match
+/// as keywords (exact), never as full text, as in the embedded engine.
+fn to_qdrant_filter(filter: &Filter) -> Result<Option<QdrantFilter>, StoreError> {
+    let must = payload::must_conditions(filter, |path, matches| {
+        let matches = match matches {
+            MatchValue::Keyword(word) => QdrantMatch::Keyword(word.clone()),
+            MatchValue::AnyKeyword(words) => QdrantMatch::Keywords(RepeatedStrings {
+                strings: words.clone(),
+            }),
+            MatchValue::Integer(i) => QdrantMatch::Integer(*i),
+            MatchValue::Bool(b) => QdrantMatch::Boolean(*b),
+        };
+        Ok(QdrantCondition::matches(path, matches))
+    })?;
+    Ok(must.map(QdrantFilter::must))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::retrieve::Condition;
+
+    #[test]
+    fn server_address_from_url() {
+        let a = server_address("http://qdrant:6334").unwrap();
+        assert_eq!((a.address.as_str(), a.port), ("qdrant", 6334));
+        let a = server_address("https://x.cloud.example").unwrap();
+        assert_eq!((a.address.as_str(), a.port), ("x.cloud.example", 443));
+        let a = server_address("http://[::1]:6334").unwrap();
+        assert_eq!(a.address, "::1");
+        assert!(server_address("qdrant").is_err());
+        assert!(server_address("not a url").is_err());
+    }
+
+    #[test]
+    fn strings_match_as_keywords_even_with_spaces() {
+        let filter = Filter {
+            conditions: vec![
+                Condition {
+                    field: FilterField::Source,
+                    matches: MatchValue::Keyword("my docs.txt".into()),
+                },
+                Condition {
+                    field: FilterField::Metadata("lang".into()),
+                    matches: MatchValue::AnyKeyword(vec!["en".into(), "de".into()]),
+                },
+            ],
+        };
+        let lowered = to_qdrant_filter(&filter).unwrap().unwrap();
+        assert_eq!(
+            lowered,
+            QdrantFilter::must([
+                QdrantCondition::matches("source", QdrantMatch::Keyword("my docs.txt".into())),
+                QdrantCondition::matches(
+                    "metadata.\"lang\"",
+                    QdrantMatch::Keywords(RepeatedStrings {
+                        strings: vec!["en".into(), "de".into()]
+                    })
+                ),
+            ])
+        );
+        assert_eq!(to_qdrant_filter(&Filter::default()).unwrap(), None);
+    }
+
+    #[test]
+    fn dead_server_is_unavailable() {
+        // A port that was just free: nothing listens there.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("http://127.0.0.1:{port}");
+        let err = RemoteStore::open(&url, None, "c", 4)
+            .err()
+            .expect("no server: open fails");
+        assert!(
+            matches!(&err, StoreError::Unavailable(m) if m.contains(&url)),
+            "{err}"
+        );
+    }
+}
