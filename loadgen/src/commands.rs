@@ -114,7 +114,8 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
         .iter()
         .filter(|r| r.phase == Phase::Steady)
         .collect();
-    let stats = PhaseStats::of(&steady, ran.steady_s, plan.offered_rps());
+    let stats =
+        PhaseStats::of(&steady, ran.steady_s, plan.offered_rps()).with_throughput(ran.throughput());
     let summary = Summary {
         tool: "ragscope-loadgen".into(),
         command: "run".into(),
@@ -216,7 +217,8 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
             .iter()
             .filter(|r| r.phase == Phase::Steady)
             .collect();
-        let stats = PhaseStats::of(&steady, ran.steady_s, Some(rate));
+        let stats =
+            PhaseStats::of(&steady, ran.steady_s, Some(rate)).with_throughput(ran.throughput());
         let result = StepResult::judge(i, rate, &stats, &th);
         eprintln!(
             "step {i}: offered {rate:.3} rps, achieved {:.3}, {} requests, errors {:.1}%, TTFT p95 {} ms: {}",

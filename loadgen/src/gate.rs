@@ -152,6 +152,7 @@ mod tests {
             offered_rps: Some(1.0),
             sent_rps: 1.0,
             achieved_rps: rps,
+            achieved_window_s: 10.0,
             output_tokens_per_s: 0.0,
             ttft_ms: p,
             tpot_ms: None,

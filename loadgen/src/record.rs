@@ -28,6 +28,8 @@ pub struct RequestRecord {
     pub scheduled_s: Option<f64>,
     /// Seconds from the start of the command at which it was sent.
     pub sent_s: f64,
+    /// Seconds from the start of the command at which it finished (answered, failed or timed out).
+    pub done_s: f64,
     /// Wall-clock send time, milliseconds since the Unix epoch (to find it in a trace UI).
     pub sent_unix_ms: u64,
     /// Popularity rank of the query (0 = most popular) and the context it asked for.

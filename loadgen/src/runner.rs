@@ -64,6 +64,30 @@ pub struct Ran {
     pub records: Vec<RequestRecord>,
     /// How long the steady phase really lasted (shorter when the request bound stopped the run).
     pub steady_s: f64,
+    /// When the steady phase began, in seconds from the start of the command.
+    pub steady_start_s: f64,
+    /// The request bound stopped sending before the phases ran out.
+    pub stopped_early: bool,
+}
+
+impl Ran {
+    /// Successful requests per second over the steady window, counted by when they completed
+    /// (so a server falling behind shows its real throughput, not the offered rate). A run
+    /// stopped by the request bound keeps its window open until its last steady request ends.
+    pub fn throughput(&self) -> (u64, f64) {
+        let start = self.steady_start_s;
+        let mut end = start + self.steady_s;
+        if self.stopped_early {
+            end = self
+                .records
+                .iter()
+                .filter(|r| r.phase == Phase::Steady)
+                .map(|r| r.done_s)
+                .fold(end, f64::max);
+        }
+        let ok = crate::stats::completions_in(&self.records, start, end);
+        (ok, end - start)
+    }
 }
 
 /// Live counters for the progress line.
@@ -89,7 +113,11 @@ impl Progress {
         let stage = match &*self.current.lock().unwrap() {
             Some((label, start, phases, offered)) => {
                 let t = start.elapsed().as_secs_f64();
-                let phase = format!("{:?}", phases.at(t)).to_lowercase();
+                let phase = if t >= phases.total() {
+                    "draining".to_string()
+                } else {
+                    format!("{:?}", phases.at(t)).to_lowercase()
+                };
                 let offered = offered.map_or(String::new(), |o| format!(" offered {o:.2}/s"));
                 format!(
                     "{label}{phase} {:.0}/{:.0}s{offered}",
@@ -258,11 +286,14 @@ impl Runner {
         Ran {
             records,
             steady_s: steady_seconds(&plan.phases, stopped_at),
+            steady_start_s: base_s + plan.phases.warmup_s,
+            stopped_early: stopped_at.is_some(),
         }
     }
 
     async fn closed_loop(self: &Arc<Runner>, plan: &Plan) -> Ran {
         let base = Instant::now();
+        let base_s = self.now_s();
         let horizon = plan.phases.total();
         let sent = Arc::new(AtomicU64::new(0));
         let stopped_at = Arc::new(Mutex::new(None::<f64>));
@@ -319,6 +350,8 @@ impl Runner {
         Ran {
             records,
             steady_s: steady_seconds(&plan.phases, stopped),
+            steady_start_s: base_s + plan.phases.warmup_s,
+            stopped_early: stopped.is_some(),
         }
     }
 
@@ -345,12 +378,13 @@ impl Runner {
             Duration::from_secs_f64(self.target.timeout),
         )
         .await;
+        let done_s = self.now_s();
         p.in_flight.fetch_sub(1, Ordering::Relaxed);
         p.completed.fetch_add(1, Ordering::Relaxed);
         if outcome.error.is_some() {
             p.errors.fetch_add(1, Ordering::Relaxed);
         }
-        record(s, sent_s, sent_unix_ms, trace_id, outcome)
+        record(s, (sent_s, done_s), sent_unix_ms, trace_id, outcome)
     }
 
     /// A request the open loop could not send because too many were in flight.
@@ -364,13 +398,14 @@ impl Runner {
             )),
             ..Outcome::default()
         };
-        record(s, self.now_s(), unix_ms(), String::new(), outcome)
+        let now = self.now_s();
+        record(s, (now, now), unix_ms(), String::new(), outcome)
     }
 }
 
 fn record(
     s: Sending,
-    sent_s: f64,
+    (sent_s, done_s): (f64, f64),
     sent_unix_ms: u64,
     trace_id: String,
     o: Outcome,
@@ -383,6 +418,7 @@ fn record(
         user: s.user,
         scheduled_s: s.scheduled_s,
         sent_s,
+        done_s,
         sent_unix_ms,
         query_rank: s.rank,
         top_k: s.top_k,

@@ -49,6 +49,14 @@ impl Percentiles {
     }
 }
 
+/// Successful requests that completed within `[from, to)` seconds, whatever phase sent them.
+pub fn completions_in(records: &[RequestRecord], from: f64, to: f64) -> u64 {
+    records
+        .iter()
+        .filter(|r| r.ok && r.done_s >= from && r.done_s < to)
+        .count() as u64
+}
+
 /// The summary of one phase (or one knee step) of a load.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct PhaseStats {
@@ -64,8 +72,10 @@ pub struct PhaseStats {
     pub offered_rps: Option<f64>,
     /// Requests sent per second.
     pub sent_rps: f64,
-    /// Successful responses per second.
+    /// Successful responses per second, counted by completion time over `achieved_window_s`
+    /// (see [`crate::runner::Ran::throughput`]).
     pub achieved_rps: f64,
+    pub achieved_window_s: f64,
     pub output_tokens_per_s: f64,
     pub ttft_ms: Option<Percentiles>,
     pub tpot_ms: Option<Percentiles>,
@@ -75,6 +85,17 @@ pub struct PhaseStats {
 }
 
 impl PhaseStats {
+    /// Replaces the achieved rate with `ok` completions over `window_s` seconds.
+    pub fn with_throughput(mut self, (ok, window_s): (u64, f64)) -> PhaseStats {
+        self.achieved_rps = if window_s > 0.0 {
+            ok as f64 / window_s
+        } else {
+            0.0
+        };
+        self.achieved_window_s = window_s;
+        self
+    }
+
     pub fn of(records: &[&RequestRecord], seconds: f64, offered_rps: Option<f64>) -> PhaseStats {
         let requests = records.len() as u64;
         let ok: Vec<&&RequestRecord> = records.iter().filter(|r| r.ok).collect();
@@ -105,6 +126,7 @@ impl PhaseStats {
             offered_rps,
             sent_rps: per_s(requests as f64),
             achieved_rps: per_s(ok.len() as f64),
+            achieved_window_s: seconds,
             output_tokens_per_s: per_s(ok.iter().map(|r| r.tokens as f64).sum()),
             ttft_ms: Percentiles::of(ok.iter().filter_map(|r| r.ttft_ms)),
             tpot_ms: Percentiles::of(ok.iter().filter_map(|r| r.tpot_ms)),
@@ -151,6 +173,7 @@ mod tests {
             user: None,
             scheduled_s: None,
             sent_s: 0.0,
+            done_s: 1.0,
             sent_unix_ms: 0,
             query_rank: 0,
             top_k: None,
@@ -191,6 +214,16 @@ mod tests {
         assert!((s.output_tokens_per_s - 0.8).abs() < 1e-12);
         assert_eq!(s.ttft_ms.unwrap().p50, 200.0);
         assert_eq!(s.server_stages_ms["embed_ms"].count, 2);
+        // Throughput counts successful completions inside the window only.
+        let mut late = rec(true, None, 5.0);
+        late.done_s = 20.0;
+        let all = [rs[0].clone(), rs[1].clone(), rs[2].clone(), late];
+        assert_eq!(completions_in(&all, 0.0, 10.0), 2);
+        assert_eq!(completions_in(&all, 0.0, 30.0), 3);
+        assert_eq!(completions_in(&all, 1.5, 30.0), 1);
+        let t = s.with_throughput((3, 30.0));
+        assert!((t.achieved_rps - 0.1).abs() < 1e-12);
+        assert_eq!(t.achieved_window_s, 30.0);
     }
 }
 

@@ -307,6 +307,15 @@ async fn open_loop_counts_requests_errors_by_kind_and_traces() {
         assert!(steady["e2e_ms"][key].as_f64().is_some(), "{key}");
     }
     assert_eq!(steady["server_stages_ms"]["decode_ms"]["p50"], 60.0);
+    // Stopped by the request bound: the throughput window stays open until the last answer,
+    // so every successful request is counted in it.
+    let window = steady["achieved_window_s"].as_f64().unwrap();
+    assert!(window > 0.0);
+    assert_eq!(
+        (steady["achieved_rps"].as_f64().unwrap() * window).round(),
+        28.0
+    );
+    assert!(records.iter().all(|r| r.done_s >= r.sent_s));
 
     let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
     assert!(html.contains("Latency CDF"));
