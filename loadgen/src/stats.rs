@@ -49,11 +49,11 @@ impl Percentiles {
     }
 }
 
-/// Successful requests that completed within `[from, to)` seconds, whatever phase sent them.
+/// Successful requests that completed within `[from, to]` seconds, whatever phase sent them.
 pub fn completions_in(records: &[RequestRecord], from: f64, to: f64) -> u64 {
     records
         .iter()
-        .filter(|r| r.ok && r.done_s >= from && r.done_s < to)
+        .filter(|r| r.ok && r.done_s >= from && r.done_s <= to)
         .count() as u64
 }
 
