@@ -143,9 +143,10 @@ pub struct RunArgs {
     pub quiet: bool,
 }
 
-#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+#[derive(Debug, Clone, Args, Serialize)]
 pub struct KneeArgs {
     #[command(flatten)]
+    #[serde(skip)]
     pub target: Target,
     /// Offered rate of the first step, requests per second.
     #[arg(long, default_value_t = 0.25)]

@@ -177,6 +177,12 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
     if a.step.is_some_and(|s| !positive(s)) {
         bail!("--step must be positive");
     }
+    if a.start_rate * a.step_duration < 10.0 {
+        eprintln!(
+            "note: the first step expects {:.1} requests; p95 over fewer than ~10 is rough (raise --step-duration or --start-rate)",
+            a.start_rate * a.step_duration
+        );
+    }
     let attribution = read_attribution(a.attribution.as_deref())?;
     let th = Thresholds {
         max_p95_ttft_ms: a.max_p95_ttft_ms,

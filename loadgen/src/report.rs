@@ -362,6 +362,9 @@ fn cdf_points(mut v: Vec<f64>) -> Vec<(f64, f64)> {
         .filter(|(i, _)| i % stride == 0 || *i == v.len() - 1)
         .map(|(i, &x)| (x, (i + 1) as f64 / n))
         .collect();
+    if let Some(&first) = v.first() {
+        pts.insert(0, (first, 0.0));
+    }
     pts.dedup();
     pts
 }

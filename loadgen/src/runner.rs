@@ -277,6 +277,11 @@ impl Runner {
             let runner = Arc::clone(self);
             tasks.spawn(async move { runner.send(sending).await });
         }
+        if stopped_at.is_none() {
+            // The phases last their full length even when the schedule's last arrival is early
+            // (or there is none): a knee step at a low rate must still take its time.
+            tokio::time::sleep_until(base + Duration::from_secs_f64(horizon)).await;
+        }
         while let Some(done) = tasks.join_next().await {
             if let Ok(r) = done {
                 records.push(r);

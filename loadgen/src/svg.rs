@@ -79,15 +79,26 @@ pub fn ticks(lo: f64, hi: f64, target: usize) -> Vec<f64> {
     out
 }
 
-fn fmt_tick(v: f64) -> String {
+/// A tick label with as many decimals as the tick spacing needs (0.05 apart: two).
+fn fmt_tick(v: f64, step: f64) -> String {
+    let decimals = if step > 0.0 && step < 1.0 {
+        (-step.log10().floor()) as usize
+    } else {
+        0
+    };
     if v == 0.0 {
         "0".into()
-    } else if v.abs() >= 10.0 {
-        format!("{v:.0}")
-    } else if v.abs() >= 1.0 {
-        format!("{v:.1}")
     } else {
-        format!("{v:.2}")
+        format!("{v:.decimals$}")
+    }
+}
+
+/// The spacing of a tick list (0 for fewer than two ticks).
+fn spacing(ticks: &[f64]) -> f64 {
+    if ticks.len() > 1 {
+        ticks[1] - ticks[0]
+    } else {
+        0.0
     }
 }
 
@@ -156,7 +167,8 @@ pub fn line_chart(c: &Chart) -> String {
             );
         }
     }
-    for t in ticks(y0, y1, 6) {
+    let yt = ticks(y0, y1, 6);
+    for &t in &yt {
         let y = sy(t);
         let _ = write!(
             s,
@@ -164,10 +176,11 @@ pub fn line_chart(c: &Chart) -> String {
             LEFT + pw,
             LEFT - 6.0,
             y + 4.0,
-            fmt_tick(t)
+            fmt_tick(t, spacing(&yt))
         );
     }
-    for t in ticks(x0, x1, 8) {
+    let xt = ticks(x0, x1, 8);
+    for &t in &xt {
         let x = sx(t);
         let _ = write!(
             s,
@@ -175,7 +188,7 @@ pub fn line_chart(c: &Chart) -> String {
             TOP + ph,
             TOP + ph + 5.0,
             TOP + ph + 17.0,
-            fmt_tick(t)
+            fmt_tick(t, spacing(&xt))
         );
     }
     let _ = write!(
@@ -270,14 +283,15 @@ pub fn bar_chart(title: &str, unit: &str, categories: &[String], groups: &[BarGr
         r#"<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {W} {h}" width="{W}" height="{h}" font-family="sans-serif" font-size="11"><text x="{left}" y="18" font-size="14" font-weight="bold">{}</text>"#,
         escape(title)
     );
-    for t in ticks(0.0, x1, 6) {
+    let bt = ticks(0.0, x1, 6);
+    for &t in &bt {
         let x = sx(t);
         let _ = write!(
             s,
             r##"<line x1="{x:.1}" x2="{x:.1}" y1="{TOP}" y2="{:.1}" stroke="#ddd"/><text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"##,
             h - BOTTOM,
             h - BOTTOM + 14.0,
-            fmt_tick(t)
+            fmt_tick(t, spacing(&bt))
         );
     }
     let _ = write!(
@@ -342,6 +356,14 @@ mod tests {
         );
         assert!(t[0] >= 13.0 && *t.last().unwrap() <= 987.0);
         assert_eq!(ticks(5.0, 5.0, 4), vec![5.0]);
+        // Labels never repeat for close ticks.
+        let t = ticks(0.09, 0.11, 8);
+        let labels: Vec<String> = t.iter().map(|&v| fmt_tick(v, spacing(&t))).collect();
+        let mut unique = labels.clone();
+        unique.dedup();
+        assert_eq!(labels, unique, "{labels:?}");
+        assert_eq!(fmt_tick(2000.0, 500.0), "2000");
+        assert_eq!(fmt_tick(0.25, 0.05), "0.25");
     }
 
     #[test]
