@@ -84,6 +84,20 @@ pub fn write_outputs(
     Ok(())
 }
 
+/// First Ctrl-C: stop sending, let requests in flight finish, write the outputs. Second: quit.
+fn stop_on_ctrl_c(runner: &Arc<Runner>) {
+    let runner = Arc::clone(runner);
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("\nstopping: waiting for the requests in flight (Ctrl-C again to quit now)");
+            runner.stop();
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        }
+    });
+}
+
 /// Runs one load and returns its summary and records, without writing anything.
 pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord>)> {
     check_target(&a.target)?;
@@ -104,6 +118,7 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
     }
     let queries = load_queries(&a.target.queries)?;
     let runner = Runner::new(a.target.clone(), queries)?;
+    stop_on_ctrl_c(&runner);
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let plan = Plan::from_shape(s, a.target.seed);
@@ -190,6 +205,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
     };
     let queries = load_queries(&a.target.queries)?;
     let runner = Runner::new(a.target.clone(), queries)?;
+    stop_on_ctrl_c(&runner);
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let mut steps: Vec<StepResult> = Vec::new();
@@ -237,7 +253,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
         let failed = result.failed.is_some();
         steps.push(result);
         records.extend(ran.records);
-        if failed {
+        if failed || runner.stopped() {
             break;
         }
     }

@@ -189,6 +189,8 @@ pub struct Runner {
     t0: Instant,
     next_id: AtomicU64,
     pub progress: Arc<Progress>,
+    /// Set once to stop sending (Ctrl-C); requests in flight still finish and are recorded.
+    stop: tokio::sync::watch::Sender<bool>,
 }
 
 /// A request about to go out.
@@ -225,7 +227,23 @@ impl Runner {
             t0: Instant::now(),
             next_id: AtomicU64::new(0),
             progress: Arc::new(Progress::default()),
+            stop: tokio::sync::watch::Sender::new(false),
         }))
+    }
+
+    /// Stops sending new requests; the running plan then waits for those in flight.
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+
+    pub fn stopped(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// Resolves once [`Runner::stop`] has been called.
+    async fn stopping(&self) {
+        let mut rx = self.stop.subscribe();
+        let _ = rx.wait_for(|&s| s).await;
     }
 
     fn now_s(&self) -> f64 {
@@ -258,7 +276,13 @@ impl Runner {
             }
             let rank = self.zipf.sample(&mut rng);
             let (top_k, rerank_top_n) = self.gradient.at(rank, self.zipf.len(), at, horizon);
-            tokio::time::sleep_until(base + Duration::from_secs_f64(at)).await;
+            tokio::select! {
+                _ = tokio::time::sleep_until(base + Duration::from_secs_f64(at)) => {}
+                _ = self.stopping() => {
+                    stopped_at = Some(base.elapsed().as_secs_f64());
+                    break;
+                }
+            }
             let sending = Sending {
                 id: self.next_id.fetch_add(1, Ordering::Relaxed),
                 phase: plan.phases.at(at),
@@ -280,7 +304,10 @@ impl Runner {
         if stopped_at.is_none() {
             // The phases last their full length even when the schedule's last arrival is early
             // (or there is none): a knee step at a low rate must still take its time.
-            tokio::time::sleep_until(base + Duration::from_secs_f64(horizon)).await;
+            tokio::select! {
+                _ = tokio::time::sleep_until(base + Duration::from_secs_f64(horizon)) => {}
+                _ = self.stopping() => {}
+            }
         }
         while let Some(done) = tasks.join_next().await {
             if let Ok(r) = done {
@@ -316,6 +343,10 @@ impl Runner {
                     if t >= horizon {
                         break;
                     }
+                    if runner.stopped() {
+                        stopped_at.lock().unwrap().get_or_insert(t);
+                        break;
+                    }
                     if plan
                         .max_requests
                         .is_some_and(|m| sent.fetch_add(1, Ordering::Relaxed) >= m)
@@ -340,7 +371,10 @@ impl Runner {
                     records.push(runner.send(sending).await);
                     if plan.think_ms > 0.0 {
                         let think = exponential(&mut rng, 1e3 / plan.think_ms);
-                        tokio::time::sleep(Duration::from_secs_f64(think)).await;
+                        tokio::select! {
+                            _ = tokio::time::sleep(Duration::from_secs_f64(think)) => {}
+                            _ = runner.stopping() => {}
+                        }
                     }
                 }
                 records

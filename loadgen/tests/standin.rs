@@ -654,3 +654,56 @@ async fn gate_passes_within_thresholds_and_fails_on_a_regression() {
     assert_eq!(rows[1]["ok"], true);
     assert_eq!(rows[2]["ok"], true);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_ends_a_long_run_early_and_keeps_what_was_sent() {
+    use ragscope_loadgen::cli::Command;
+    use ragscope_loadgen::runner::{Plan, Runner};
+    let q = queries_path();
+    for mode in ["open", "closed"] {
+        let (url, standin) = spawn_standin(StandIn::default()).await;
+        let cli = Cli::try_parse_from([
+            "ragscope-loadgen",
+            "run",
+            "--url",
+            &url,
+            "--queries",
+            &q,
+            "--mode",
+            mode,
+            "--rate",
+            "20",
+            "--users",
+            "2",
+            "--think-ms",
+            "20",
+            "--duration",
+            "600",
+        ])
+        .unwrap();
+        let Command::Run(args) = cli.command else {
+            panic!("parsed as run")
+        };
+        let queries = ragscope_loadgen::schedule::load_queries(Path::new(&q)).unwrap();
+        let runner = Runner::new(args.target.clone(), queries).unwrap();
+        let plan = Plan::from_shape(&args.shape, 1);
+        let (r, s) = (Arc::clone(&runner), Arc::clone(&standin));
+        tokio::spawn(async move {
+            while s.arrived.load(Ordering::SeqCst) < 3 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            r.stop();
+        });
+        // Without the stop this plan would run for ten minutes.
+        let ran = runner.run(&plan, String::new()).await;
+        assert!(ran.stopped_early, "{mode}");
+        assert!(ran.steady_s < 600.0, "{mode}");
+        assert!(ran.records.len() >= 3, "{mode}");
+        assert!(ran.records.iter().all(|r| r.ok), "{mode}");
+        assert_eq!(
+            ran.records.len() as u64,
+            standin.arrived.load(Ordering::SeqCst),
+            "{mode}: every request sent is recorded"
+        );
+    }
+}
