@@ -1,0 +1,211 @@
+//! The command line: `run` (one load), `knee` (step the rate up), `gate` (compare with a baseline)
+//! and `report` (rebuild the HTML from an output directory). Flags shared by the load-driving
+//! commands live in [`Target`] and [`Shape`].
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+use crate::schedule::{GradientKind, Range};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "ragscope-loadgen",
+    version,
+    about = "Load generator, knee finder and perf gate for a ragscope server"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one load (open or closed loop) and write requests.jsonl, summary.json and report.html.
+    Run(RunArgs),
+    /// Step the offered open-loop rate up until p95 TTFT or the error rate passes its threshold.
+    Knee(KneeArgs),
+    /// Run the small fixed load of a baseline file and fail on a regression beyond its thresholds.
+    Gate(GateArgs),
+    /// Rebuild report.html from an existing output directory.
+    Report(ReportArgs),
+}
+
+/// Which streaming API the requests go to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Endpoint {
+    /// `POST /v1/rag/query` with `stream: true` (events sources, token, done, error).
+    Rag,
+    /// `POST /v1/chat/completions` with `stream: true` (OpenAI chunks, then `[DONE]`).
+    Openai,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Requests arrive on a schedule whatever the server does (Poisson plus bursts).
+    Open,
+    /// `--users` users each send, wait for the answer, think, and send again.
+    Closed,
+}
+
+/// Where requests go and what they ask.
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+pub struct Target {
+    /// Base URL of the server.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// The streaming API to drive.
+    #[arg(long, value_enum, default_value = "rag")]
+    pub endpoint: Endpoint,
+    /// The `model` sent to /v1/chat/completions.
+    #[arg(long, default_value = "ragscope")]
+    pub model: String,
+    /// JSON-lines query set; each line's `question` (or `query`). Line order is popularity rank.
+    #[arg(long, default_value = "eval/questions.jsonl")]
+    pub queries: PathBuf,
+    /// Zipf exponent of query popularity (0 = uniform).
+    #[arg(long, default_value_t = 1.0)]
+    pub zipf_alpha: f64,
+    /// `max_tokens` of every request (unset: the server's default). Small values make runs short.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// What the requested context grows with: none, popularity rank, or time.
+    #[arg(long, value_enum, default_value = "none")]
+    pub gradient: GradientKind,
+    /// `top_k` (retrieved passages): N, or MIN:MAX along the gradient. Unset: server default.
+    #[arg(long)]
+    pub top_k: Option<Range>,
+    /// `rerank_top_n` (passages in the prompt): N, or MIN:MAX along the gradient.
+    #[arg(long)]
+    pub rerank_top_n: Option<Range>,
+    /// Per-request limit in seconds, headers to last event; past it the request counts as `timeout`.
+    #[arg(long, default_value_t = 120.0)]
+    pub timeout: f64,
+    /// Seed of the schedule, query draws and gradient (trace ids stay random so runs don't collide).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Open loop: requests in flight beyond this are not sent and count as `dropped`.
+    #[arg(long, default_value_t = 512)]
+    pub max_in_flight: usize,
+}
+
+/// How the load arrives and how long it lasts.
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+pub struct Shape {
+    #[arg(long, value_enum, default_value = "open")]
+    pub mode: Mode,
+    /// Open loop: Poisson arrivals per second.
+    #[arg(long, default_value_t = 1.0)]
+    pub rate: f64,
+    /// Open loop: bursts per second (a Poisson process of bursts); 0 = none.
+    #[arg(long, default_value_t = 0.0)]
+    pub burst_rate: f64,
+    /// Open loop: requests per burst, all sent at the same instant.
+    #[arg(long, default_value_t = 0)]
+    pub burst_size: usize,
+    /// Closed loop: concurrent users.
+    #[arg(long, default_value_t = 1)]
+    pub users: usize,
+    /// Closed loop: mean think time between a user's answer and its next request (exponential); 0 = none.
+    #[arg(long, default_value_t = 0.0)]
+    pub think_ms: f64,
+    /// Warm-up seconds (sent, recorded, not summarised).
+    #[arg(long, default_value_t = 0.0)]
+    pub warmup: f64,
+    /// Steady seconds: the phase the summary counts.
+    #[arg(long, default_value_t = 30.0)]
+    pub duration: f64,
+    /// Cool-down seconds (sent, recorded, not summarised).
+    #[arg(long, default_value_t = 0.0)]
+    pub cooldown: f64,
+    /// Stop after sending this many requests in all (whichever bound comes first).
+    #[arg(long)]
+    pub requests: Option<u64>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub target: Target,
+    #[command(flatten)]
+    pub shape: Shape,
+    /// Output directory (created): requests.jsonl, summary.json, report.html.
+    #[arg(long, default_value = "loadgen-out")]
+    pub out: PathBuf,
+    /// Attribution JSON (`ragscope attribute --json FILE`) to add a per-stage breakdown to the report.
+    #[arg(long)]
+    pub attribution: Option<PathBuf>,
+    /// No progress line on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct KneeArgs {
+    #[command(flatten)]
+    #[serde(skip)]
+    pub target: Target,
+    /// Offered rate of the first step, requests per second.
+    #[arg(long, default_value_t = 0.25)]
+    pub start_rate: f64,
+    /// Each step multiplies the rate by this (unless --step is given).
+    #[arg(long, default_value_t = 1.5)]
+    pub factor: f64,
+    /// Each step adds this many requests per second instead of multiplying.
+    #[arg(long)]
+    pub step: Option<f64>,
+    /// Steady seconds per step.
+    #[arg(long, default_value_t = 20.0)]
+    pub step_duration: f64,
+    /// Warm-up seconds at the start of each step (not counted).
+    #[arg(long, default_value_t = 0.0)]
+    pub step_warmup: f64,
+    /// Give up after this many steps.
+    #[arg(long, default_value_t = 12)]
+    pub max_steps: usize,
+    /// Never offer more than this rate.
+    #[arg(long, default_value_t = 1000.0)]
+    pub max_rate: f64,
+    /// A step fails when its p95 TTFT exceeds this (milliseconds).
+    #[arg(long, default_value_t = 5000.0)]
+    pub max_p95_ttft_ms: f64,
+    /// A step fails when its error rate exceeds this fraction.
+    #[arg(long, default_value_t = 0.05)]
+    pub max_error_rate: f64,
+    /// Output directory.
+    #[arg(long, default_value = "loadgen-knee")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub attribution: Option<PathBuf>,
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GateArgs {
+    /// Baseline file: the fixed load (as `run` flags), the expected figures and the thresholds.
+    #[arg(long, default_value = "perf/baseline.json")]
+    pub baseline: PathBuf,
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// Query set, relative to where the command runs.
+    #[arg(long, default_value = "eval/questions.jsonl")]
+    pub queries: PathBuf,
+    /// Output directory of the gate's load run.
+    #[arg(long, default_value = "loadgen-gate")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReportArgs {
+    /// An output directory of `run`, `knee` or `gate`.
+    #[arg(long)]
+    pub from: PathBuf,
+    #[arg(long)]
+    pub attribution: Option<PathBuf>,
+}

@@ -1,0 +1,350 @@
+//! Each subcommand end to end: read the query set, drive the load, summarise, and write
+//! `requests.jsonl`, `summary.json` and `report.html` under `--out`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use serde_json::{json, Value};
+
+use crate::cli::{Cli, Command, GateArgs, KneeArgs, Mode, ReportArgs, RunArgs, Target};
+use crate::gate::{self, Baseline};
+use crate::knee::{self, StepResult, Thresholds};
+use crate::record::{self, RequestRecord};
+use crate::report::{self, Attribution};
+use crate::runner::{Plan, ProgressPrinter, Runner};
+use crate::schedule::{load_queries, Arrivals, Phase, Phases};
+use crate::stats::{PhaseStats, Summary};
+
+/// Runs a subcommand. `Ok(false)` means the gate found a regression.
+pub async fn dispatch(command: Command) -> anyhow::Result<bool> {
+    match command {
+        Command::Run(a) => run(&a).await.map(|_| true),
+        Command::Knee(a) => knee(&a).await.map(|_| true),
+        Command::Gate(a) => gate(&a).await,
+        Command::Report(a) => report(&a).map(|_| true),
+    }
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The JSON objects merged into one (for the summary's `config`).
+fn merged(parts: &[Value]) -> Value {
+    let mut out = serde_json::Map::new();
+    for p in parts {
+        if let Some(o) = p.as_object() {
+            out.extend(o.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+    }
+    Value::Object(out)
+}
+
+/// True for a number above zero (false for NaN).
+fn positive(x: f64) -> bool {
+    x > 0.0
+}
+
+fn check_target(t: &Target) -> anyhow::Result<()> {
+    if !positive(t.timeout) {
+        bail!("--timeout must be positive");
+    }
+    if t.max_in_flight == 0 {
+        bail!("--max-in-flight must be at least 1");
+    }
+    Ok(())
+}
+
+fn read_attribution(path: Option<&Path>) -> anyhow::Result<Option<Attribution>> {
+    path.map(Attribution::read).transpose()
+}
+
+/// Writes the three output files.
+pub fn write_outputs(
+    dir: &Path,
+    summary: &Summary,
+    records: &[RequestRecord],
+    attribution: Option<&Attribution>,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    record::write_jsonl(&dir.join("requests.jsonl"), records)?;
+    std::fs::write(
+        dir.join("summary.json"),
+        serde_json::to_string_pretty(summary)? + "\n",
+    )?;
+    std::fs::write(
+        dir.join("report.html"),
+        report::render(summary, records, attribution),
+    )?;
+    Ok(())
+}
+
+/// First Ctrl-C: stop sending, let requests in flight finish, write the outputs. Second: quit.
+fn stop_on_ctrl_c(runner: &Arc<Runner>) {
+    let runner = Arc::clone(runner);
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("\nstopping: waiting for the requests in flight (Ctrl-C again to quit now)");
+            runner.stop();
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(130);
+            }
+        }
+    });
+}
+
+/// Runs one load and returns its summary and records, without writing anything.
+pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord>)> {
+    check_target(&a.target)?;
+    let s = &a.shape;
+    if !positive(s.duration) || s.warmup < 0.0 || s.cooldown < 0.0 {
+        bail!("--duration must be positive, --warmup and --cooldown not negative");
+    }
+    let arrivals = Arrivals {
+        rate: s.rate,
+        burst_rate: s.burst_rate,
+        burst_size: s.burst_size,
+    };
+    if s.mode == Mode::Open && !positive(arrivals.offered_rps()) {
+        bail!("open loop needs --rate > 0 or --burst-rate and --burst-size > 0");
+    }
+    if s.mode == Mode::Closed && s.users == 0 {
+        bail!("closed loop needs --users >= 1");
+    }
+    let queries = load_queries(&a.target.queries)?;
+    let runner = Runner::new(a.target.clone(), queries)?;
+    stop_on_ctrl_c(&runner);
+    let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
+    let started_unix_ms = unix_ms();
+    let plan = Plan::from_shape(s, a.target.seed);
+    let ran = runner.run(&plan, String::new()).await;
+    drop(printer);
+    let steady: Vec<&RequestRecord> = ran
+        .records
+        .iter()
+        .filter(|r| r.phase == Phase::Steady)
+        .collect();
+    let stats =
+        PhaseStats::of(&steady, ran.steady_s, plan.offered_rps()).with_throughput(ran.throughput());
+    let summary = Summary {
+        tool: "ragscope-loadgen".into(),
+        command: "run".into(),
+        config: merged(&[json!(a.target), json!(a.shape)]),
+        started_unix_ms,
+        phases: Some(plan.phases),
+        requests_by_phase: Summary::count_phases(&ran.records),
+        steady: Some(stats),
+        steps: Vec::new(),
+        knee: None,
+        gate: None,
+    };
+    Ok((summary, ran.records))
+}
+
+fn print_steady(s: &PhaseStats) {
+    let p = |p: Option<crate::stats::Percentiles>| {
+        p.map_or("–".into(), |p| {
+            format!(
+                "p50 {:.0} p90 {:.0} p95 {:.0} p99 {:.0} p99.9 {:.0}",
+                p.p50, p.p90, p.p95, p.p99, p.p99_9
+            )
+        })
+    };
+    println!(
+        "steady: {} requests, {} ok, error rate {:.1}% {:?}; offered {} rps, achieved {:.3} rps",
+        s.requests,
+        s.ok,
+        s.error_rate * 100.0,
+        s.errors_by_kind,
+        s.offered_rps
+            .map_or("closed-loop".into(), |o| format!("{o:.3}")),
+        s.achieved_rps
+    );
+    println!("  TTFT ms  {}", p(s.ttft_ms));
+    println!("  TPOT ms  {}", p(s.tpot_ms));
+    println!("  e2e ms   {}", p(s.e2e_ms));
+}
+
+pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
+    let attribution = read_attribution(a.attribution.as_deref())?;
+    let (summary, records) = run_load(a).await?;
+    write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
+    if let Some(s) = &summary.steady {
+        print_steady(s);
+    }
+    println!("wrote {}", a.out.join("report.html").display());
+    Ok(summary)
+}
+
+pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
+    check_target(&a.target)?;
+    if !positive(a.start_rate) || !positive(a.step_duration) || a.max_steps == 0 {
+        bail!("--start-rate and --step-duration must be positive, --max-steps at least 1");
+    }
+    if a.step.is_none() && !positive(a.factor - 1.0) {
+        bail!("--factor must be above 1 (or give --step)");
+    }
+    if a.step.is_some_and(|s| !positive(s)) {
+        bail!("--step must be positive");
+    }
+    if a.start_rate * a.step_duration < 10.0 {
+        eprintln!(
+            "note: the first step expects {:.1} requests; p95 over fewer than ~10 is rough (raise --step-duration or --start-rate)",
+            a.start_rate * a.step_duration
+        );
+    }
+    let attribution = read_attribution(a.attribution.as_deref())?;
+    let th = Thresholds {
+        max_p95_ttft_ms: a.max_p95_ttft_ms,
+        max_error_rate: a.max_error_rate,
+    };
+    let queries = load_queries(&a.target.queries)?;
+    let runner = Runner::new(a.target.clone(), queries)?;
+    stop_on_ctrl_c(&runner);
+    let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
+    let started_unix_ms = unix_ms();
+    let mut steps: Vec<StepResult> = Vec::new();
+    let mut records = Vec::new();
+    for i in 0..a.max_steps {
+        let rate = knee::step_rate(a.start_rate, a.factor, a.step, i);
+        if rate > a.max_rate {
+            break;
+        }
+        let plan = Plan {
+            mode: Mode::Open,
+            arrivals: Arrivals {
+                rate,
+                burst_rate: 0.0,
+                burst_size: 0,
+            },
+            users: 1,
+            think_ms: 0.0,
+            phases: Phases {
+                warmup_s: a.step_warmup,
+                steady_s: a.step_duration,
+                cooldown_s: 0.0,
+            },
+            max_requests: None,
+            seed: a.target.seed.wrapping_add(i as u64),
+            step: Some(i),
+        };
+        let ran = runner.run(&plan, format!("step {i} ")).await;
+        let steady: Vec<&RequestRecord> = ran
+            .records
+            .iter()
+            .filter(|r| r.phase == Phase::Steady)
+            .collect();
+        let stats =
+            PhaseStats::of(&steady, ran.steady_s, Some(rate)).with_throughput(ran.throughput());
+        let result = StepResult::judge(i, rate, &stats, &th);
+        eprintln!(
+            "step {i}: offered {rate:.3} rps, achieved {:.3}, {} requests, errors {:.1}%, TTFT p95 {} ms: {}",
+            result.achieved_rps,
+            result.requests,
+            result.error_rate * 100.0,
+            result.ttft_p95_ms.map_or("–".into(), |v| format!("{v:.0}")),
+            result.failed.as_deref().unwrap_or("ok")
+        );
+        let failed = result.failed.is_some();
+        steps.push(result);
+        records.extend(ran.records);
+        if failed || runner.stopped() {
+            break;
+        }
+    }
+    drop(printer);
+    let found = knee::find_knee(&steps, &th);
+    println!(
+        "last good: {} rps; knee: {} rps ({})",
+        found
+            .last_good_rps
+            .map_or("none".into(), |v| format!("{v:.3}")),
+        found
+            .knee_rps
+            .map_or("not reached".into(), |v| format!("{v:.3}")),
+        found.reason
+    );
+    let summary = Summary {
+        tool: "ragscope-loadgen".into(),
+        command: "knee".into(),
+        config: merged(&[json!(a.target), json!(a)]),
+        started_unix_ms,
+        phases: None,
+        requests_by_phase: Summary::count_phases(&records),
+        steady: None,
+        steps,
+        knee: Some(found),
+        gate: None,
+    };
+    write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
+    println!("wrote {}", a.out.join("report.html").display());
+    Ok(summary)
+}
+
+/// The `run` flags of a baseline's load, pointed at `url`.
+pub fn gate_run_args(b: &Baseline, url: &str, queries: &str, out: &str) -> anyhow::Result<RunArgs> {
+    let mut argv: Vec<String> = vec!["ragscope-loadgen".into(), "run".into()];
+    argv.extend(b.load.iter().cloned());
+    argv.extend(
+        ["--url", url, "--queries", queries, "--out", out]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    match Cli::try_parse_from(argv)
+        .context("the baseline's `load` flags")?
+        .command
+    {
+        Command::Run(a) => Ok(a),
+        _ => unreachable!("parsed as run"),
+    }
+}
+
+/// Runs the baseline's load; `Ok(false)` on a regression.
+pub async fn gate(a: &GateArgs) -> anyhow::Result<bool> {
+    let b = Baseline::read(&a.baseline)?;
+    let mut args = gate_run_args(
+        &b,
+        &a.url,
+        &a.queries.to_string_lossy(),
+        &a.out.to_string_lossy(),
+    )?;
+    args.quiet |= a.quiet;
+    let (mut summary, records) = run_load(&args).await?;
+    let steady = summary.steady.clone().context("no steady phase")?;
+    print_steady(&steady);
+    let rows = gate::compare(&b, &steady);
+    let pass = rows.iter().all(|r| r.ok);
+    summary.command = "gate".into();
+    summary.gate = Some(rows.clone());
+    write_outputs(&args.out, &summary, &records, None)?;
+    print!("{}", gate::table(&rows));
+    println!(
+        "gate: {} (baseline {}; report {})",
+        if pass { "pass" } else { "REGRESSION" },
+        a.baseline.display(),
+        args.out.join("report.html").display()
+    );
+    Ok(pass)
+}
+
+pub fn report(a: &ReportArgs) -> anyhow::Result<()> {
+    let summary: Summary = serde_json::from_str(
+        &std::fs::read_to_string(a.from.join("summary.json"))
+            .with_context(|| format!("reading {}", a.from.join("summary.json").display()))?,
+    )
+    .context("parsing summary.json")?;
+    let records = record::read_jsonl(&a.from.join("requests.jsonl"))?;
+    let attribution = read_attribution(a.attribution.as_deref())?;
+    let path = a.from.join("report.html");
+    std::fs::write(
+        &path,
+        report::render(&summary, &records, attribution.as_ref()),
+    )?;
+    println!("wrote {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,27 @@
+//! ragscope-loadgen: drives ragscope's HTTP API with a reproducible load and reports what it saw.
+//!
+//! Map of the crate, from a command line to a report:
+//! - [`cli`]: the `run`, `knee`, `gate` and `report` subcommands and their flags.
+//! - [`schedule`]: seeded arrivals (Poisson plus bursts), Zipf query popularity, the context gradient.
+//! - [`sse`] and [`client`]: one streaming request, timed (TTFT, time per output token, end to end).
+//! - [`runner`]: open- and closed-loop load with warm-up, steady and cool-down phases, and progress.
+//! - [`record`] and [`stats`]: the per-request JSON lines and the percentiles summarising them.
+//! - [`knee`]: stepping the offered rate up until latency or errors pass a threshold.
+//! - [`gate`]: comparing a small fixed load against a checked-in baseline.
+//! - [`report`] and [`svg`]: the self-contained HTML report, plots drawn here as inline SVG.
+//! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`.
+//!
+//! This crate deliberately links no model code: it must be cheap to build and run next to a server.
+
+pub mod cli;
+pub mod client;
+pub mod commands;
+pub mod gate;
+pub mod knee;
+pub mod record;
+pub mod report;
+pub mod runner;
+pub mod schedule;
+pub mod sse;
+pub mod stats;
+pub mod svg;

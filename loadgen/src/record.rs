@@ -1,0 +1,90 @@
+//! One line of `requests.jsonl`: what was scheduled, what was sent, what came back and when.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::path::Path;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::schedule::Phase;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RequestRecord {
+    /// Order of sending within the command, from 0.
+    pub id: u64,
+    pub phase: Phase,
+    /// Knee finder: the step this request belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<usize>,
+    /// The open-loop rate offered when this request was scheduled (absent in closed loop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offered_rps: Option<f64>,
+    /// Closed loop: the user who sent it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<usize>,
+    /// Seconds from the start of the command at which the schedule wanted it sent (open loop).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduled_s: Option<f64>,
+    /// Seconds from the start of the command at which it was sent.
+    pub sent_s: f64,
+    /// Seconds from the start of the command at which it finished (answered, failed or timed out).
+    pub done_s: f64,
+    /// Wall-clock send time, milliseconds since the Unix epoch (to find it in a trace UI).
+    pub sent_unix_ms: u64,
+    /// Popularity rank of the query (0 = most popular) and the context it asked for.
+    pub query_rank: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rerank_top_n: Option<usize>,
+    /// The trace id sent in `traceparent`: search for it in Jaeger or Tempo.
+    pub trace_id: String,
+    pub ok: bool,
+    /// HTTP status, when a response arrived.
+    pub status: Option<u16>,
+    /// Error kind: `http_<status>`, `timeout`, `connect`, `request`, `stream`, `dropped`.
+    pub error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_detail: Option<String>,
+    /// Send to first token.
+    pub ttft_ms: Option<f64>,
+    /// Mean gap between tokens after the first.
+    pub tpot_ms: Option<f64>,
+    /// Send to the end of the stream.
+    pub e2e_ms: Option<f64>,
+    /// Completion tokens (the server's count when it reported one, else token events).
+    pub tokens: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    /// The server's own per-stage milliseconds from the `done` event (`timings`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_timings: Option<BTreeMap<String, f64>>,
+}
+
+pub fn write_jsonl(path: &Path, records: &[RequestRecord]) -> anyhow::Result<()> {
+    let file =
+        std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let mut w = std::io::BufWriter::new(file);
+    for r in records {
+        serde_json::to_writer(&mut w, r)?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+pub fn read_jsonl(path: &Path) -> anyhow::Result<Vec<RequestRecord>> {
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        out.push(
+            serde_json::from_str(&line).with_context(|| format!("{}:{}", path.display(), i + 1))?,
+        );
+    }
+    Ok(out)
+}
