@@ -4,6 +4,7 @@ mod coverage;
 mod documents;
 mod errors;
 mod fakes;
+mod grpc;
 mod helpers;
 mod metrics;
 mod openai;
