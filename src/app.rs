@@ -1,6 +1,7 @@
 //! Building the server from its configuration: load the stages, assemble the pipeline, and
-//! serve on a bound listener until a shutdown future resolves. `serve` binds first and loads
-//! in the background, so `/health` and `/ready` answer while models load and the corpus ingests.
+//! serve HTTP and gRPC on bound listeners until one shutdown future resolves. `serve` binds
+//! first and loads in the background, so `/health`, `/ready` and the gRPC health service answer
+//! while models load and the corpus ingests.
 
 use std::future::Future;
 use std::path::Path;
@@ -229,17 +230,54 @@ pub fn ingest_corpus(
     Ok(())
 }
 
-/// Serves `state` on `listener` until `shutdown` resolves; in-flight requests are drained.
+/// The sockets the server answers on, bound by the caller (tests bind port 0).
+pub struct Listeners {
+    pub http: TcpListener,
+    /// `None`: no gRPC API (`--grpc-listen off`).
+    pub grpc: Option<TcpListener>,
+}
+
+impl Listeners {
+    /// Binds the configured addresses.
+    pub async fn bind(args: &ServerArgs) -> Result<Listeners> {
+        let http = TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        let grpc = match args.grpc_listen.0 {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding {addr} (--grpc-listen)"))?,
+            ),
+            None => None,
+        };
+        Ok(Listeners { http, grpc })
+    }
+}
+
+/// Serves `state` over HTTP and gRPC until `shutdown` resolves; then both stop taking new
+/// requests and drain the ones in flight (streams included).
 pub async fn run(
-    listener: TcpListener,
+    listeners: Listeners,
     state: AppState,
     max_body_bytes: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let router = api::router(state, max_body_bytes);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    use futures::FutureExt;
+    use std::future::IntoFuture;
+    let shutdown = shutdown.boxed().shared();
+    let http = axum::serve(listeners.http, api::router(state.clone(), max_body_bytes))
+        .with_graceful_shutdown(shutdown.clone())
+        .into_future();
+    let grpc = async move {
+        match listeners.grpc {
+            Some(listener) => api::grpc::serve(listener, state, max_body_bytes, shutdown)
+                .await
+                .map_err(std::io::Error::other),
+            None => Ok(()),
+        }
+    };
+    tokio::try_join!(http, grpc).map(|_| ())
 }
 
 /// State for a server whose pipeline is already loaded (tests, benchmarks).
@@ -251,7 +289,7 @@ pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> 
         faults: Arc::default(),
     };
     let _ = state.pipeline.set(Arc::new(pipeline));
-    state.readiness.ready.store(true, Ordering::Relaxed);
+    state.readiness.set_ready();
     state
 }
 
@@ -260,10 +298,11 @@ pub async fn serve(
     args: ServeArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let listener = TcpListener::bind(args.server.listen)
-        .await
-        .with_context(|| format!("binding {}", args.server.listen))?;
-    tracing::info!("listening on http://{}", listener.local_addr()?);
+    let listeners = Listeners::bind(&args.server).await?;
+    tracing::info!("listening on http://{}", listeners.http.local_addr()?);
+    if let Some(grpc) = &listeners.grpc {
+        tracing::info!("gRPC API on {}", grpc.local_addr()?);
+    }
     let state = AppState {
         pipeline: Arc::new(OnceLock::new()),
         readiness: Arc::new(Readiness::default()),
@@ -286,16 +325,16 @@ pub async fn serve(
             });
         match result {
             Ok(()) => {
-                loading.readiness.ready.store(true, Ordering::Relaxed);
+                loading.readiness.set_ready();
                 tracing::info!("ready");
             }
             Err(e) => {
                 tracing::error!("start-up failed: {e:#}");
-                *loading.readiness.failed.lock().expect("readiness lock") = Some(format!("{e:#}"));
+                loading.readiness.set_failed(format!("{e:#}"));
             }
         }
     });
-    run(listener, state, max_body_bytes, shutdown).await?;
+    run(listeners, state, max_body_bytes, shutdown).await?;
     Ok(())
 }
 

@@ -127,6 +127,9 @@ pub struct ServerArgs {
     /// Address to listen on.
     #[arg(long, env = "RAGSCOPE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// Address the gRPC API listens on, or `off`.
+    #[arg(long, env = "RAGSCOPE_GRPC_LISTEN", default_value = "127.0.0.1:50051")]
+    pub grpc_listen: OptionalAddr,
     /// Model-worker threads (each runs one request's model stages at a time).
     #[arg(long, env = "RAGSCOPE_WORKERS", default_value_t = 1)]
     pub workers: usize,
@@ -285,10 +288,56 @@ pub struct AttributeArgs {
     pub baseline: Option<PathBuf>,
 }
 
+/// A socket address, or `off` for a listener that is not started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionalAddr(pub Option<SocketAddr>);
+
+impl std::str::FromStr for OptionalAddr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("off") {
+            return Ok(OptionalAddr(None));
+        }
+        s.parse()
+            .map(|a| OptionalAddr(Some(a)))
+            .map_err(|e| format!("{s:?}: {e}; give host:port, e.g. 127.0.0.1:50051, or off"))
+    }
+}
+
 fn parse_seconds(s: &str) -> Result<Duration, String> {
     s.parse::<f64>()
         .ok()
         .filter(|v| v.is_finite() && *v > 0.0)
         .map(Duration::from_secs_f64)
         .ok_or_else(|| format!("{s:?} is not a positive number of seconds"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_listen_is_an_address_or_off() {
+        let serve = |extra: &[&str]| {
+            let mut argv = vec!["ragscope", "serve"];
+            argv.extend_from_slice(extra);
+            match Cli::try_parse_from(argv).map(|c| c.command) {
+                Ok(Command::Serve(s)) => Ok(s.server.grpc_listen),
+                Ok(_) => unreachable!(),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(
+            serve(&[]).unwrap().0,
+            Some("127.0.0.1:50051".parse().unwrap())
+        );
+        assert_eq!(serve(&["--grpc-listen", "off"]).unwrap().0, None);
+        assert_eq!(
+            serve(&["--grpc-listen", "0.0.0.0:9000"]).unwrap().0,
+            Some("0.0.0.0:9000".parse().unwrap())
+        );
+        let err = serve(&["--grpc-listen", "nowhere"]).unwrap_err();
+        assert!(err.contains("or off"), "{err}");
+    }
 }

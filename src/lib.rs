@@ -3,7 +3,8 @@
 //! Map of the crate, in the order a request flows through it:
 //! - [`config`]: every setting, from flags and `RAGSCOPE_*` variables (`OTEL_*` in [`telemetry`]).
 //! - [`app`]: loading the stages, assembling the pipeline, serving until shutdown.
-//! - [`api`]: the HTTP surface (RAG query, OpenAI-compatible chat and embeddings, documents).
+//! - [`api`]: the HTTP surface (RAG query, OpenAI-compatible chat and embeddings, documents) and
+//!   the gRPC one (`proto/ragscope.proto`: Query, Ingest, Embed, Rerank, health).
 //! - [`worker`]: the model-worker threads and their bounded queue (backpressure → 429).
 //! - [`pipeline`]: one RAG request, top to bottom: embed → retrieve → rerank → prompt → generate.
 //! - [`embed`], [`retrieve`], [`rerank`], [`prompt`], [`generate`]: the stages.

@@ -1,5 +1,5 @@
 //! `POST /v1/documents` (ingest) and `DELETE /v1/documents/{id}`. A 200 means every chunk of
-//! every listed document is durable in the store.
+//! every listed document is durable in the store. The gRPC `Ingest` checks documents here too.
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
@@ -50,17 +50,25 @@ pub async fn create(
     ValidJson(body): ValidJson<CreateBody>,
 ) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
-    if body.documents.is_empty() || body.documents.len() > MAX_DOCUMENTS {
+    let docs = documents(body.documents)?;
+    let outcomes = pipeline.ingest(docs, &stage).await?;
+    Ok(Json(json!({"documents": outcomes})))
+}
+
+/// Checks documents to ingest (HTTP and gRPC) and fills in ids and sources. Errors name the
+/// field, e.g. `documents[2].text`.
+pub fn documents(bodies: Vec<DocumentBody>) -> Result<Vec<Document>, ApiError> {
+    if bodies.is_empty() || bodies.len() > MAX_DOCUMENTS {
         return Err(ApiError::field(
             "documents",
             format!(
                 "must hold 1 to {MAX_DOCUMENTS} documents, got {}",
-                body.documents.len()
+                bodies.len()
             ),
         ));
     }
-    let mut docs = Vec::with_capacity(body.documents.len());
-    for (i, d) in body.documents.into_iter().enumerate() {
+    let mut docs = Vec::with_capacity(bodies.len());
+    for (i, d) in bodies.into_iter().enumerate() {
         if d.text.trim().is_empty() {
             return Err(ApiError::field(
                 &format!("documents[{i}].text"),
@@ -90,8 +98,7 @@ pub async fn create(
             metadata: d.metadata,
         });
     }
-    let outcomes = pipeline.ingest(docs, &stage).await?;
-    Ok(Json(json!({"documents": outcomes})))
+    Ok(docs)
 }
 
 pub async fn remove(

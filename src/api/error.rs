@@ -1,5 +1,8 @@
-//! The one place errors become HTTP responses. Every error body has the OpenAI shape
-//! `{"error": {"message", "type", "param", "code"}}`, and `message` starts with the field at fault.
+//! The one place errors become HTTP responses and gRPC statuses. A [`PipelineError`] is
+//! classified once, into an [`ApiError`] (an HTTP status, a kind, the field at fault); HTTP
+//! renders it in the OpenAI shape `{"error": {"message", "type", "param", "code"}}`, gRPC as a
+//! [`tonic::Status`] whose code follows from the HTTP status. Either way `message` starts with
+//! the field at fault.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -11,6 +14,9 @@ use crate::generate::GenerateError;
 use crate::ingest::IngestError;
 use crate::pipeline::PipelineError;
 use crate::retrieve::StoreError;
+
+/// gRPC metadata key carrying [`ApiError::code`] (e.g. `queue_full`, `context_length_exceeded`).
+pub const GRPC_ERROR_CODE_KEY: &str = "ragscope-error-code";
 
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -117,5 +123,94 @@ impl From<PipelineError> for ApiError {
             ),
             _ => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message),
         }
+    }
+}
+
+impl ApiError {
+    /// The gRPC status code for this error: the standard HTTP-to-gRPC correspondence.
+    pub fn grpc_code(&self) -> tonic::Code {
+        use tonic::Code;
+        match self.status {
+            StatusCode::BAD_REQUEST
+            | StatusCode::UNPROCESSABLE_ENTITY
+            | StatusCode::PAYLOAD_TOO_LARGE => Code::InvalidArgument,
+            StatusCode::NOT_FOUND => Code::NotFound,
+            StatusCode::TOO_MANY_REQUESTS => Code::ResourceExhausted,
+            StatusCode::SERVICE_UNAVAILABLE => Code::Unavailable,
+            StatusCode::GATEWAY_TIMEOUT => Code::DeadlineExceeded,
+            _ => Code::Internal,
+        }
+    }
+}
+
+impl From<ApiError> for tonic::Status {
+    fn from(e: ApiError) -> tonic::Status {
+        let mut status = tonic::Status::new(e.grpc_code(), e.message);
+        let metadata = status.metadata_mut();
+        if let Some(code) = e.code {
+            metadata.insert(
+                GRPC_ERROR_CODE_KEY,
+                tonic::metadata::MetadataValue::from_static(code),
+            );
+        }
+        if let Some(s) = e.retry_after_s {
+            metadata.insert("retry-after", s.into());
+        }
+        status
+    }
+}
+
+impl From<PipelineError> for tonic::Status {
+    fn from(e: PipelineError) -> tonic::Status {
+        ApiError::from(e).into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    fn grpc(e: PipelineError) -> tonic::Status {
+        e.into()
+    }
+
+    #[test]
+    fn pipeline_errors_map_to_grpc_codes_through_the_http_classification() {
+        let full = grpc(PipelineError::QueueFull);
+        assert_eq!(full.code(), Code::ResourceExhausted);
+        assert_eq!(
+            full.metadata().get(GRPC_ERROR_CODE_KEY).unwrap(),
+            "queue_full"
+        );
+        assert_eq!(full.metadata().get("retry-after").unwrap(), "1");
+        assert_eq!(
+            grpc(PipelineError::Timeout(5.0)).code(),
+            Code::DeadlineExceeded
+        );
+        assert_eq!(grpc(PipelineError::WorkerGone).code(), Code::Internal);
+        let overflow = grpc(PipelineError::Generate(GenerateError::ContextOverflow {
+            prompt: 3000,
+            max_tokens: 100,
+            window: 2048,
+        }));
+        assert_eq!(overflow.code(), Code::InvalidArgument);
+        assert!(
+            overflow.message().starts_with("max_tokens: "),
+            "{}",
+            overflow.message()
+        );
+        let empty = grpc(PipelineError::Ingest(IngestError::Empty("a".into())));
+        assert_eq!(empty.code(), Code::InvalidArgument);
+        assert!(empty.message().starts_with("documents: "));
+    }
+
+    #[test]
+    fn api_errors_keep_their_field_in_the_grpc_message() {
+        let status: tonic::Status = ApiError::field("top_k", "must be between 1 and 100").into();
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(status.message(), "top_k: must be between 1 and 100");
+        let status: tonic::Status = ApiError::not_ready().into();
+        assert_eq!(status.code(), Code::Unavailable);
     }
 }

@@ -1,10 +1,12 @@
-//! The HTTP surface. Every request gets a server span (`{method} {route}`) whose trace context
-//! comes from the caller's `traceparent`; handlers hand that span to the pipeline, and it ends
-//! only when the response body has been written, so streamed answers are timed to the last byte.
+//! The HTTP surface (and, in [`grpc`], the gRPC one over the same state). Every request gets a
+//! server span (`{method} {route}`) whose trace context comes from the caller's `traceparent`;
+//! handlers hand that span to the pipeline, and it ends only when the response body has been
+//! written, so streamed answers are timed to the last byte.
 
 pub mod admin;
 pub mod documents;
 pub mod error;
+pub mod grpc;
 pub mod json;
 pub mod openai;
 pub mod rag;
@@ -41,13 +43,37 @@ pub struct AppState {
     pub faults: Arc<crate::fault::Faults>,
 }
 
-/// What `/ready` reports while the server starts.
+/// What `/ready` and the gRPC health service report while the server starts.
 #[derive(Default)]
 pub struct Readiness {
     pub corpus_total: std::sync::atomic::AtomicUsize,
     pub corpus_done: std::sync::atomic::AtomicUsize,
     pub ready: std::sync::atomic::AtomicBool,
     pub failed: std::sync::Mutex<Option<String>>,
+    /// Woken when `ready` or `failed` is set, so the health service need not poll.
+    pub changed: tokio::sync::Notify,
+}
+
+impl Readiness {
+    /// Models loaded and corpus ingested: the server takes requests.
+    pub fn set_ready(&self) {
+        self.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.changed.notify_waiters();
+    }
+
+    /// Start-up failed for good.
+    pub fn set_failed(&self, error: String) {
+        *self.failed.lock().expect("readiness lock") = Some(error);
+        self.changed.notify_waiters();
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn has_failed(&self) -> bool {
+        self.failed.lock().expect("readiness lock").is_some()
+    }
 }
 
 impl AppState {
@@ -195,9 +221,7 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
         KeyValue::new("url.path", req.uri().path().to_string()),
     ]);
     req.extensions_mut().insert(stage.clone());
-    let metrics = crate::telemetry::metrics::metrics();
-    metrics.requests_in_flight.add(1, &[]);
-    let in_flight = InFlight;
+    let in_flight = InFlight::start();
     let mut response = next.run(req).await;
     let status = response.status();
     stage.set(KeyValue::new(
@@ -231,8 +255,17 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
     Response::from_parts(parts, Body::from_stream(guarded))
 }
 
-/// Decrements the in-flight gauge when the response is done.
-struct InFlight;
+/// Counts a request in the in-flight gauge until dropped (HTTP and gRPC).
+pub(crate) struct InFlight;
+
+impl InFlight {
+    pub(crate) fn start() -> InFlight {
+        crate::telemetry::metrics::metrics()
+            .requests_in_flight
+            .add(1, &[]);
+        InFlight
+    }
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {

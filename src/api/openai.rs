@@ -304,26 +304,8 @@ pub async fn embeddings(
             ))
         }
     };
-    if texts.len() > MAX_EMBED_INPUTS {
-        return Err(ApiError::field(
-            "input",
-            format!("at most {MAX_EMBED_INPUTS} inputs, got {}", texts.len()),
-        ));
-    }
-    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
-        return Err(ApiError::field(&format!("input[{i}]"), "must not be empty"));
-    }
-    let tokens: usize = texts
-        .iter()
-        .map(|t| {
-            pipeline
-                .embedder
-                .count_tokens(t)
-                .unwrap_or(0)
-                .min(pipeline.embedder.max_tokens())
-                + 2
-        })
-        .sum();
+    check_embed_inputs("input", &texts)?;
+    let tokens = embed_tokens(&pipeline, &texts);
     let vectors = pipeline.embed(texts, &stage).await?;
     let data: Vec<Value> = vectors
         .iter()
@@ -344,6 +326,43 @@ pub async fn embeddings(
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     })))
+}
+
+/// Checks texts to embed (HTTP and gRPC); errors name `param` (`input` over HTTP, `inputs`
+/// over gRPC) or one of its items.
+pub fn check_embed_inputs(param: &str, texts: &[String]) -> Result<(), ApiError> {
+    if texts.is_empty() {
+        return Err(ApiError::field(param, "must not be empty"));
+    }
+    if texts.len() > MAX_EMBED_INPUTS {
+        return Err(ApiError::field(
+            param,
+            format!("at most {MAX_EMBED_INPUTS} inputs, got {}", texts.len()),
+        ));
+    }
+    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
+        return Err(ApiError::field(
+            &format!("{param}[{i}]"),
+            "must not be empty",
+        ));
+    }
+    Ok(())
+}
+
+/// Tokens the embedder reads for `texts` (truncated inputs count up to the model's limit,
+/// plus the two special tokens).
+pub fn embed_tokens(pipeline: &Pipeline, texts: &[String]) -> usize {
+    texts
+        .iter()
+        .map(|t| {
+            pipeline
+                .embedder
+                .count_tokens(t)
+                .unwrap_or(0)
+                .min(pipeline.embedder.max_tokens())
+                + 2
+        })
+        .sum()
 }
 
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {

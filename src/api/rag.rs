@@ -1,4 +1,5 @@
-//! `POST /v1/rag/query` (JSON or SSE) and `POST /v1/rerank`.
+//! `POST /v1/rag/query` (JSON or SSE) and `POST /v1/rerank`, and the request validation the
+//! gRPC `Query` and `Rerank` share with them.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -248,16 +249,52 @@ pub struct RerankBody {
 
 pub const MAX_RERANK_DOCUMENTS: usize = 256;
 
+/// Checks a rerank request (HTTP and gRPC); returns how many results to give back.
+pub fn check_rerank(
+    query: &str,
+    documents: &[String],
+    top_n: Option<usize>,
+) -> Result<usize, ApiError> {
+    if query.trim().is_empty() {
+        return Err(ApiError::field("query", "must not be empty"));
+    }
+    if documents.is_empty() || documents.len() > MAX_RERANK_DOCUMENTS {
+        return Err(ApiError::field(
+            "documents",
+            format!(
+                "must hold 1 to {MAX_RERANK_DOCUMENTS} strings, got {}",
+                documents.len()
+            ),
+        ));
+    }
+    if let Some(i) = documents.iter().position(|d| d.trim().is_empty()) {
+        return Err(ApiError::field(
+            &format!("documents[{i}]"),
+            "must not be empty",
+        ));
+    }
+    let top_n = top_n.unwrap_or(documents.len());
+    if top_n == 0 {
+        return Err(ApiError::field("top_n", "must be at least 1"));
+    }
+    Ok(top_n)
+}
+
+/// The reranker's model id, or `none` when the pipeline keeps retrieval order.
+pub fn rerank_model(pipeline: &Pipeline) -> String {
+    pipeline
+        .reranker
+        .as_ref()
+        .map_or("none".to_string(), |r| r.model_id().to_string())
+}
+
 pub async fn rerank(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
     ValidJson(body): ValidJson<RerankBody>,
 ) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
-    let model = pipeline
-        .reranker
-        .as_ref()
-        .map_or("none".to_string(), |r| r.model_id().to_string());
+    let model = rerank_model(&pipeline);
     if let Some(m) = &body.model {
         if *m != model {
             return Err(ApiError::field(
@@ -267,28 +304,7 @@ pub async fn rerank(
             .with_code("model_not_found"));
         }
     }
-    if body.query.trim().is_empty() {
-        return Err(ApiError::field("query", "must not be empty"));
-    }
-    if body.documents.is_empty() || body.documents.len() > MAX_RERANK_DOCUMENTS {
-        return Err(ApiError::field(
-            "documents",
-            format!(
-                "must hold 1 to {MAX_RERANK_DOCUMENTS} strings, got {}",
-                body.documents.len()
-            ),
-        ));
-    }
-    if let Some(i) = body.documents.iter().position(|d| d.trim().is_empty()) {
-        return Err(ApiError::field(
-            &format!("documents[{i}]"),
-            "must not be empty",
-        ));
-    }
-    let top_n = body.top_n.unwrap_or(body.documents.len());
-    if top_n == 0 {
-        return Err(ApiError::field("top_n", "must be at least 1"));
-    }
+    let top_n = check_rerank(&body.query, &body.documents, body.top_n)?;
     let pipeline = Arc::clone(&pipeline);
     let scores = pipeline
         .rerank(body.query, body.documents.clone(), &stage)

@@ -56,6 +56,8 @@ async fn start(variant: &Variant, args: &BenchArgs, data: &Path) -> Result<Serve
         "none",
         "--listen",
         &format!("127.0.0.1:{port}"),
+        "--grpc-listen",
+        "off",
     ])
     .arg("--data-dir")
     .arg(data.join(variant.name.replace(['+', ' '], "_")))

@@ -58,6 +58,17 @@ pub enum IngestStatus {
     Replaced,
 }
 
+impl IngestStatus {
+    /// The name the APIs report (as serialised).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IngestStatus::Created => "created",
+            IngestStatus::Unchanged => "unchanged",
+            IngestStatus::Replaced => "replaced",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct IngestOutcome {
     pub id: String,

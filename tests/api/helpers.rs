@@ -1,4 +1,5 @@
-//! `spawn_app`: a real server (real models, a fresh embedded store) on 127.0.0.1:0.
+//! `spawn_app`: a real server (real models, a fresh embedded store) on 127.0.0.1:0, HTTP and
+//! gRPC each on a port of its own.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +13,8 @@ use tokio::task::JoinHandle;
 
 pub struct TestApp {
     pub base: String,
+    /// The gRPC API's URL (`http://127.0.0.1:PORT`).
+    pub grpc: String,
     pub client: reqwest::Client,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<JoinHandle<std::io::Result<()>>>,
@@ -110,7 +113,20 @@ async fn fake_app(
         std::mem::forget(provider);
     }
     let args = serve_args(Path::new("unused"), extra);
-    let pipeline = ragscope::pipeline::Pipeline {
+    serve(fake_pipeline_over(generator, store), &args, None).await
+}
+
+/// A pipeline over stand-in stages.
+pub fn fake_pipeline(generator: crate::fakes::FakeGenerator) -> ragscope::pipeline::Pipeline {
+    fake_pipeline_over(generator, Arc::new(crate::fakes::FakeStore::default()))
+}
+
+fn fake_pipeline_over(
+    generator: crate::fakes::FakeGenerator,
+    store: Arc<dyn ragscope::retrieve::VectorStore>,
+) -> ragscope::pipeline::Pipeline {
+    let args = serve_args(Path::new("unused"), &[]);
+    ragscope::pipeline::Pipeline {
         embedder: Arc::new(crate::fakes::FakeEmbedder),
         store,
         reranker: Some(Arc::new(ragscope::rerank::fusion::FusionReranker::default())),
@@ -119,8 +135,7 @@ async fn fake_app(
         defaults: args.pipeline.clone(),
         chunker: ragscope::app::chunker(&args.store),
         query_cache: ragscope::embed::cache::QueryCache::new(0),
-    };
-    serve(pipeline, &args, None).await
+    }
 }
 
 async fn serve(
@@ -130,19 +145,35 @@ async fn serve(
 ) -> TestApp {
     let mut state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
     state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
+    serve_state(state, args.server.max_body_bytes, tmp).await
+}
+
+/// Serves `state` over HTTP and gRPC, each on a port 0 of its own.
+pub async fn serve_state(
+    state: ragscope::api::AppState,
+    max_body_bytes: usize,
+    tmp: Option<tempfile::TempDir>,
+) -> TestApp {
+    let listeners = ragscope::app::Listeners {
+        http: TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        grpc: Some(TcpListener::bind("127.0.0.1:0").await.unwrap()),
+    };
+    let base = format!("http://{}", listeners.http.local_addr().unwrap());
+    let grpc = format!(
+        "http://{}",
+        listeners.grpc.as_ref().unwrap().local_addr().unwrap()
+    );
     let (tx, rx) = oneshot::channel();
-    let max_body_bytes = args.server.max_body_bytes;
     let server = tokio::spawn(async move {
         let _tmp = tmp;
-        ragscope::app::run(listener, state, max_body_bytes, async {
+        ragscope::app::run(listeners, state, max_body_bytes, async {
             let _ = rx.await;
         })
         .await
     });
     TestApp {
         base,
+        grpc,
         client: reqwest::Client::new(),
         shutdown: Some(tx),
         server: Some(server),
@@ -150,6 +181,24 @@ async fn serve(
 }
 
 impl TestApp {
+    /// A connection to the gRPC server, for any of its services.
+    pub async fn grpc_channel(&self) -> tonic::transport::Channel {
+        tonic::transport::Endpoint::from_shared(self.grpc.clone())
+            .unwrap()
+            .connect()
+            .await
+            .expect("gRPC connects")
+    }
+
+    /// A client of the gRPC API.
+    pub async fn rag_client(
+        &self,
+    ) -> ragscope::api::grpc::proto::rag_client::RagClient<tonic::transport::Channel> {
+        ragscope::api::grpc::proto::rag_client::RagClient::connect(self.grpc.clone())
+            .await
+            .expect("gRPC connects")
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }

@@ -6,6 +6,7 @@ mod documents;
 mod errors;
 mod fakes;
 mod faults;
+mod grpc;
 mod helpers;
 mod metrics;
 mod openai;

@@ -139,7 +139,12 @@ async fn exports_to_rotel(protocol: &str) {
     let _server = Running(
         Command::new(env!("CARGO_BIN_EXE_ragscope"))
             .args(["serve", "--corpus", "none", "--fetch-models", "false"])
-            .args(["--listen", &format!("127.0.0.1:{api}")])
+            .args([
+                "--listen",
+                &format!("127.0.0.1:{api}"),
+                "--grpc-listen",
+                "off",
+            ])
             .arg("--data-dir")
             .arg(tmp.path().join("data"))
             .arg("--models-dir")

@@ -13,10 +13,10 @@ use serde_json::json;
 use crate::helpers::spawn_app;
 use crate::receiver::{self, hex, Received};
 
-const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
-const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+pub const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+pub const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
-fn providers(protocol: Protocol, endpoint: &str) -> (SdkTracerProvider, SdkMeterProvider) {
+pub fn providers(protocol: Protocol, endpoint: &str) -> (SdkTracerProvider, SdkMeterProvider) {
     let resource = ragscope::telemetry::resource();
     let (spans, metrics) = match protocol {
         Protocol::Grpc => (
@@ -57,7 +57,7 @@ fn providers(protocol: Protocol, endpoint: &str) -> (SdkTracerProvider, SdkMeter
     (tracer, meter)
 }
 
-fn attr<'a>(span: &'a Span, key: &str) -> Option<&'a AnyValue> {
+pub fn attr<'a>(span: &'a Span, key: &str) -> Option<&'a AnyValue> {
     span.attributes
         .iter()
         .find(|a| a.key == key)
@@ -65,14 +65,14 @@ fn attr<'a>(span: &'a Span, key: &str) -> Option<&'a AnyValue> {
         .and_then(|v| v.value.as_ref())
 }
 
-fn int_attr(span: &Span, key: &str) -> Option<i64> {
+pub fn int_attr(span: &Span, key: &str) -> Option<i64> {
     match attr(span, key)? {
         AnyValue::IntValue(i) => Some(*i),
         _ => None,
     }
 }
 
-fn str_attr<'a>(span: &'a Span, key: &str) -> Option<&'a str> {
+pub fn str_attr<'a>(span: &'a Span, key: &str) -> Option<&'a str> {
     match attr(span, key)? {
         AnyValue::StringValue(s) => Some(s),
         _ => None,
