@@ -43,6 +43,7 @@ pub struct Models {
 /// allowed.
 pub fn load_models(args: &ModelArgs) -> Result<Models> {
     let device = crate::device::device(&args.device)?;
+    crate::telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
     let embed_dir = models::resolve(
         &args.embed_model,
         &args.models_dir,

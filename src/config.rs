@@ -68,6 +68,10 @@ pub struct ModelArgs {
     /// Where models run: cpu, cuda, cuda:N or auto.
     #[arg(long, env = "RAGSCOPE_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// On a GPU, time every Nth decode step with CUDA events (a `gpu decode_step` span; 0: none,
+    /// 1: every step). Each timed step waits for the device once more than it would anyway.
+    #[arg(long, env = "RAGSCOPE_GPU_DECODE_SAMPLE", default_value_t = 8)]
+    pub gpu_decode_sample: usize,
     /// Upper bound on prompt + generated tokens per request.
     #[arg(long, env = "RAGSCOPE_MAX_CONTEXT", default_value_t = 2048)]
     pub max_context: usize,

@@ -5,7 +5,14 @@ use anyhow::{bail, Result};
 use candle_core::Device;
 
 /// Parses `cpu`, `cuda`, `cuda:N` or `auto` (CUDA device 0 when built with CUDA and present).
+/// A CUDA device is also handed to the GPU memory gauges.
 pub fn device(spec: &str) -> Result<Device> {
+    let device = parse(spec)?;
+    crate::telemetry::gpu::memory::watch(&device);
+    Ok(device)
+}
+
+fn parse(spec: &str) -> Result<Device> {
     match spec {
         "cpu" => Ok(Device::Cpu),
         "auto" if candle_core::utils::cuda_is_available() => Ok(Device::new_cuda(0)?),

@@ -13,6 +13,7 @@ use opentelemetry::KeyValue;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use super::{EmbedError, Embedder};
+use crate::telemetry::gpu::GpuTimer;
 use crate::telemetry::span::Stage;
 
 /// The model's `max_seq_length` in sentence-transformers; the shipped tokenizer.json says 128.
@@ -51,6 +52,8 @@ pub fn load_bert(
         }))
         .map_err(|e| EmbedError::Load(e.to_string()))?;
     let weights = dir.join("model.safetensors");
+    // F32 on the GPU too: candle's BERT builds its attention mask as `(1 - mask) * f32::MIN` in
+    // the model dtype, which is -inf in F16/BF16 and turns every kept position into NaN.
     // SAFETY: the weights file is not modified while mapped (it is verified and read-only).
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, device)? };
     let model = BertModel::load(vb, &config)?;
@@ -91,8 +94,10 @@ impl BertEmbedder {
         tokenize.end();
 
         let forward = stage.child("forward");
+        let gpu = GpuTimer::start(&self.device);
         let hidden = self.model.forward(&ids, &ids.zeros_like()?, Some(&mask))?;
         let pooled = mean_pool_normalised(&hidden, &mask)?;
+        gpu.finish_into(&forward, "embed");
         let vectors = pooled.to_vec2::<f32>()?;
         forward.end();
         Ok(vectors)

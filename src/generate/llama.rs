@@ -4,6 +4,9 @@
 //! The weights are read once and shared by every request; a request prefills its prompt in
 //! chunks and then decodes one token per step, writing keys and values in place (candle's
 //! quantized llama copies its whole cache at every step) and attending in plain CPU loops.
+//! On a GPU the same forward runs on candle's CUDA ops, with weights in
+//! [`WeightFormat::F16PrefillQ8Decode`] and the KV cache allocated on the device; CUDA events
+//! time prefill and sampled decode steps ([`gpu`](crate::telemetry::gpu)).
 
 use std::borrow::Cow;
 use std::io::BufReader;
@@ -23,6 +26,7 @@ use super::{
     Sampling, TokenTrace,
 };
 use crate::telemetry::clock;
+use crate::telemetry::gpu::{self, GpuTimer};
 use crate::telemetry::span::Stage;
 
 /// The model name clients see.
@@ -63,6 +67,22 @@ pub enum WeightFormat {
     /// Dense F32 for prefill (GEMM-bound), Q8_0 for decode (one row: GEMV, bandwidth-bound).
     #[default]
     F32PrefillQ8Decode,
+    /// The GPU default: dense F16 for prefill (tensor-core GEMMs through cuBLAS; activations are
+    /// cast to F16 for the matmul and back), Q8_0 for decode (candle's quantised CUDA
+    /// matrix-vector kernels read a quarter of F32's bytes per token).
+    F16PrefillQ8Decode,
+}
+
+impl WeightFormat {
+    /// The format [`Llama::load`] picks for `device`: the measured CPU default above, or
+    /// [`WeightFormat::F16PrefillQ8Decode`] on a GPU.
+    pub fn for_device(device: &Device) -> WeightFormat {
+        if device.is_cpu() {
+            WeightFormat::default()
+        } else {
+            WeightFormat::F16PrefillQ8Decode
+        }
+    }
 }
 
 /// Hyperparameters from the GGUF `llama.*` metadata.
@@ -153,11 +173,15 @@ impl Weights {
 /// The keys and values of one request: per layer `(n_kv_head, capacity, head_dim)`, written in
 /// place. Head-major so every head's keys are one contiguous run, as the attention matmuls (and
 /// cuBLAS) want them.
+/// On a GPU the cache is allocated there, once per request, and never copied.
 struct KvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
     len: usize,
     capacity: usize,
+    /// Bytes counted in the KV-cache gauges while this cache lives.
+    bytes: u64,
+    on_gpu: bool,
 }
 
 impl KvCache {
@@ -169,12 +193,42 @@ impl KvCache {
             k.push(Tensor::zeros(shape, DType::F32, device)?);
             v.push(Tensor::zeros(shape, DType::F32, device)?);
         }
+        let bytes = (2 * cfg.n_layer * cfg.n_kv_head * capacity * cfg.head_dim * 4) as u64;
+        let on_gpu = !device.is_cpu();
+        Self::account(bytes, capacity as u64, on_gpu, true);
         Ok(KvCache {
             k,
             v,
             len: 0,
             capacity,
+            bytes,
+            on_gpu,
         })
+    }
+
+    fn account(bytes: u64, tokens: u64, on_gpu: bool, add: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let usage = &crate::telemetry::metrics::KV_CACHE;
+        let gpu = &crate::telemetry::gpu::memory::KV_CACHE_BYTES;
+        if add {
+            usage.bytes.fetch_add(bytes, Relaxed);
+            usage.tokens.fetch_add(tokens, Relaxed);
+            if on_gpu {
+                gpu.fetch_add(bytes, Relaxed);
+            }
+        } else {
+            usage.bytes.fetch_sub(bytes, Relaxed);
+            usage.tokens.fetch_sub(tokens, Relaxed);
+            if on_gpu {
+                gpu.fetch_sub(bytes, Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for KvCache {
+    fn drop(&mut self) {
+        Self::account(self.bytes, self.capacity as u64, self.on_gpu, false);
     }
 }
 
@@ -280,8 +334,8 @@ fn load_err(path: &Path, e: impl std::fmt::Display) -> GenerateError {
 }
 
 impl Llama {
-    /// Loads the GGUF at `gguf_path` in the default [`WeightFormat`]. The context window is
-    /// `min(llama.context_length, max_context)`.
+    /// Loads the GGUF at `gguf_path` in the [`WeightFormat`] for `device`. The context window
+    /// is `min(llama.context_length, max_context)`.
     pub fn load(
         gguf_path: &Path,
         tokenizer: Tokenizer,
@@ -293,7 +347,7 @@ impl Llama {
             tokenizer,
             device,
             max_context,
-            WeightFormat::default(),
+            WeightFormat::for_device(device),
         )
     }
 
@@ -832,6 +886,11 @@ fn proj(parts: &[&QTensor], format: WeightFormat, device: &Device) -> candle_cor
             let d = dense()?;
             (f32(d.clone())?, q8(&d)?)
         }
+        WeightFormat::F16PrefillQ8Decode => {
+            let d = dense()?;
+            let f16 = QMatMul::TensorF16(d.to_dtype(DType::F16)?.to_device(device)?);
+            (f16, q8(&d)?)
+        }
     };
     Ok(Proj { prefill, decode })
 }
@@ -1061,7 +1120,9 @@ impl Generator for Llama {
             &prefill,
             KvCache::new(&self.cfg, n_prompt + req.max_tokens, &self.device),
         )?;
+        let gpu = GpuTimer::start(&self.device);
         let mut logits = on_stage(&prefill, self.prefill(req.prompt, &mut cache))?;
+        gpu.finish_into(&prefill, "prefill");
         let done = clock::now();
         let took = done.saturating_duration_since(prefill.started());
         prefill.set_all([
@@ -1071,6 +1132,11 @@ impl Generator for Llama {
         out.prefill = prefill.end_at(done);
 
         let decode = stage.child("decode");
+        let gpu_every = if self.device.is_cpu() {
+            0
+        } else {
+            gpu::decode_sample_every()
+        };
         let mut sampler = Sampler::new(&req.sampling);
         let mut stream = Utf8Stream::new();
         let mut index = 0usize;
@@ -1081,8 +1147,14 @@ impl Generator for Llama {
             }
             let step = (req.token_trace == TokenTrace::Spans).then(|| decode.child("decode_step"));
             if let Some(&last) = out.tokens.last() {
+                let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&self.device));
                 logits = on_stage(&decode, self.forward(&[last], &mut cache, true))?
                     .expect("logits requested");
+                if let Some(iv) = timer.and_then(GpuTimer::finish) {
+                    let host = step.as_ref().unwrap_or(&decode);
+                    let index = KeyValue::new("gen_ai.token.index", index as i64);
+                    gpu::emit(host, "decode_step", &iv, vec![index]);
+                }
             }
             let next = on_stage(&decode, sampler.sample(&logits))?;
             let at = clock::now();
@@ -1362,6 +1434,50 @@ mod tests {
                 assert!(diff < 1e-3, "default format: first logits differ by {diff}");
             }
         }
+    }
+
+    /// The GPU default format, run here on candle's CPU F16 matmul: F16 prefill weights only
+    /// round the prompt's activations, so the logits stay close to the CPU default's and every
+    /// teacher-forced step picks the same token. The CPU keeps its own measured default.
+    #[test]
+    fn f16_prefill_format_stays_close_to_the_cpu_default() {
+        let Some(default_model) = model() else { return };
+        assert_eq!(
+            WeightFormat::for_device(&Device::Cpu),
+            WeightFormat::F32PrefillQ8Decode
+        );
+        assert_eq!(
+            default_model.weight_format(),
+            WeightFormat::F32PrefillQ8Decode
+        );
+        let prompt = default_model.chat_prompt(&rag_messages()).unwrap();
+        let (out, _) = run(default_model, request(&prompt, 16, Sampling::default()));
+        let f16 = Llama::load_with_format(
+            &test_model_path(),
+            default_model.tokenizer().clone(),
+            &Device::Cpu,
+            1024,
+            WeightFormat::F16PrefillQ8Decode,
+        )
+        .expect("load");
+        let ours = our_logits(&f16, &prompt, &out.tokens);
+        let reference = our_logits(default_model, &prompt, &out.tokens);
+        let argmax = |t: &Tensor| t.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        let (mut worst_max, mut worst_mean) = (0f32, 0f32);
+        for (step, (a, b)) in ours.iter().zip(&reference).enumerate() {
+            assert_eq!(argmax(a), argmax(b), "step {step} picks differ");
+            let d = (a - b).unwrap().abs().unwrap();
+            let mean = d.mean_all().unwrap().to_scalar::<f32>().unwrap();
+            worst_max = worst_max.max(max_abs_diff(a, b));
+            worst_mean = worst_mean.max(mean);
+        }
+        eprintln!(
+            "F16 prefill vs F32 prefill: |Δlogit| max {worst_max}, worst step mean {worst_mean}"
+        );
+        assert!(worst_max > 0.0, "the F16 weights were not used");
+        // Same bound as the Q8_0 reference check: decode re-quantises activations, so a small
+        // difference in the cached keys and values now and then flips a quantisation step.
+        assert!(worst_mean < 1.0, "worst step mean |Δlogit| {worst_mean}");
     }
 
     #[test]

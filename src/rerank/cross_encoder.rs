@@ -14,6 +14,7 @@ use opentelemetry::KeyValue;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use super::{Candidate, RerankError, Reranker};
+use crate::telemetry::gpu::GpuTimer;
 use crate::telemetry::span::Stage;
 
 /// Pairs per forward pass.
@@ -89,7 +90,12 @@ impl CrossEncoder {
         })
     }
 
-    fn score_batch(&self, query: &str, passages: &[&str]) -> Result<Vec<f32>, RerankError> {
+    fn score_batch(
+        &self,
+        query: &str,
+        passages: &[&str],
+        host: &Stage,
+    ) -> Result<Vec<f32>, RerankError> {
         let pairs: Vec<(String, String)> = passages
             .iter()
             .map(|p| (query.to_string(), p.to_string()))
@@ -106,10 +112,12 @@ impl CrossEncoder {
         let ids = Tensor::from_vec(flat(|e| e.get_ids()), (n, seq), &self.device)?;
         let types = Tensor::from_vec(flat(|e| e.get_type_ids()), (n, seq), &self.device)?;
         let mask = Tensor::from_vec(flat(|e| e.get_attention_mask()), (n, seq), &self.device)?;
+        let gpu = GpuTimer::start(&self.device);
         let hidden = self.bert.forward(&ids, &types, Some(&mask))?;
         let cls = hidden.i((.., 0))?;
         let pooled = self.pooler.forward(&cls)?.tanh()?;
         let logits = self.classifier.forward(&pooled)?.squeeze(1)?;
+        gpu.finish_into(host, "rerank");
         Ok(logits.to_vec1::<f32>()?)
     }
 }
@@ -130,7 +138,7 @@ impl Reranker for CrossEncoder {
         let texts: Vec<&str> = candidates.iter().map(|c| c.text).collect();
         let mut scores = Vec::with_capacity(texts.len());
         for group in texts.chunks(SUB_BATCH) {
-            scores.extend(self.score_batch(query, group)?);
+            scores.extend(self.score_batch(query, group, &forward)?);
         }
         forward.end();
         Ok(scores)

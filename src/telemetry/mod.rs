@@ -8,6 +8,7 @@
 pub mod buffer;
 pub mod clock;
 pub mod export;
+pub mod gpu;
 pub mod metrics;
 pub mod profile;
 pub mod span;
@@ -262,7 +263,7 @@ fn meter_provider() -> Result<SdkMeterProvider> {
     Ok(provider)
 }
 
-/// Gauges read at collection time: dropped spans and build info.
+/// Gauges read at collection time: dropped spans, KV cache, GPU memory and build info.
 pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
     let stats = export_stats();
@@ -308,6 +309,7 @@ pub(crate) fn register_process_gauges() {
             )
         })
         .build();
+    gpu::memory::register(&meter);
     let _build = meter
         .u64_observable_gauge("ragscope.build.info")
         .with_description("Always 1; the labels say which build is running")
