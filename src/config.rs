@@ -248,6 +248,14 @@ pub struct BenchArgs {
     /// Requests in flight at once (telemetry overhead).
     #[arg(long, default_value_t = 2)]
     pub concurrency: usize,
+    /// Instead of the stage figures, measure generation and embedding on the fixed inputs of
+    /// the comparison with llama.cpp and PyTorch (`scripts/bench-peers`), read from this
+    /// directory's `inputs.json`, which is built and written first if absent.
+    #[arg(long, value_name = "DIR")]
+    pub peer_inputs: Option<PathBuf>,
+    /// With --peer-inputs: print the result as one JSON object instead of a table.
+    #[arg(long, requires = "peer_inputs")]
+    pub json: bool,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]

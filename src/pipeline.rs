@@ -408,6 +408,7 @@ impl Pipeline {
                 sampling: req.sampling,
                 token_trace: self.defaults.token_trace,
                 deadline: Some(req.deadline),
+                ignore_eos: false,
             },
             &stage,
             &mut on_token,

@@ -2,6 +2,7 @@
 //! not assertions: the README quotes its output with the command that produced it.
 
 mod overhead;
+mod peers;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,6 +40,9 @@ fn median(xs: &mut [f64]) -> f64 {
 pub async fn run(args: BenchArgs) -> Result<()> {
     if args.telemetry_overhead {
         return overhead::run(&args).await;
+    }
+    if let Some(dir) = args.peer_inputs.clone() {
+        return tokio::task::spawn_blocking(move || peers::run(&args, &dir)).await?;
     }
     let handle = tokio::runtime::Handle::current();
     tokio::task::spawn_blocking(move || bench(&args, &handle)).await?
@@ -210,6 +214,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 sampling: Sampling::default(),
                 token_trace: crate::generate::TokenTrace::Off,
                 deadline: None,
+                ignore_eos: false,
             },
             &stage(),
             &mut |_| Flow::Continue,

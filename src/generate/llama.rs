@@ -510,6 +510,33 @@ impl Llama {
         &self.tokenizer
     }
 
+    /// Bytes of weights one decode step reads: every projection in its decode format, the
+    /// output head and the norms (the embedding lookup reads a single row, left out). The
+    /// memory bandwidth divided by this bounds decode tokens/s.
+    pub fn decode_weight_bytes(&self) -> usize {
+        let matmul = |m: &QMatMul| match m {
+            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        };
+        let vector = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let w = &self.weights;
+        let layers: usize = w
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.attn_out, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|p| matmul(&p.decode))
+                    .sum::<usize>()
+                    + vector(&l.attn_norm)
+                    + vector(&l.ffn_norm)
+            })
+            .sum();
+        layers + matmul(&w.lm_head) + vector(&w.final_norm)
+    }
+
     /// Runs `tokens` at positions `cache.len..` through the model, appending to the cache.
     /// Returns the logits `(vocab,)` of the last position when `want_logits`.
     fn forward(
@@ -950,6 +977,8 @@ struct Sampler {
     rng: StdRng,
     probs: Vec<f32>,
     candidates: Vec<u32>,
+    /// Tokens never picked (end-of-sequence when the request ignores it).
+    banned: Vec<u32>,
 }
 
 impl Sampler {
@@ -965,12 +994,31 @@ impl Sampler {
             rng: StdRng::seed_from_u64(s.seed),
             probs: Vec::new(),
             candidates: Vec::new(),
+            banned: Vec::new(),
         }
+    }
+
+    /// Never picks any of `tokens`: as if their logits were minus infinity.
+    fn banning(mut self, tokens: &[u32]) -> Sampler {
+        self.banned = tokens.to_vec();
+        self
     }
 
     fn sample(&mut self, logits: &Tensor) -> candle_core::Result<u32> {
         let Some(temperature) = self.temperature else {
-            return logits.argmax(0)?.to_scalar::<u32>();
+            let best = logits.argmax(0)?.to_scalar::<u32>()?;
+            if !self.banned.contains(&best) {
+                return Ok(best);
+            }
+            // Rare (only when a banned token wins): the first largest of the others.
+            let logits = logits.to_vec1::<f32>()?;
+            return (0..logits.len() as u32)
+                .filter(|i| !self.banned.contains(i))
+                .fold(None, |best: Option<u32>, i| match best {
+                    Some(b) if logits[b as usize] >= logits[i as usize] => Some(b),
+                    _ => Some(i),
+                })
+                .ok_or_else(|| candle_core::Error::Msg("every token is banned".into()));
         };
         let logits = logits.to_vec1::<f32>()?;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -978,6 +1026,11 @@ impl Sampler {
         self.probs.clear();
         self.probs
             .extend(logits.iter().map(|&l| ((l - max) * inv_t).exp()));
+        for &i in &self.banned {
+            if let Some(p) = self.probs.get_mut(i as usize) {
+                *p = 0.0;
+            }
+        }
         let total: f64 = self.probs.iter().map(|&p| p as f64).sum();
         let n = self.probs.len();
         let probs = &self.probs;
@@ -1017,10 +1070,13 @@ impl Sampler {
                 return Ok(i);
             }
         }
-        // Rounding left r at or just above zero: the last candidate.
+        // Rounding left r at or just above zero: the last candidate that can be drawn.
+        let probs = &self.probs;
         self.candidates
-            .last()
+            .iter()
+            .rev()
             .copied()
+            .find(|&i| probs[i as usize] > 0.0)
             .ok_or_else(|| candle_core::Error::Msg("no token to sample".into()))
     }
 }
@@ -1138,6 +1194,9 @@ impl Generator for Llama {
             gpu::decode_sample_every()
         };
         let mut sampler = Sampler::new(&req.sampling);
+        if req.ignore_eos {
+            sampler = sampler.banning(&self.eos);
+        }
         let mut stream = Utf8Stream::new();
         let mut index = 0usize;
         loop {
@@ -1264,6 +1323,7 @@ mod tests {
             sampling,
             token_trace: TokenTrace::Events,
             deadline: None,
+            ignore_eos: false,
         }
     }
 
@@ -1494,6 +1554,50 @@ mod tests {
         assert!(out.text.contains("Quenta"), "answer was {:?}", out.text);
         assert_eq!(out.prompt_tokens, prompt.len());
         assert!(out.first_token_at.is_some());
+    }
+
+    #[test]
+    fn ignore_eos_runs_to_max_tokens_past_the_natural_end() {
+        let Some(model) = model() else { return };
+        let prompt = model
+            .chat_prompt(&[ChatMessage::new(
+                "user",
+                "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
+            )])
+            .unwrap();
+        let (stopped, _) = run(model, request(&prompt, 64, Sampling::default()));
+        assert_eq!(stopped.finish, FinishReason::Stop, "{:?}", stopped.text);
+        let n = stopped.tokens.len() + 8;
+        let mut req = request(&prompt, n, Sampling::default());
+        req.ignore_eos = true;
+        let (full, _) = run(model, req);
+        assert_eq!(full.finish, FinishReason::Length);
+        assert_eq!(full.tokens.len(), n);
+        assert!(full.tokens.iter().all(|t| !model.eos.contains(t)));
+        // Greedy up to where the end token would have been picked.
+        assert_eq!(full.tokens[..stopped.tokens.len()], stopped.tokens[..]);
+    }
+
+    #[test]
+    fn decode_weight_bytes_counts_q8_projections_the_head_and_the_norms() {
+        let Some(model) = model() else { return };
+        assert_eq!(model.weight_format(), WeightFormat::F32PrefillQ8Decode);
+        let mut reader = BufReader::new(std::fs::File::open(test_model_path()).unwrap());
+        let ct = gguf_file::Content::read(&mut reader).unwrap();
+        let mut expected = 0;
+        for (name, info) in &ct.tensor_infos {
+            let elems = info.shape.elem_count();
+            expected += if name.ends_with("norm.weight") {
+                elems * 4
+            } else if name.starts_with("blk.") {
+                elems / 32 * 34 // Q8_0: 32 weights in 34 bytes
+            } else {
+                assert_eq!(name, "token_embd.weight", "untied head?");
+                assert_eq!(info.ggml_dtype, GgmlDType::Q8_0);
+                elems / 32 * 34
+            };
+        }
+        assert_eq!(model.decode_weight_bytes(), expected);
     }
 
     #[test]
@@ -1740,6 +1844,17 @@ mod tests {
         let logits = [0.1, 2.0, -1.0, 1.9];
         assert_eq!(draw(sampling(0.0, None, 1), &logits, 3), [1, 1, 1]);
         assert_eq!(draw(sampling(f64::NAN, Some(0.5), 1), &logits, 1), [1]);
+    }
+
+    #[test]
+    fn sampler_never_picks_a_banned_token() {
+        let logits = Tensor::new(&[0.1f32, 2.0, -1.0, 1.9], &Device::Cpu).unwrap();
+        let mut greedy = Sampler::new(&sampling(0.0, None, 1)).banning(&[1]);
+        assert_eq!(greedy.sample(&logits).unwrap(), 3);
+        let mut sampled = Sampler::new(&sampling(1.0, Some(0.9), 5)).banning(&[1, 3]);
+        for _ in 0..200 {
+            assert!(![1, 3].contains(&sampled.sample(&logits).unwrap()));
+        }
     }
 
     #[test]

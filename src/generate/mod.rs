@@ -67,6 +67,9 @@ pub struct GenerateRequest<'a> {
     pub token_trace: TokenTrace,
     /// Generation stops with [`FinishReason::Timeout`] once this passes.
     pub deadline: Option<Instant>,
+    /// Never pick an end-of-sequence token (as llama.cpp's `--ignore-eos`), so exactly
+    /// `max_tokens` are generated: benchmarks compare equal amounts of work.
+    pub ignore_eos: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
