@@ -93,7 +93,12 @@ pub async fn spawn_fake_app_with(
     generator: crate::fakes::FakeGenerator,
     extra: &[&str],
 ) -> TestApp {
-    fake_app(generator, Arc::new(crate::fakes::FakeStore::default()), extra).await
+    fake_app(
+        generator,
+        Arc::new(crate::fakes::FakeStore::default()),
+        extra,
+    )
+    .await
 }
 
 /// Stand-in model stages over a given store (4-dimensional vectors).
