@@ -414,6 +414,7 @@ pub struct StageChange {
     pub self_p50_delta_ms: f64,
     pub self_p99_delta_ms: f64,
     pub critical_p50_delta_ms: f64,
+    pub critical_p99_delta_ms: f64,
 }
 
 /// The comparison of a run against a baseline.
@@ -449,6 +450,7 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
                 self_p50_delta_ms: r.self_ms.p50 - b.self_ms.p50,
                 self_p99_delta_ms: r.self_ms.p99 - b.self_ms.p99,
                 critical_p50_delta_ms: r.critical_ms.p50 - b.critical_ms.p50,
+                critical_p99_delta_ms: r.critical_ms.p99 - b.critical_ms.p99,
             }
         })
         .collect();
@@ -463,7 +465,8 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
             .map(|s| (s.stage.clone(), delta(s)))
     };
     let p50 = pick(|s| s.critical_p50_delta_ms, e2e_p50);
-    let p99 = pick(|s| s.self_p99_delta_ms, e2e_p99);
+    // Owned time, not self time: a span waiting alongside the work (`stream`) must not lead.
+    let p99 = pick(|s| s.critical_p99_delta_ms, e2e_p99);
     Comparison {
         end_to_end_p50_delta_ms: e2e_p50,
         end_to_end_p99_delta_ms: e2e_p99,
@@ -549,14 +552,18 @@ pub fn comparison_table(c: &Comparison) -> String {
     );
     let _ = writeln!(
         out,
-        "{:<28} {:>14} {:>14} {:>16}",
-        "stage", "Δ self p50", "Δ self p99", "Δ critical p50"
+        "{:<28} {:>14} {:>14} {:>16} {:>16}",
+        "stage", "Δ self p50", "Δ self p99", "Δ critical p50", "Δ critical p99"
     );
     for s in &c.stages {
         let _ = writeln!(
             out,
-            "{:<28} {:>+11.2} ms {:>+11.2} ms {:>+13.2} ms",
-            s.stage, s.self_p50_delta_ms, s.self_p99_delta_ms, s.critical_p50_delta_ms
+            "{:<28} {:>+11.2} ms {:>+11.2} ms {:>+13.2} ms {:>+13.2} ms",
+            s.stage,
+            s.self_p50_delta_ms,
+            s.self_p99_delta_ms,
+            s.critical_p50_delta_ms,
+            s.critical_p99_delta_ms
         );
     }
     match &c.explained_by {
@@ -577,7 +584,16 @@ pub fn comparison_table(c: &Comparison) -> String {
         }
     }
     if let Some(stage) = &c.p99_explained_by {
-        let _ = writeln!(out, "the p99 change is led by {stage}");
+        let d = c
+            .stages
+            .iter()
+            .find(|s| &s.stage == stage)
+            .map_or(0.0, |s| s.critical_p99_delta_ms);
+        let _ = writeln!(
+            out,
+            "the p99 change is led by {stage} ({d:+.2} ms of {:+.2} ms)",
+            c.end_to_end_p99_delta_ms
+        );
     }
     out
 }
