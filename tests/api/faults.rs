@@ -85,15 +85,7 @@ async fn the_admin_endpoint_needs_the_token_and_a_valid_plan() {
         .post("/v1/rag/query", &json!({"query": "Zorbia?"}))
         .await;
     assert_eq!(status, 200, "the server stays up and serves again");
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics_text().await;
     let counted = metrics.lines().find(|l| {
         l.starts_with("ragscope_faults_injected_total{")
             && l.contains(r#"kind="error""#)

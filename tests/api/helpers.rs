@@ -204,6 +204,12 @@ impl TestApp {
             .expect("gRPC connects")
     }
 
+    /// The Prometheus exposition at `/metrics`.
+    pub async fn metrics_text(&self) -> String {
+        let r = self.client.get(self.url("/metrics")).send().await.unwrap();
+        r.text().await.unwrap()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }

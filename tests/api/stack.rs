@@ -313,15 +313,7 @@ async fn every_queried_metric_is_exported_by_the_server_or_the_collector() {
     }
     let (status, _) = app.post("/v1/rag/query", &json!({"query": ""})).await;
     assert_eq!(status, 400);
-    let metrics = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics_text().await;
     let server = exposed_names(&metrics);
     let spans = spanmetrics_names(&yaml(COLLECTOR));
     assert!(

@@ -240,15 +240,7 @@ async fn a_streamed_request_is_traced_end_to_end(protocol: Protocol) {
             "metric {want} not received: {names:?}"
         );
     }
-    let scrape = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let scrape = app.metrics_text().await;
     assert!(
         scrape.contains("gen_ai_server_request_duration_seconds_bucket"),
         "{scrape}"
@@ -296,15 +288,7 @@ async fn a_dead_collector_costs_counted_spans_not_requests() {
         .unwrap();
     let stats = ragscope::telemetry::export_stats();
     assert!(stats.dropped() >= 50 * 10, "dropped {}", stats.dropped());
-    let scrape = app
-        .client
-        .get(app.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let scrape = app.metrics_text().await;
     let line = scrape
         .lines()
         .find(|l| l.starts_with("ragscope_spans_dropped_total{reason=\"export_failed\"}"))
