@@ -212,6 +212,27 @@ impl QMatrix {
         }
     }
 
+    /// Hints the CPU to start loading row `r` into the cache.
+    fn prefetch_row(&self, r: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let row = self.row(r);
+            for line in row.quants.chunks(64) {
+                // SAFETY: prefetching has no effect on memory and cannot fault.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr() as *const i8) };
+            }
+            // SAFETY: as above.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(row.d.as_ptr() as *const i8) };
+            if !row.m.is_empty() {
+                // SAFETY: as above.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(row.m.as_ptr() as *const i8) };
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = r;
+    }
+
     fn row(&self, r: usize) -> Row<'_> {
         let (nb, stride) = (self.blocks_per_row(), scale_stride(self.cols));
         let qb = nb * self.format.quant_bytes();
@@ -348,8 +369,8 @@ const TILE: usize = 4;
 /// Weight rows per kernel call: one activation block is loaded once for this many rows, and
 /// each row keeps its own accumulator, so the multiply-adds do not wait on each other.
 const ROW_TILE: usize = 4;
-/// Weight rows per unit of work handed to a thread.
-const ROWS_PER_UNIT: usize = 16;
+/// How far ahead of the current row the driver prefetches.
+const PREFETCH_ROWS: usize = 8;
 /// Below this many row × sequence dot products, waking the other threads costs more than it saves.
 const PARALLEL_MIN_WORK: usize = 64;
 
@@ -366,7 +387,7 @@ fn row_tile(format: BlockFormat, n: usize) -> usize {
 
 /// `out[i][r] = Σ_c x[i][c] · w[r][c]`: `out` is row-major `(x.rows, w.rows)`. Rows of `w` are
 /// split over candle's worker threads (the same pool as every other op, so nothing
-/// oversubscribes the cores).
+/// oversubscribes the cores), one contiguous share each.
 pub fn matmul(w: &QMatrix, x: &QActs, out: &mut [f32]) {
     matmul_with(Isa::detect(), w, x, out)
 }
@@ -391,6 +412,12 @@ pub fn matmul_with(isa: Isa, w: &QMatrix, x: &QActs, out: &mut [f32]) {
                 for (j, row) in tile_rows.iter_mut().enumerate().take(k) {
                     *row = w.row(r0 + j);
                 }
+                // The hardware prefetcher ramps up per page and these matrices are small (a
+                // few hundred KiB per thread): ask for the rows a few tiles ahead ourselves.
+                let ahead = r0 + PREFETCH_ROWS;
+                if ahead < range.end {
+                    w.prefetch_row(ahead.min(range.end - 1));
+                }
                 let dots = dot_tile(isa, w.format, &tile_rows[..k], &acts[..n]);
                 for (j, dots) in dots.iter().take(k).enumerate() {
                     for (i, v) in dots.iter().take(n).enumerate() {
@@ -406,11 +433,14 @@ pub fn matmul_with(isa: Isa, w: &QMatrix, x: &QActs, out: &mut [f32]) {
         rows(0..n_rows);
         return;
     }
-    let units = n_rows.div_ceil(ROWS_PER_UNIT);
-    candle_core::utils::barrier_pool().execute_chunked(units, |unit_range| {
-        let lo = unit_range.start * ROWS_PER_UNIT;
-        let hi = (unit_range.end * ROWS_PER_UNIT).min(n_rows);
-        rows(lo..hi);
+    // One contiguous share per thread: each streams its rows front to back, which the
+    // prefetchers follow far better than interleaved chunks.
+    let pool = candle_core::utils::barrier_pool();
+    let threads = pool.n_workers() + 1;
+    let share = n_rows.div_ceil(threads).next_multiple_of(ROW_TILE);
+    pool.execute(|tid| {
+        let lo = (tid * share).min(n_rows);
+        rows(lo..(lo + share).min(n_rows));
     });
 }
 

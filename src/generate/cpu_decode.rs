@@ -1,0 +1,452 @@
+//! Decode steps on the CPU in plain loops over reused buffers, for one or many sequences at once.
+//!
+//! A decode step is one token per sequence through every layer. On candle's ops that is ~20
+//! tensor ops per layer, each allocating its output and waking the thread pool, around matmuls
+//! that read requantised Q8_0 weights. Here the step is a fixed sequence of calls over buffers
+//! allocated once: RMS norm, the [`kernels`](super::kernels) matmuls on the GGUF's own Q4_1
+//! blocks (batched: a step for B sequences reads the weights once), RoPE, attention of each
+//! sequence over its own KV cache, SiLU. Prefill stays on candle (dense F32 GEMMs win there)
+//! and writes the same KV buffers this reads.
+
+use std::sync::Mutex;
+
+use candle_core::quantized::QTensor;
+
+use super::kernels::{matmul, QActs, QMatrix};
+
+/// The model's dimensions, as the decoder needs them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Dims {
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub rms_eps: f32,
+}
+
+/// One sequence's keys and values on the host: per layer `(n_kv_head, capacity, head_dim)`,
+/// head-major like the candle cache.
+pub(super) struct HostKv {
+    pub k: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+    pub capacity: usize,
+}
+
+impl HostKv {
+    pub fn new(n_layer: usize, n_kv_head: usize, head_dim: usize, capacity: usize) -> HostKv {
+        let per_layer = n_kv_head * capacity * head_dim;
+        HostKv {
+            k: (0..n_layer).map(|_| vec![0f32; per_layer]).collect(),
+            v: (0..n_layer).map(|_| vec![0f32; per_layer]).collect(),
+            capacity,
+        }
+    }
+}
+
+/// One sequence's share of a step: its cache, the position its token goes to, and the token.
+pub(super) struct SeqStep<'a> {
+    pub kv: &'a mut HostKv,
+    pub pos: usize,
+    pub token: u32,
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// q, k and v stacked row-wise.
+    qkv: QMatrix,
+    attn_out: QMatrix,
+    ffn_norm: Vec<f32>,
+    /// gate and up stacked row-wise.
+    gate_up: QMatrix,
+    down: QMatrix,
+}
+
+/// The decode weights (read-only, shared by all requests) and the step's scratch buffers.
+pub(super) struct CpuDecoder {
+    dims: Dims,
+    layers: Vec<Layer>,
+    final_norm: Vec<f32>,
+    /// Token embedding; also the output head when the model ties them.
+    embed: QMatrix,
+    head: Option<QMatrix>,
+    /// RoPE tables `(positions, head_dim / 2)`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    scratch: Mutex<Scratch>,
+}
+
+/// Buffers reused step after step (sized for the largest batch seen so far).
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    qkv: Vec<f32>,
+    y: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    acts: QActs,
+    parts: Vec<Partial>,
+}
+
+/// The GGUF tensors of one layer, in the order [`CpuDecoder::new`] takes them.
+pub(super) struct RawLayer<'a> {
+    pub attn_norm: &'a QTensor,
+    pub q: &'a QTensor,
+    pub k: &'a QTensor,
+    pub v: &'a QTensor,
+    pub o: &'a QTensor,
+    pub ffn_norm: &'a QTensor,
+    pub gate: &'a QTensor,
+    pub up: &'a QTensor,
+    pub down: &'a QTensor,
+}
+
+fn vector(t: &QTensor) -> candle_core::Result<Vec<f32>> {
+    t.dequantize(&candle_core::Device::Cpu)?.to_vec1::<f32>()
+}
+
+impl CpuDecoder {
+    /// `cos`/`sin`: the RoPE tables `(positions, head_dim / 2)` the prefill uses too.
+    pub fn new(
+        dims: Dims,
+        layers: &[RawLayer<'_>],
+        embed: &QTensor,
+        output: Option<&QTensor>,
+        final_norm: &QTensor,
+        (cos, sin): (Vec<f32>, Vec<f32>),
+    ) -> candle_core::Result<CpuDecoder> {
+        let layers = layers
+            .iter()
+            .map(|l| {
+                Ok(Layer {
+                    attn_norm: vector(l.attn_norm)?,
+                    qkv: QMatrix::from_qtensors(&[l.q, l.k, l.v])?,
+                    attn_out: QMatrix::from_qtensors(&[l.o])?,
+                    ffn_norm: vector(l.ffn_norm)?,
+                    gate_up: QMatrix::from_qtensors(&[l.gate, l.up])?,
+                    down: QMatrix::from_qtensors(&[l.down])?,
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(CpuDecoder {
+            dims,
+            layers,
+            final_norm: vector(final_norm)?,
+            embed: QMatrix::from_qtensors(&[embed])?,
+            head: output.map(|o| QMatrix::from_qtensors(&[o])).transpose()?,
+            cos,
+            sin,
+            scratch: Mutex::default(),
+        })
+    }
+
+    fn head(&self) -> &QMatrix {
+        self.head.as_ref().unwrap_or(&self.embed)
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.head().rows()
+    }
+
+    /// Bytes one step reads for one sequence: every projection, the head and the norms.
+    pub fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.qkv.size_in_bytes()
+                    + l.attn_out.size_in_bytes()
+                    + l.gate_up.size_in_bytes()
+                    + l.down.size_in_bytes()
+                    + 4 * (l.attn_norm.len() + l.ffn_norm.len())
+            })
+            .sum();
+        layers + self.head().size_in_bytes() + 4 * self.final_norm.len()
+    }
+
+    /// Runs each sequence's token at its position, writing its keys and values into its cache;
+    /// `logits` receives `(seqs.len(), vocab)` row after row.
+    pub fn step(&self, seqs: &mut [SeqStep<'_>], logits: &mut [f32]) -> candle_core::Result<()> {
+        let Dims {
+            n_head: nh,
+            n_kv_head: nkv,
+            head_dim: hd,
+            ffn,
+            rms_eps,
+        } = self.dims;
+        let b = seqs.len();
+        let hidden = nh * hd;
+        let qkv_width = (nh + 2 * nkv) * hd;
+        if logits.len() != b * self.vocab() {
+            candle_core::bail!("logits buffer of {} for {b} sequences", logits.len());
+        }
+        for s in seqs.iter() {
+            if s.pos >= s.kv.capacity || s.pos >= self.cos.len() / (hd / 2) {
+                candle_core::bail!("position {} is past the cache of {}", s.pos, s.kv.capacity);
+            }
+            if s.token as usize >= self.embed.rows() {
+                candle_core::bail!("token id {} is outside the vocabulary", s.token);
+            }
+        }
+        let mut guard = self.scratch.lock().expect("no panics while held");
+        let sc = &mut *guard;
+        sc.x.resize(b * hidden, 0.0);
+        sc.h.resize(b * hidden, 0.0);
+        sc.qkv.resize(b * qkv_width, 0.0);
+        sc.y.resize(b * hidden, 0.0);
+        sc.proj.resize(b * hidden, 0.0);
+        sc.gate_up.resize(b * 2 * ffn, 0.0);
+        sc.act.resize(b * ffn, 0.0);
+        for (s, x) in seqs.iter().zip(sc.x.chunks_exact_mut(hidden)) {
+            self.embed.dequantize_row(s.token as usize, x);
+        }
+
+        for (li, layer) in self.layers.iter().enumerate() {
+            rms_norm_rows(&sc.x, &layer.attn_norm, rms_eps, &mut sc.h);
+            sc.acts.quantize(&sc.h, b, hidden);
+            matmul(&layer.qkv, &sc.acts, &mut sc.qkv);
+            for (s, row) in seqs.iter_mut().zip(sc.qkv.chunks_exact_mut(qkv_width)) {
+                let half = hd / 2;
+                let (cos, sin) = (
+                    &self.cos[s.pos * half..(s.pos + 1) * half],
+                    &self.sin[s.pos * half..(s.pos + 1) * half],
+                );
+                let (qk, v) = row.split_at_mut((nh + nkv) * hd);
+                for head in qk.chunks_exact_mut(hd) {
+                    rope_interleaved(head, cos, sin);
+                }
+                let cap = s.kv.capacity;
+                for g in 0..nkv {
+                    let at = (g * cap + s.pos) * hd;
+                    s.kv.k[li][at..at + hd].copy_from_slice(&qk[(nh + g) * hd..(nh + g + 1) * hd]);
+                    s.kv.v[li][at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
+                }
+            }
+            self.attend(seqs, li, sc);
+            sc.acts.quantize(&sc.y, b, hidden);
+            matmul(&layer.attn_out, &sc.acts, &mut sc.proj);
+            add_into(&mut sc.x, &sc.proj);
+
+            rms_norm_rows(&sc.x, &layer.ffn_norm, rms_eps, &mut sc.h);
+            sc.acts.quantize(&sc.h, b, hidden);
+            matmul(&layer.gate_up, &sc.acts, &mut sc.gate_up);
+            for (gu, out) in sc
+                .gate_up
+                .chunks_exact(2 * ffn)
+                .zip(sc.act.chunks_exact_mut(ffn))
+            {
+                let (gate, up) = gu.split_at(ffn);
+                for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                    *o = g / (1.0 + (-g).exp()) * u;
+                }
+            }
+            sc.acts.quantize(&sc.act, b, ffn);
+            matmul(&layer.down, &sc.acts, &mut sc.proj);
+            add_into(&mut sc.x, &sc.proj);
+        }
+        rms_norm_rows(&sc.x, &self.final_norm, rms_eps, &mut sc.h);
+        sc.acts.quantize(&sc.h, b, hidden);
+        matmul(self.head(), &sc.acts, logits);
+        Ok(())
+    }
+
+    /// Attention of each sequence's query heads (in `sc.qkv`) over its cache up to and
+    /// including its position, into `sc.y`. Work items are (sequence, position range): long
+    /// contexts of a small batch are split over the threads, as flash-decoding does.
+    fn attend(&self, seqs: &[SeqStep<'_>], layer: usize, sc: &mut Scratch) {
+        let Dims {
+            n_head: nh,
+            n_kv_head: nkv,
+            head_dim: hd,
+            ..
+        } = self.dims;
+        let threads = candle_core::utils::get_num_threads().max(1);
+        let b = seqs.len();
+        let qkv_width = (nh + 2 * nkv) * hd;
+        let mut items = Vec::with_capacity(b * threads);
+        for (i, s) in seqs.iter().enumerate() {
+            let len = s.pos + 1;
+            let ranges = if b < threads && len >= PARALLEL_ATTENTION_MIN_LEN {
+                threads
+            } else {
+                1
+            };
+            let chunk = len.div_ceil(ranges);
+            for start in (0..len).step_by(chunk) {
+                items.push((i, start..len.min(start + chunk)));
+            }
+        }
+        if sc.parts.len() < items.len() {
+            sc.parts.resize_with(items.len(), Partial::default);
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let parts_addr = sc.parts.as_mut_ptr() as usize;
+        let qkv = &sc.qkv;
+        let work = |range: std::ops::Range<usize>| {
+            for item in range {
+                let (i, ref positions) = items[item];
+                let s = &seqs[i];
+                let q = &qkv[i * qkv_width..i * qkv_width + nh * hd];
+                let cache = (&s.kv.k[layer][..], &s.kv.v[layer][..]);
+                // SAFETY: each item writes only its own slot, and `parts` outlives this call.
+                let part = unsafe { &mut *(parts_addr as *mut Partial).add(item) };
+                part.attend(
+                    q,
+                    cache,
+                    (nh, nkv, s.kv.capacity, hd),
+                    positions.clone(),
+                    scale,
+                );
+            }
+        };
+        if items.len() == 1 {
+            work(0..1);
+        } else {
+            candle_core::utils::barrier_pool().execute_chunked(items.len(), work);
+        }
+        let mut item = 0;
+        for (i, y) in sc.y.chunks_exact_mut(nh * hd).enumerate() {
+            let start = item;
+            while item < items.len() && items[item].0 == i {
+                item += 1;
+            }
+            merge(&sc.parts[start..item], nh, hd, y);
+        }
+    }
+}
+
+/// Below this many positions one thread is faster than waking the others.
+pub(super) const PARALLEL_ATTENTION_MIN_LEN: usize = 128;
+
+/// Softmax-weighted values of one position range, not yet normalised.
+#[derive(Default)]
+pub(super) struct Partial {
+    /// Per head: the largest score in the range, and the sum of exp(score - max).
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    /// Per head: sum of exp(score - max) * value.
+    out: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+impl Partial {
+    /// Attends all heads of `q` `(n_head, head_dim)` over `range` of the caches
+    /// `(n_kv_head, cap, head_dim)`. The query heads sharing a kv head are done together, so
+    /// every key and value row is read once.
+    pub fn attend(
+        &mut self,
+        q: &[f32],
+        (k, v): (&[f32], &[f32]),
+        (nh, nkv, cap, hd): (usize, usize, usize, usize),
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) {
+        let n_rep = nh / nkv;
+        let n = range.len();
+        self.max.clear();
+        self.max.resize(nh, f32::NEG_INFINITY);
+        self.sum.clear();
+        self.sum.resize(nh, 0.0);
+        self.out.clear();
+        self.out.resize(nh * hd, 0.0);
+        self.scores.resize(n_rep * n, 0.0);
+        let scores = &mut self.scores;
+        for g in 0..nkv {
+            let heads = g * n_rep..(g + 1) * n_rep;
+            let (lo, hi) = ((g * cap + range.start) * hd, (g * cap + range.end) * hd);
+            for (j, key) in k[lo..hi].chunks_exact(hd).enumerate() {
+                for (r, h) in heads.clone().enumerate() {
+                    let s = dot(&q[h * hd..(h + 1) * hd], key) * scale;
+                    scores[r * n + j] = s;
+                    self.max[h] = self.max[h].max(s);
+                }
+            }
+            for (r, h) in heads.clone().enumerate() {
+                let mut sum = 0f32;
+                for s in &mut scores[r * n..(r + 1) * n] {
+                    *s = (*s - self.max[h]).exp();
+                    sum += *s;
+                }
+                self.sum[h] = sum;
+            }
+            for (j, value) in v[lo..hi].chunks_exact(hd).enumerate() {
+                for (r, h) in heads.clone().enumerate() {
+                    let w = scores[r * n + j];
+                    for (o, &x) in self.out[h * hd..(h + 1) * hd].iter_mut().zip(value) {
+                        *o += w * x;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Rescales every range to the overall max of its head, then normalises, into `out`
+/// `(n_head * head_dim)`.
+pub(super) fn merge(parts: &[Partial], nh: usize, hd: usize, out: &mut [f32]) {
+    out.fill(0.0);
+    for (h, out) in out.chunks_exact_mut(hd).enumerate().take(nh) {
+        let max = parts
+            .iter()
+            .map(|p| p.max[h])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for p in parts {
+            let w = (p.max[h] - max).exp();
+            sum += w * p.sum[h];
+            for (o, &x) in out.iter_mut().zip(&p.out[h * hd..(h + 1) * hd]) {
+                *o += w * x;
+            }
+        }
+        let inv = 1.0 / sum;
+        out.iter_mut().for_each(|o| *o *= inv);
+    }
+}
+
+/// Dot product in eight independent lanes, so the compiler can vectorise it (a plain float
+/// sum must keep its order and stays scalar).
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
+        for ((acc, x), y) in acc.iter_mut().zip(x).zip(y) {
+            *acc += x * y;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `out = x / sqrt(mean(x²) + eps) * weight`, row by row.
+fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = weight.len();
+    for (x, out) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let mean = dot(x, x) / n as f32;
+        let inv = 1.0 / (mean + eps).sqrt();
+        for ((o, &x), &w) in out.iter_mut().zip(x).zip(weight) {
+            *o = x * inv * w;
+        }
+    }
+}
+
+/// RoPE on one head, pairs (2i, 2i + 1) rotated by angle i (GGUF llama's interleaved layout).
+fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+        let (a, b) = (pair[0], pair[1]);
+        pair[0] = a * c - b * s;
+        pair[1] = a * s + b * c;
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (x, y) in x.iter_mut().zip(y) {
+        *x += y;
+    }
+}
