@@ -134,8 +134,10 @@ pub struct ServerArgs {
     /// Address the gRPC API listens on, or `off`.
     #[arg(long, env = "RAGSCOPE_GRPC_LISTEN", default_value = "127.0.0.1:50051")]
     pub grpc_listen: OptionalAddr,
-    /// Model-worker threads (each runs one request's model stages at a time).
-    #[arg(long, env = "RAGSCOPE_WORKERS", default_value_t = 1)]
+    /// Model-worker threads (each runs one request's model stages at a time). On the CPU the
+    /// requests that are decoding at once share batched decode steps, so several workers
+    /// raise throughput; each also prefills on the same cores, which is what lengthens TTFT.
+    #[arg(long, env = "RAGSCOPE_WORKERS", default_value_t = 4)]
     pub workers: usize,
     /// Requests that may wait for a worker; beyond that the server answers 429.
     #[arg(long, env = "RAGSCOPE_QUEUE_CAPACITY", default_value_t = 32)]
@@ -256,6 +258,13 @@ pub struct BenchArgs {
     /// With --peer-inputs: print the result as one JSON object instead of a table.
     #[arg(long, requires = "peer_inputs")]
     pub json: bool,
+    /// With --peer-inputs: instead, decode with this many concurrent streams at once (e.g.
+    /// `1,2,4,8,16`) and report aggregate decode tokens/s and time per output token.
+    #[arg(long, requires = "peer_inputs", value_delimiter = ',')]
+    pub streams: Vec<usize>,
+    /// Tokens each stream decodes (with --streams).
+    #[arg(long, default_value_t = 64)]
+    pub stream_tokens: usize,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]

@@ -3,6 +3,7 @@
 
 mod overhead;
 mod peers;
+mod streams;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

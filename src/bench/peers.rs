@@ -134,6 +134,25 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
         inputs
     };
 
+    if !args.streams.is_empty() {
+        let points = super::streams::measure(
+            &generator,
+            &inputs.prompt_tokens,
+            &args.streams,
+            args.stream_tokens,
+        )?;
+        if args.json {
+            println!("{}", serde_json::to_string(&points)?);
+        } else {
+            println!(
+                "ragscope bench: {}-token prompt, {} tokens per stream",
+                inputs.prompt_tokens.len(),
+                args.stream_tokens
+            );
+            super::streams::print(&points);
+        }
+        return Ok(());
+    }
     let report = measure(&inputs, &generator, &embedder, dir)?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

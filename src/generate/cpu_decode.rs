@@ -26,6 +26,7 @@ pub(super) struct Dims {
 
 /// One sequence's keys and values on the host: per layer `(n_kv_head, capacity, head_dim)`,
 /// head-major like the candle cache.
+#[derive(Default)]
 pub(super) struct HostKv {
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
@@ -165,6 +166,21 @@ impl CpuDecoder {
         layers + self.head().size_in_bytes() + 4 * self.final_norm.len()
     }
 
+    /// Whether `token` can run at `pos` of `kv`.
+    pub fn check(&self, kv: &HostKv, pos: usize, token: u32) -> candle_core::Result<()> {
+        let half = self.dims.head_dim / 2;
+        if pos >= kv.capacity || pos >= self.cos.len() / half {
+            candle_core::bail!("position {pos} is past the cache of {}", kv.capacity);
+        }
+        if token as usize >= self.embed.rows() {
+            candle_core::bail!("token id {token} is outside the vocabulary");
+        }
+        if kv.k.len() != self.layers.len() {
+            candle_core::bail!("a cache of {} layers for {}", kv.k.len(), self.layers.len());
+        }
+        Ok(())
+    }
+
     /// Runs each sequence's token at its position, writing its keys and values into its cache;
     /// `logits` receives `(seqs.len(), vocab)` row after row.
     pub fn step(&self, seqs: &mut [SeqStep<'_>], logits: &mut [f32]) -> candle_core::Result<()> {
@@ -182,12 +198,7 @@ impl CpuDecoder {
             candle_core::bail!("logits buffer of {} for {b} sequences", logits.len());
         }
         for s in seqs.iter() {
-            if s.pos >= s.kv.capacity || s.pos >= self.cos.len() / (hd / 2) {
-                candle_core::bail!("position {} is past the cache of {}", s.pos, s.kv.capacity);
-            }
-            if s.token as usize >= self.embed.rows() {
-                candle_core::bail!("token id {} is outside the vocabulary", s.token);
-            }
+            self.check(s.kv, s.pos, s.token)?;
         }
         let mut guard = self.scratch.lock().expect("no panics while held");
         let sc = &mut *guard;

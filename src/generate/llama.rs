@@ -20,7 +20,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokenizers::Tokenizer;
 
-use super::cpu_decode::{self, CpuDecoder, HostKv, RawLayer, SeqStep};
+use super::batch::{Batcher, Session};
+use super::cpu_decode::{self, CpuDecoder, HostKv, RawLayer};
 use super::tokenizer::{TokenBytes, Utf8Stream};
 use super::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator,
@@ -139,10 +140,11 @@ struct Weights {
     layers: Vec<Layer>,
     final_norm: Tensor,
     /// Decode without candle ops ([`WeightFormat::F32PrefillQ4Decode`] on the CPU).
-    decoder: Option<CpuDecoder>,
+    decoder: Option<Arc<CpuDecoder>>,
 }
 
 impl Weights {
+    #[allow(clippy::too_many_arguments)] // the GGUF's parts, each used once
     fn build(
         cfg: &Config,
         raw_layers: Vec<[QTensor; 9]>,
@@ -178,14 +180,14 @@ impl Weights {
                 rms_eps: cfg.rms_eps,
             };
             let table = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
-            Some(CpuDecoder::new(
+            Some(Arc::new(CpuDecoder::new(
                 dims,
                 &raw,
                 &embed,
                 output.as_ref(),
                 &final_norm,
                 (table(rope.0)?, table(rope.1)?),
-            )?)
+            )?))
         } else {
             None
         };
@@ -395,6 +397,8 @@ pub struct Llama {
     newline: Vec<u32>,
     /// Generation stops at any of these (`<|im_end|>`, `<|endoftext|>`).
     eos: Vec<u32>,
+    /// Batches the decode steps of concurrent requests (with the CPU decoder).
+    batcher: Option<Batcher>,
 }
 
 fn load_err(path: &Path, e: impl std::fmt::Display) -> GenerateError {
@@ -558,7 +562,9 @@ impl Llama {
         content_tokenizer.set_encode_special_tokens(true);
         let newline = encode(&content_tokenizer, "\n")?;
         let token_bytes = TokenBytes::new(&tokenizer);
+        let batcher = weights.decoder.clone().map(Batcher::start);
         Ok(Llama {
+            batcher,
             cfg,
             format,
             weights,
@@ -697,32 +703,34 @@ impl Llama {
         Ok(Some(self.weights.lm_head.forward(&last)?.squeeze(0)?))
     }
 
-    /// Runs `token` at the next position of `cache` and puts the logits in `logits`: through
-    /// [`CpuDecoder`] when the model has one, else through [`Llama::forward`].
+    /// Runs `token` at the next position of `cache` and puts the logits in `logits`: in the
+    /// batcher's next step when the request has a `session`, else through
+    /// [`Llama::forward`]. Returns the number of sequences the step ran for.
     fn decode_one(
         &self,
+        session: Option<&mut Session<'_>>,
         cache: &mut KvCache,
         token: u32,
         logits: &mut Logits,
-    ) -> candle_core::Result<()> {
-        match (&self.weights.decoder, &mut cache.store) {
-            (Some(decoder), KvStore::Host(kv)) => {
+        stage: &Stage,
+    ) -> candle_core::Result<usize> {
+        match (session, &mut cache.store) {
+            (Some(session), KvStore::Host(kv)) => {
                 let mut buf = match std::mem::replace(logits, Logits::Host(Vec::new())) {
                     Logits::Host(buf) => buf,
                     Logits::Device(_) => Vec::new(),
                 };
-                buf.resize(decoder.vocab(), 0.0);
-                let pos = cache.len;
-                decoder.step(&mut [SeqStep { kv, pos, token }], &mut buf)?;
+                let batch = session.step(kv, cache.len, token, &mut buf, stage)?;
                 cache.len += 1;
                 *logits = Logits::Host(buf);
+                Ok(batch)
             }
             _ => {
                 let out = self.forward(&[token], cache, true)?;
                 *logits = Logits::Device(out.expect("logits requested"));
+                Ok(1)
             }
         }
-        Ok(())
     }
 
     /// Prefills `prompt` into `cache` in chunks; returns the last position's logits.
@@ -1115,6 +1123,22 @@ fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, GenerateError> 
         .map_err(|e| GenerateError::Tokenizer(e.to_string()))
 }
 
+/// How many sequences a request's decode steps ran with.
+#[derive(Default)]
+struct BatchSizes {
+    steps: usize,
+    total: usize,
+    max: usize,
+}
+
+impl BatchSizes {
+    fn record(&mut self, batch: usize) {
+        self.steps += 1;
+        self.total += batch;
+        self.max = self.max.max(batch);
+    }
+}
+
 /// The last position's logits `(vocab,)`: a candle tensor (maybe on the GPU), or the host
 /// buffer [`CpuDecoder`] wrote.
 enum Logits {
@@ -1370,6 +1394,8 @@ impl Generator for Llama {
         }
         let mut stream = Utf8Stream::new();
         let mut index = 0usize;
+        let mut session = self.batcher.as_ref().map(Batcher::session);
+        let mut batches = BatchSizes::default();
         loop {
             if past_deadline() {
                 out.finish = FinishReason::Timeout;
@@ -1378,7 +1404,11 @@ impl Generator for Llama {
             let step = (req.token_trace == TokenTrace::Spans).then(|| decode.child("decode_step"));
             if let Some(&last) = out.tokens.last() {
                 let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&self.device));
-                on_stage(&decode, self.decode_one(&mut cache, last, &mut logits))?;
+                let batch = on_stage(
+                    &decode,
+                    self.decode_one(session.as_mut(), &mut cache, last, &mut logits, &decode),
+                )?;
+                batches.record(batch);
                 if let Some(iv) = timer.and_then(GpuTimer::finish) {
                     let host = step.as_ref().unwrap_or(&decode);
                     let index = KeyValue::new("gen_ai.token.index", index as i64);
@@ -1430,9 +1460,19 @@ impl Generator for Llama {
                 on_token(tail);
             }
         }
+        drop(session);
         let n_out = out.tokens.len();
         let done = clock::now();
         let took = done.saturating_duration_since(decode.started());
+        if batches.steps > 0 {
+            decode.set_all([
+                KeyValue::new("rag.decode.batch_size.max", batches.max as i64),
+                KeyValue::new(
+                    "rag.decode.batch_size.mean",
+                    batches.total as f64 / batches.steps as f64,
+                ),
+            ]);
+        }
         // Client-visible rate: every token delivered after prefill, over the decode stage.
         decode.set_all([
             KeyValue::new("gen_ai.usage.output_tokens", n_out as i64),
@@ -1586,8 +1626,12 @@ mod tests {
         let mut cache = KvCache::new(&model.cfg, cap, &Device::Cpu, host).unwrap();
         let mut logits = vec![model.prefill(prompt, &mut cache).unwrap()];
         let mut last = Logits::Host(Vec::new());
+        let mut session = model.batcher.as_ref().map(Batcher::session);
+        let stage = stage();
         for &t in forced {
-            model.decode_one(&mut cache, t, &mut last).unwrap();
+            model
+                .decode_one(session.as_mut(), &mut cache, t, &mut last, &stage)
+                .unwrap();
             logits.push(match &last {
                 Logits::Device(t) => t.clone(),
                 Logits::Host(v) => Tensor::new(v.as_slice(), &Device::Cpu).unwrap(),
@@ -1879,6 +1923,49 @@ mod tests {
         assert!(out.tokens.is_empty() && pieces.is_empty());
     }
 
+    /// Requests decoding at the same time share batched steps; each still gets exactly the
+    /// tokens it gets alone (greedy), whatever it is batched with, and the decode span says so.
+    #[test]
+    fn batched_decoding_gives_each_request_its_own_tokens() {
+        let Some(model) = model() else { return };
+        let prompts: Vec<Vec<u32>> = [
+            "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
+            "Write a short poem about the sea.",
+            "List three uses of git stash.",
+        ]
+        .iter()
+        .map(|q| model.chat_prompt(&[ChatMessage::new("user", *q)]).unwrap())
+        .collect();
+        let max_tokens = [40, 24, 32];
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(max_tokens)
+            .map(|(p, n)| run(model, request(p, n, Sampling::default())).0.tokens)
+            .collect();
+        let start = std::sync::Barrier::new(prompts.len());
+        let together: Vec<Vec<u32>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .zip(max_tokens)
+                .map(|(p, n)| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        start.wait();
+                        run(model, request(p, n, Sampling::default())).0.tokens
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(together, alone);
+        assert!(model.batcher.is_some(), "the CPU default batches");
+        let largest = &crate::telemetry::metrics::DECODE_BATCH.largest;
+        assert!(
+            largest.load(std::sync::atomic::Ordering::Relaxed) > 1,
+            "the steps never ran batched"
+        );
+    }
+
     #[test]
     fn streamed_pieces_concatenate_to_the_text() {
         let Some(model) = model() else { return };
@@ -2148,9 +2235,13 @@ mod tests {
                 let mut logits = Logits::Device(model.prefill(&prompt, &mut cache).unwrap());
                 let t1 = Instant::now();
                 let mut greedy = Sampler::new(&Sampling::default());
+                let mut session = model.batcher.as_ref().map(Batcher::session);
+                let stage = stage();
                 for _ in 0..DECODE {
                     let next = greedy.sample(&logits).unwrap();
-                    model.decode_one(&mut cache, next, &mut logits).unwrap();
+                    model
+                        .decode_one(session.as_mut(), &mut cache, next, &mut logits, &stage)
+                        .unwrap();
                 }
                 let t2 = Instant::now();
                 (

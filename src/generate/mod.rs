@@ -4,6 +4,7 @@
 //! cache owned by that request. The implementation records `prefill` and `decode` child stages
 //! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
 
+mod batch;
 mod cpu_decode;
 pub mod kernels;
 pub mod llama;

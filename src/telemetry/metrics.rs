@@ -45,6 +45,20 @@ pub static KV_CACHE: KvCacheUsage = KvCacheUsage {
     tokens: std::sync::atomic::AtomicU64::new(0),
 };
 
+/// Sequences per batched decode step, read by the `ragscope.decode.batch_size` gauge.
+#[derive(Debug, Default)]
+pub struct DecodeBatches {
+    /// The latest step's.
+    pub last: std::sync::atomic::AtomicU64,
+    /// The largest so far.
+    pub largest: std::sync::atomic::AtomicU64,
+}
+
+pub static DECODE_BATCH: DecodeBatches = DecodeBatches {
+    last: std::sync::atomic::AtomicU64::new(0),
+    largest: std::sync::atomic::AtomicU64::new(0),
+};
+
 static METRICS: OnceLock<Metrics> = OnceLock::new();
 
 /// The process's instruments (on the global meter provider, installed by `telemetry::init`).

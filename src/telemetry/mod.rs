@@ -309,6 +309,19 @@ pub(crate) fn register_process_gauges() {
             )
         })
         .build();
+    let _decode_batch = meter
+        .u64_observable_gauge("ragscope.decode.batch_size")
+        .with_unit("{sequence}")
+        .with_description("Requests in the latest batched decode step")
+        .with_callback(|o| {
+            o.observe(
+                metrics::DECODE_BATCH
+                    .last
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                &[],
+            )
+        })
+        .build();
     gpu::memory::register(&meter);
     let _build = meter
         .u64_observable_gauge("ragscope.build.info")

@@ -122,9 +122,42 @@ pub struct Labelled {
 /// Labels the current thread and the compute pool with `stage` until the result is dropped,
 /// and marks the span as profiled.
 pub fn label(stage: &Stage) -> Option<Labelled> {
+    label_span(&target(stage)?)
+}
+
+/// What a profile label names: a span, readable on any thread (a [`Stage`] stays with its
+/// request's thread).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpanTarget {
+    span_id: String,
+    trace_id: String,
+    name: String,
+}
+
+/// `stage` as a label target, and marks it as profiled; `None` when profiling is off or the
+/// span is not recorded.
+pub fn target(stage: &Stage) -> Option<SpanTarget> {
+    PROFILER.get()?;
+    let target = SpanTarget {
+        span_id: stage.span_id()?,
+        trace_id: stage.trace_id()?,
+        name: stage.name().to_string(),
+    };
+    stage.set(KeyValue::new(
+        "pyroscope.profile.id",
+        target.span_id.clone(),
+    ));
+    Some(target)
+}
+
+/// [`label`] for a span owned by another thread (the decode batcher's batch of one).
+pub fn label_span(target: &SpanTarget) -> Option<Labelled> {
     let profiler = PROFILER.get()?;
-    let span_id = stage.span_id()?;
-    let trace_id = stage.trace_id()?;
+    let SpanTarget {
+        span_id,
+        trace_id,
+        name,
+    } = target.clone();
     let guard = profiler.agent.lock().ok()?;
     let agent = guard.as_ref()?;
     let mut threads = profiler.compute_threads.clone();
@@ -135,14 +168,13 @@ pub fn label(stage: &Stage) -> Option<Labelled> {
     let tags = vec![
         Tag::new("span_id".into(), span_id.clone()),
         Tag::new("trace_id".into(), trace_id),
-        Tag::new("span_name".into(), stage.name().to_string()),
+        Tag::new("span_name".into(), name),
     ];
     for t in &threads {
         for tag in &tags {
             let _ = agent.add_thread_tag(t.clone(), tag.clone());
         }
     }
-    stage.set(KeyValue::new("pyroscope.profile.id", span_id));
     Some(Labelled { threads, tags })
 }
 

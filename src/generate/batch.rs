@@ -1,0 +1,213 @@
+//! Continuous batching of decode steps across requests.
+//!
+//! Every request prefills on its own worker thread, then hands each decode step to one batcher
+//! thread. The batcher runs the steps of all requests that are decoding as one
+//! [`CpuDecoder::step`], which reads every weight once for the whole batch, and hands each
+//! request its logits back. Requests join and leave between steps (continuous batching, as vLLM
+//! and TGI do on GPUs). Sampling, streaming and the per-token telemetry stay on the request's
+//! own thread, so each request's `decode` span still shows its own tokens at their own times;
+//! the span also records the batch sizes its steps ran in.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::cpu_decode::{CpuDecoder, HostKv, SeqStep};
+use crate::telemetry::profile;
+use crate::telemetry::span::Stage;
+
+/// Most sequences in one step.
+pub const MAX_BATCH: usize = 16;
+/// How long a step waits for the decoding requests that have not sent their next token yet
+/// (each is sampling or streaming its last one, normally tens of microseconds). A request
+/// whose consumer is slow misses the step instead of holding everyone back.
+const GATHER: Duration = Duration::from_millis(1);
+
+/// One request's step, sent to the batcher and back.
+struct Job {
+    kv: HostKv,
+    pos: usize,
+    token: u32,
+    logits: Vec<f32>,
+    /// The request's decode span: a batch of one labels its CPU profile with it.
+    profile: Option<profile::SpanTarget>,
+    reply: mpsc::SyncSender<Done>,
+}
+
+struct Done {
+    kv: HostKv,
+    logits: Vec<f32>,
+    batch: usize,
+    result: candle_core::Result<()>,
+}
+
+/// The batcher thread and the channel feeding it.
+pub(super) struct Batcher {
+    tx: Mutex<Option<Sender<Job>>>,
+    /// Requests between their first and last decode step.
+    active: Arc<AtomicUsize>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Batcher {
+    pub fn start(decoder: Arc<CpuDecoder>) -> Batcher {
+        let (tx, rx) = mpsc::channel();
+        let active = Arc::new(AtomicUsize::new(0));
+        let seen = active.clone();
+        let thread = std::thread::Builder::new()
+            .name("decode-batcher".into())
+            .spawn(move || run(&decoder, &rx, &seen))
+            .expect("spawning the decode batcher");
+        Batcher {
+            tx: Mutex::new(Some(tx)),
+            active,
+            thread: Mutex::new(Some(thread)),
+        }
+    }
+
+    /// Registers a request that is about to decode; it counts as active until dropped.
+    pub fn session(&self) -> Session<'_> {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        Session { batcher: self }
+    }
+}
+
+impl Drop for Batcher {
+    fn drop(&mut self) {
+        self.tx.lock().expect("batcher lock").take();
+        if let Some(t) = self.thread.lock().expect("batcher lock").take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A decoding request's handle on the batcher.
+pub(super) struct Session<'a> {
+    batcher: &'a Batcher,
+}
+
+impl Session<'_> {
+    /// Runs `token` at `pos` of `kv` in the next batched step; `logits` receives the vocabulary's
+    /// logits. Returns the number of sequences the step ran for.
+    pub fn step(
+        &mut self,
+        kv: &mut HostKv,
+        pos: usize,
+        token: u32,
+        logits: &mut Vec<f32>,
+        stage: &Stage,
+    ) -> candle_core::Result<usize> {
+        let (reply, done) = mpsc::sync_channel(1);
+        let job = Job {
+            kv: std::mem::take(kv),
+            pos,
+            token,
+            logits: std::mem::take(logits),
+            profile: profile::enabled().then(|| profile::target(stage)).flatten(),
+            reply,
+        };
+        let gone = || candle_core::Error::Msg("the decode batcher stopped".into());
+        let sent = match self.batcher.tx.lock().expect("batcher lock").as_ref() {
+            Some(tx) => tx.send(job).map_err(|_| gone()),
+            None => Err(gone()),
+        };
+        sent?;
+        let done = done.recv().map_err(|_| gone())?;
+        *kv = done.kv;
+        *logits = done.logits;
+        done.result.map(|()| done.batch)
+    }
+}
+
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        self.batcher.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn run(decoder: &CpuDecoder, rx: &Receiver<Job>, active: &AtomicUsize) {
+    let vocab = decoder.vocab();
+    let mut logits = Vec::new();
+    // The profile label of a batch of one, kept while the same request decodes alone: each
+    // label change flushes the profiler, so it changes only when the batch does. A batch of
+    // several serves several spans at once; its samples carry no span.
+    let mut labelled: (Option<profile::SpanTarget>, Option<profile::Labelled>) = (None, None);
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        let until = Instant::now() + GATHER;
+        while jobs.len() < MAX_BATCH {
+            match rx.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(TryRecvError::Empty) => {
+                    if jobs.len() >= active.load(Ordering::Relaxed) || Instant::now() >= until {
+                        break;
+                    }
+                    std::thread::yield_now();
+                }
+                Err(TryRecvError::Disconnected) => break,
+            }
+        }
+        // A request whose own step is invalid fails alone, before the batch runs.
+        let (jobs, refused): (Vec<Job>, Vec<Job>) = jobs
+            .into_iter()
+            .partition(|j| decoder.check(&j.kv, j.pos, j.token).is_ok());
+        for job in refused {
+            let result = decoder.check(&job.kv, job.pos, job.token);
+            finish(job, 0, result);
+        }
+        if jobs.is_empty() {
+            continue;
+        }
+        let b = jobs.len();
+        let batches = &crate::telemetry::metrics::DECODE_BATCH;
+        batches.last.store(b as u64, Ordering::Relaxed);
+        batches.largest.fetch_max(b as u64, Ordering::Relaxed);
+        let single = if b == 1 {
+            jobs[0].profile.clone()
+        } else {
+            None
+        };
+        if single != labelled.0 {
+            labelled.1 = None;
+            labelled.1 = single.as_ref().and_then(profile::label_span);
+            labelled.0 = single;
+        }
+        logits.resize(b * vocab, 0.0);
+        let mut jobs = jobs;
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut steps: Vec<SeqStep<'_>> = jobs
+                .iter_mut()
+                .map(|j| SeqStep {
+                    kv: &mut j.kv,
+                    pos: j.pos,
+                    token: j.token,
+                })
+                .collect();
+            decoder.step(&mut steps, &mut logits)
+        }))
+        .unwrap_or_else(|_| Err(candle_core::Error::Msg("decode step panicked".into())));
+        for (i, mut job) in jobs.into_iter().enumerate() {
+            let result = match &result {
+                Ok(()) => {
+                    job.logits.clear();
+                    job.logits
+                        .extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
+                    Ok(())
+                }
+                Err(e) => Err(candle_core::Error::Msg(e.to_string())),
+            };
+            finish(job, b, result);
+        }
+    }
+}
+
+fn finish(job: Job, batch: usize, result: candle_core::Result<()>) {
+    let _ = job.reply.send(Done {
+        kv: job.kv,
+        logits: job.logits,
+        batch,
+        result,
+    });
+}
