@@ -213,7 +213,12 @@ fn from_hub(id: &str, files: &[&str]) -> Result<PathBuf> {
 pub fn test_model_dir(name: &str) -> PathBuf {
     let root = std::env::var_os("RAGSCOPE_MODELS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models"));
+        .unwrap_or_else(|| {
+            // At run time first: the cached target dir is shared between checkouts.
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+                .join("models")
+        });
     let dir = root.join(name);
     assert!(
         dir.is_dir(),

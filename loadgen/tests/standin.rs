@@ -168,7 +168,12 @@ async fn spawn_standin(state: StandIn) -> (String, Arc<StandIn>) {
 }
 
 fn queries_path() -> String {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    // At run time first: the cached target dir is shared between checkouts.
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(
+            || env!("CARGO_MANIFEST_DIR").into(),
+            std::path::PathBuf::from,
+        )
         .join("../eval/questions.jsonl")
         .to_string_lossy()
         .into_owned()

@@ -20,10 +20,18 @@ pub struct TestApp {
     server: Option<JoinHandle<std::io::Result<()>>>,
 }
 
-fn models_dir() -> PathBuf {
+/// The repository this test runs in: cargo and nextest set `CARGO_MANIFEST_DIR` when they run
+/// a test, while `env!` would give the checkout the binary was built in (the cached target dir
+/// is shared between checkouts).
+pub fn repo_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
+pub fn models_dir() -> PathBuf {
     std::env::var_os("RAGSCOPE_MODELS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models"))
+        .unwrap_or_else(|| repo_dir().join("models"))
 }
 
 /// Parses `serve` flags the way the binary does, on top of test defaults.

@@ -133,9 +133,7 @@ async fn exports_to_rotel(protocol: &str) {
         "grpc" => format!("http://127.0.0.1:{grpc}"),
         _ => format!("http://127.0.0.1:{http}"),
     };
-    let models = std::env::var_os("RAGSCOPE_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
+    let models = crate::helpers::models_dir();
     let _server = Running(
         Command::new(env!("CARGO_BIN_EXE_ragscope"))
             .args(["serve", "--corpus", "none", "--fetch-models", "false"])

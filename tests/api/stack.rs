@@ -6,7 +6,7 @@
 //! accepts the Prometheus files; `docker-compose config` accepts the compose file and profiles.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::{json, Value};
@@ -14,8 +14,8 @@ use serde_json::{json, Value};
 use crate::fakes::FakeGenerator;
 use crate::helpers::spawn_fake_app;
 
-fn repo() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+fn repo() -> PathBuf {
+    crate::helpers::repo_dir()
 }
 
 fn read(rel: &str) -> String {
