@@ -446,6 +446,10 @@ mod tests {
         if Precision::best() == Precision::Bf16 {
             backends.push(Backend::Cpu(Precision::Bf16));
         }
+        // RAGSCOPE_AB_ONLY=Bf16 (say) keeps the backends whose name contains it, for profiling.
+        if let Ok(only) = std::env::var("RAGSCOPE_AB_ONLY") {
+            backends.retain(|b| format!("{b:?}").contains(&only));
+        }
         let embedders: Vec<BertEmbedder> = backends
             .iter()
             .map(|&b| BertEmbedder::load_with(&dir, "all-MiniLM-L6-v2", &Device::Cpu, b).unwrap())
