@@ -15,7 +15,7 @@ use candle_transformers::models::bert::{BertModel, Config};
 use opentelemetry::KeyValue;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
-use super::cpu_bert::CpuBert;
+use super::cpu_bert::{self, CpuBert};
 use super::kernels::Precision;
 use super::{EmbedError, Embedder};
 use crate::telemetry::gpu::GpuTimer;
@@ -92,23 +92,37 @@ pub fn load_bert(
 }
 
 impl BertEmbedder {
-    /// On the CPU the [`Backend::Cpu`] forward in the best precision the CPU has, else candle's.
+    /// On the CPU the [`Backend::Cpu`] forward in the best precision the CPU has (if it
+    /// supports the model's config), else candle's.
     pub fn load(dir: &Path, model_id: &str, device: &Device) -> Result<Self, EmbedError> {
-        let backend = if device.is_cpu() {
-            Backend::Cpu(Precision::best())
-        } else {
-            Backend::Candle
-        };
-        Self::load_with(dir, model_id, device, backend)
+        Self::load_inner(dir, model_id, device, None)
     }
 
+    /// With the forward pass chosen by the caller (the tests and the A/B benchmark).
     pub fn load_with(
         dir: &Path,
         model_id: &str,
         device: &Device,
         backend: Backend,
     ) -> Result<Self, EmbedError> {
+        Self::load_inner(dir, model_id, device, Some(backend))
+    }
+
+    fn load_inner(
+        dir: &Path,
+        model_id: &str,
+        device: &Device,
+        backend: Option<Backend>,
+    ) -> Result<Self, EmbedError> {
         let (config, tokenizer) = load_config_and_tokenizer(dir)?;
+        let backend = backend.unwrap_or_else(|| match cpu_bert::supports(&config) {
+            Ok(()) if device.is_cpu() => Backend::Cpu(Precision::best()),
+            Ok(()) => Backend::Candle,
+            Err(why) => {
+                tracing::info!("embedder {model_id}: candle's forward, {why}");
+                Backend::Candle
+            }
+        });
         let vb = weights(dir, device)?;
         let forward = match backend {
             Backend::Candle => Forward::Candle(BertModel::load(vb, &config)?),

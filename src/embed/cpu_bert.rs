@@ -47,27 +47,16 @@ struct Layer {
 }
 
 impl CpuBert {
-    /// Copies the weights out of `vb` (F32, on the CPU) for a BERT with `config`; only the
-    /// exact-erf GELU of `hidden_act = "gelu"` and absolute positions are supported.
+    /// Copies the weights out of `vb` (F32, on the CPU) for a BERT with `config`, which must
+    /// pass [`supports`].
     pub fn load(
         vb: &VarBuilder,
         config: &Config,
         precision: Precision,
         threads: usize,
     ) -> Result<CpuBert, EmbedError> {
-        if config.hidden_act != HiddenAct::Gelu {
-            return Err(EmbedError::Load(format!(
-                "the CPU forward supports hidden_act \"gelu\", not {:?}",
-                config.hidden_act
-            )));
-        }
+        supports(config).map_err(EmbedError::Load)?;
         let (h, i) = (config.hidden_size, config.intermediate_size);
-        if config.num_attention_heads == 0 || !h.is_multiple_of(config.num_attention_heads) {
-            return Err(EmbedError::Load(format!(
-                "hidden size {h} is not a multiple of {} heads",
-                config.num_attention_heads
-            )));
-        }
         let vb = if vb.contains_tensor("embeddings.word_embeddings.weight") {
             vb.clone()
         } else {
@@ -384,6 +373,23 @@ impl CpuBert {
     }
 }
 
+/// Whether [`CpuBert`] can run a BERT with `config`, and why not.
+pub fn supports(config: &Config) -> Result<(), String> {
+    if config.hidden_act != HiddenAct::Gelu {
+        return Err(format!(
+            "the CPU forward supports hidden_act \"gelu\", not {:?}",
+            config.hidden_act
+        ));
+    }
+    let (h, heads) = (config.hidden_size, config.num_attention_heads);
+    if heads == 0 || !h.is_multiple_of(heads) {
+        return Err(format!(
+            "hidden size {h} is not a multiple of {heads} heads"
+        ));
+    }
+    Ok(())
+}
+
 /// Rows `part` of `parts` of `n`.
 fn share(n: usize, part: usize, parts: usize) -> Range<usize> {
     n * part / parts..n * (part + 1) / parts
@@ -571,6 +577,27 @@ mod tests {
                 assert_eq!(&three.embed(&[seq]).unwrap()[0], v, "{precision:?}");
             }
         }
+    }
+
+    #[test]
+    fn configs_it_cannot_run_are_named() {
+        let base = Config {
+            hidden_act: HiddenAct::Gelu,
+            ..Config::default()
+        };
+        assert_eq!(supports(&base), Ok(()));
+        let tanh_gelu = Config {
+            hidden_act: HiddenAct::GeluApproximate,
+            ..base.clone()
+        };
+        assert!(supports(&tanh_gelu)
+            .unwrap_err()
+            .contains("GeluApproximate"));
+        let odd_heads = Config {
+            num_attention_heads: 7,
+            ..base
+        };
+        assert!(supports(&odd_heads).unwrap_err().contains("7 heads"));
     }
 
     #[test]
