@@ -3,6 +3,12 @@
 //! real tokens packed into one matrix for every linear layer, LayerNorm and GELU, so nothing is
 //! spent on padding; attention per sequence at its own length; then mean pooling and L2
 //! normalisation. Candle's `BertModel` stays for other devices and as the reference in tests.
+//!
+//! Measured on 2 Zen 4 cores (all-MiniLM-L6-v2, the peer benchmark's 256 sentences and 50
+//! queries): batch 32 at 475 sentences/s in BF16 (217 in F32) against 79 for candle, in one
+//! process interleaved (`embed_ab`); one query in 2.0 ms against 15 ms. `scripts/bench-peers`
+//! on an idle box: 494 sentences/s and 2.0 ms against PyTorch's 128 and 12.6 ms. BF16 vectors
+//! stay within cosine 0.99997 of candle's F32 model and 0.99998 of PyTorch's.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -461,7 +467,8 @@ impl Team<'_> {
 
 /// Runs `body` on `threads` threads (this one and `threads - 1` scoped ones) that meet at a
 /// spinning barrier between phases: a phase of a short query lasts microseconds, less than a
-/// sleeping thread takes to wake.
+/// sleeping thread takes to wake. Starting the scoped thread costs 30-55 µs per forward pass
+/// (measured under load), little against a 2 ms query, so there is no pool to keep alive.
 fn run_team(threads: usize, body: impl Fn(&Team<'_>) + Sync) {
     let barrier = SpinBarrier::new(threads);
     let run = |id: usize| {
