@@ -103,6 +103,7 @@ enum Weights {
     /// Panels of [`PANEL`] output columns; in a panel, for each pair of inputs `2i, 2i+1`, the
     /// panel's columns in order, each as the BF16 pair `(W[c][2i], W[c][2i+1])`: one 64-byte
     /// load feeds `vdpbf16ps` for 16 columns.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Bf16(Vec<u16>),
     /// `W` as it came, row-major `[n, k]`.
     F32(Vec<f32>),
@@ -1014,7 +1015,12 @@ mod tests {
         let beta = values(width, 10);
         let mut out = vec![0f32; x.len()];
         let mut bf = vec![0u16; x.len()];
+        let mut portable = vec![0f32; x.len()];
+        layer_norm_body(&x, &gamma, &beta, 1e-12, &mut portable, None);
         layer_norm(&x, &gamma, &beta, 1e-12, &mut out, Some(&mut bf));
+        for (a, b) in out.iter().zip(&portable) {
+            assert!((a - b).abs() < 1e-6, "{a} vs the portable {b}");
+        }
         for r in 0..3 {
             let row: Vec<f64> = x[r * width..(r + 1) * width]
                 .iter()
@@ -1038,13 +1044,17 @@ mod tests {
     #[test]
     fn attention_head_matches_the_definition() {
         // Shorter and longer than a register of keys, a whole one, and a head width with no
-        // vector path (24).
+        // vector path (24); the dispatched kernel and, where that is AVX-512, the portable body.
         for (len, d) in [(9, 32), (37, 32), (16, 64), (1, 16), (5, 24)] {
-            check_attention(len, d);
+            check_attention(len, d, attention_head);
+            check_attention(len, d, attention_head_body);
         }
     }
 
-    fn check_attention(len: usize, d: usize) {
+    type Attention =
+        fn(&[f32], usize, usize, (usize, usize, usize), f32, &mut [f32], &mut Vec<f32>);
+
+    fn check_attention(len: usize, d: usize, attention: Attention) {
         let heads = 3;
         let ld = 3 * heads * d;
         let qkv = values(len * ld, 11)
@@ -1056,7 +1066,7 @@ mod tests {
         for h in 0..heads {
             let cols = (h * d, heads * d + h * d, 2 * heads * d + h * d);
             let mut out = vec![0f32; len * d];
-            attention_head(&qkv, ld, len, cols, scale, &mut out, &mut scratch);
+            attention(&qkv, ld, len, cols, scale, &mut out, &mut scratch);
             for i in 0..len {
                 let s: Vec<f64> = (0..len)
                     .map(|j| {
