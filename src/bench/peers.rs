@@ -63,6 +63,8 @@ pub struct PeerReport {
     pub system: &'static str,
     pub threads: usize,
     pub weight_format: String,
+    /// The embedder's forward pass, e.g. `Cpu(Bf16)` (see `BertEmbedder::backend`).
+    pub embed_backend: String,
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
     /// Prompt forward pass, from the start of the request to the last position's logits.
@@ -329,6 +331,7 @@ fn measure(
         system: "ragscope",
         threads: candle_core::utils::get_num_threads(),
         weight_format: format!("{:?}", generator.weight_format()),
+        embed_backend: format!("{:?}", embedder.backend()),
         prompt_tokens: inputs.prompt_tokens.len(),
         generated_tokens: n,
         prefill_ms: clock::millis(out.prefill),

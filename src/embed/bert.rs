@@ -1,8 +1,11 @@
-//! BERT sentence embedder (all-MiniLM-L6-v2) on candle: pad to the longest input of a batch,
-//! truncate at 256 tokens, mean-pool over real tokens, L2-normalise.
+//! BERT sentence embedder (all-MiniLM-L6-v2): truncate at 256 tokens, mean-pool over real
+//! tokens, L2-normalise.
 //!
-//! Inputs are sorted by length and cut into sub-batches, so a long passage does not make every
-//! short one in its batch pay for its padding.
+//! On the CPU the forward is [`super::cpu_bert`]'s: no padding (a batch's tokens packed into one
+//! matrix), BF16 matrix multiplies where the CPU has AVX-512 BF16. Elsewhere it is candle's
+//! `BertModel`, padded to the longest input of a batch. Either way inputs are sorted by length
+//! and cut into sub-batches, so a long passage does not make every short one in its batch pay
+//! for its padding (or, unpadded, for its attention working set).
 
 use std::path::Path;
 
@@ -12,6 +15,8 @@ use candle_transformers::models::bert::{BertModel, Config};
 use opentelemetry::KeyValue;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
+use super::cpu_bert::{self, CpuBert};
+use super::kernels::Precision;
 use super::{EmbedError, Embedder};
 use crate::telemetry::gpu::GpuTimer;
 use crate::telemetry::span::Stage;
@@ -22,7 +27,7 @@ pub const MAX_TOKENS: usize = 256;
 const SUB_BATCH: usize = 32;
 
 pub struct BertEmbedder {
-    model: BertModel,
+    forward: Forward,
     tokenizer: Tokenizer,
     /// The same tokenizer without truncation or padding, for counting real lengths.
     counter: Tokenizer,
@@ -31,11 +36,23 @@ pub struct BertEmbedder {
     dimension: usize,
 }
 
-/// Loads `config.json`, `tokenizer.json` and `model.safetensors` from `dir`.
-pub fn load_bert(
-    dir: &Path,
-    device: &Device,
-) -> Result<(BertModel, Tokenizer, Config), EmbedError> {
+/// Which forward pass an embedder runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Candle's `BertModel` in F32 on the embedder's device, padded batches.
+    Candle,
+    /// [`CpuBert`] with linear layers in this precision (CPU only).
+    Cpu(Precision),
+}
+
+enum Forward {
+    Candle(BertModel),
+    Cpu(CpuBert),
+}
+
+/// Loads `config.json` and `tokenizer.json` from `dir`; the tokenizer truncates at
+/// [`MAX_TOKENS`] and pads to the longest input of a batch.
+pub(super) fn load_config_and_tokenizer(dir: &Path) -> Result<(Config, Tokenizer), EmbedError> {
     let config: Config = std::fs::read_to_string(dir.join("config.json"))
         .map_err(|e| EmbedError::Load(format!("{}: {e}", dir.join("config.json").display())))
         .and_then(|s| serde_json::from_str(&s).map_err(|e| EmbedError::Load(e.to_string())))?;
@@ -51,25 +68,81 @@ pub fn load_bert(
             ..Default::default()
         }))
         .map_err(|e| EmbedError::Load(e.to_string()))?;
-    let weights = dir.join("model.safetensors");
+    Ok((config, tokenizer))
+}
+
+/// `model.safetensors` in `dir`, mapped, as F32 on `device`.
+pub(super) fn weights(dir: &Path, device: &Device) -> Result<VarBuilder<'static>, EmbedError> {
     // F32 on the GPU too: candle's BERT builds its attention mask as `(1 - mask) * f32::MIN` in
     // the model dtype, which is -inf in F16/BF16 and turns every kept position into NaN.
     // SAFETY: the weights file is not modified while mapped (it is verified and read-only).
-    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, device)? };
-    let model = BertModel::load(vb, &config)?;
+    Ok(unsafe {
+        VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, device)?
+    })
+}
+
+/// Loads `config.json`, `tokenizer.json` and `model.safetensors` from `dir` as candle's model.
+pub fn load_bert(
+    dir: &Path,
+    device: &Device,
+) -> Result<(BertModel, Tokenizer, Config), EmbedError> {
+    let (config, tokenizer) = load_config_and_tokenizer(dir)?;
+    let model = BertModel::load(weights(dir, device)?, &config)?;
     Ok((model, tokenizer, config))
 }
 
 impl BertEmbedder {
+    /// On the CPU the [`Backend::Cpu`] forward in the best precision the CPU has (if it
+    /// supports the model's config), else candle's.
     pub fn load(dir: &Path, model_id: &str, device: &Device) -> Result<Self, EmbedError> {
-        let (model, tokenizer, config) = load_bert(dir, device)?;
+        Self::load_inner(dir, model_id, device, None)
+    }
+
+    /// With the forward pass chosen by the caller (the tests and the A/B benchmark).
+    pub fn load_with(
+        dir: &Path,
+        model_id: &str,
+        device: &Device,
+        backend: Backend,
+    ) -> Result<Self, EmbedError> {
+        Self::load_inner(dir, model_id, device, Some(backend))
+    }
+
+    fn load_inner(
+        dir: &Path,
+        model_id: &str,
+        device: &Device,
+        backend: Option<Backend>,
+    ) -> Result<Self, EmbedError> {
+        let (config, tokenizer) = load_config_and_tokenizer(dir)?;
+        let backend = backend.unwrap_or_else(|| match cpu_bert::supports(&config) {
+            Ok(()) if device.is_cpu() => Backend::Cpu(Precision::best()),
+            Ok(()) => Backend::Candle,
+            Err(why) => {
+                tracing::info!("embedder {model_id}: candle's forward, {why}");
+                Backend::Candle
+            }
+        });
+        let vb = weights(dir, device)?;
+        let forward = match backend {
+            Backend::Candle => Forward::Candle(BertModel::load(vb, &config)?),
+            Backend::Cpu(precision) => {
+                if !device.is_cpu() {
+                    return Err(EmbedError::Load(
+                        "the CPU forward needs the weights on the CPU".into(),
+                    ));
+                }
+                let threads = candle_core::utils::get_num_threads();
+                Forward::Cpu(CpuBert::load(&vb, &config, precision, threads)?)
+            }
+        };
         let mut counter = tokenizer.clone();
         counter.with_padding(None);
         counter
             .with_truncation(None)
             .map_err(|e| EmbedError::Load(e.to_string()))?;
         Ok(BertEmbedder {
-            model,
+            forward,
             tokenizer,
             counter,
             device: device.clone(),
@@ -78,29 +151,64 @@ impl BertEmbedder {
         })
     }
 
+    /// The forward pass this embedder runs.
+    pub fn backend(&self) -> Backend {
+        match &self.forward {
+            Forward::Candle(_) => Backend::Candle,
+            Forward::Cpu(model) => Backend::Cpu(model.precision()),
+        }
+    }
+
+    /// One forward pass. `rag.batch.padded_tokens` is the tokens the forward computes: the
+    /// padded batch (inputs × longest) for candle, the real tokens for the unpadded CPU forward.
     fn embed_batch(&self, texts: &[&str], stage: &Stage) -> Result<Vec<Vec<f32>>, EmbedError> {
+        if texts.is_empty() {
+            return Ok(Vec::new());
+        }
         let tokenize = stage.child("tokenize");
         let encodings = self
             .tokenizer
             .encode_batch(texts.to_vec(), true)
             .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-        let (ids, mask) = batch_tensors(&encodings, &self.device)?;
-        let (batch, seq) = ids.dims2()?;
-        tokenize.set(KeyValue::new("rag.batch.size", batch as i64));
-        tokenize.set(KeyValue::new(
-            "rag.batch.padded_tokens",
-            (batch * seq) as i64,
-        ));
-        tokenize.end();
+        tokenize.set(KeyValue::new("rag.batch.size", encodings.len() as i64));
+        match &self.forward {
+            Forward::Candle(model) => {
+                let (ids, mask) = batch_tensors(&encodings, &self.device)?;
+                let (batch, seq) = ids.dims2()?;
+                tokenize.set(KeyValue::new(
+                    "rag.batch.padded_tokens",
+                    (batch * seq) as i64,
+                ));
+                tokenize.end();
 
-        let forward = stage.child("forward");
-        let gpu = GpuTimer::start(&self.device);
-        let hidden = self.model.forward(&ids, &ids.zeros_like()?, Some(&mask))?;
-        let pooled = mean_pool_normalised(&hidden, &mask)?;
-        gpu.finish_into(&forward, "embed");
-        let vectors = pooled.to_vec2::<f32>()?;
-        forward.end();
-        Ok(vectors)
+                let forward = stage.child("forward");
+                let gpu = GpuTimer::start(&self.device);
+                let hidden = model.forward(&ids, &ids.zeros_like()?, Some(&mask))?;
+                let pooled = mean_pool_normalised(&hidden, &mask)?;
+                gpu.finish_into(&forward, "embed");
+                let vectors = pooled.to_vec2::<f32>()?;
+                forward.end();
+                Ok(vectors)
+            }
+            Forward::Cpu(model) => {
+                // Padding is on the right: an input's real tokens are the prefix its mask keeps.
+                let sequences: Vec<&[u32]> = encodings
+                    .iter()
+                    .map(|e| {
+                        let real = e.get_attention_mask().iter().filter(|&&m| m == 1).count();
+                        &e.get_ids()[..real]
+                    })
+                    .collect();
+                let tokens: usize = sequences.iter().map(|s| s.len()).sum();
+                tokenize.set(KeyValue::new("rag.batch.padded_tokens", tokens as i64));
+                tokenize.end();
+
+                let forward = stage.child("forward");
+                let vectors = model.embed(&sequences)?;
+                forward.end();
+                Ok(vectors)
+            }
+        }
     }
 }
 
@@ -245,5 +353,157 @@ mod tests {
         assert!(e.count_tokens(&long).unwrap() > MAX_TOKENS);
         let v = e.embed(&[&long], &stage()).unwrap();
         assert!((dot(&v[0], &v[0]) - 1.0).abs() < 1e-4);
+    }
+
+    fn cosine(a: &[f32], b: &[f32]) -> f32 {
+        dot(a, b) / (dot(a, a) * dot(b, b)).sqrt()
+    }
+
+    /// What the embedder meets: one word, queries, corpus-like sentences and passages, code,
+    /// non-ASCII text, and a passage past the 256-token truncation.
+    fn varied_inputs() -> Vec<String> {
+        let mut texts: Vec<String> = [
+            "Rebase",
+            "How do I undo the last commit?",
+            "What is the difference between git merge and git rebase when both branches have diverged?",
+            "git stash saves your local modifications away and reverts the working directory to match the HEAD commit, so you can switch branches.",
+            "`git log --oneline --graph --decorate --all` prints the history as a graph.",
+            "Übersetzungen: l'historique des révisions — 版本历史 — is kept per repository.",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        let passage = "A branch in Git is simply a lightweight movable pointer to one of these \
+                       commits. The default branch name in Git is master. As you start making \
+                       commits, you're given a master branch that points to the last commit you made. ";
+        texts.push(passage.repeat(2));
+        texts.push(passage.repeat(12));
+        texts
+    }
+
+    #[test]
+    fn cpu_forward_matches_the_candle_reference() {
+        let dir = crate::models::test_model_dir("all-MiniLM-L6-v2");
+        let reference =
+            BertEmbedder::load_with(&dir, "all-MiniLM-L6-v2", &Device::Cpu, Backend::Candle)
+                .unwrap();
+        let texts = varied_inputs();
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        assert!(reference.count_tokens(texts.last().unwrap()).unwrap() > MAX_TOKENS);
+        let want = reference.embed(&texts, &stage()).unwrap();
+        let want_single = reference.embed(&texts[1..2], &stage()).unwrap();
+
+        let mut precisions = vec![(Precision::F32, 0.99999)];
+        if Precision::best() == Precision::Bf16 {
+            precisions.push((Precision::Bf16, 0.999));
+        }
+        for (precision, floor) in precisions {
+            let backend = Backend::Cpu(precision);
+            let e =
+                BertEmbedder::load_with(&dir, "all-MiniLM-L6-v2", &Device::Cpu, backend).unwrap();
+            assert_eq!(e.backend(), backend);
+            let got = e.embed(&texts, &stage()).unwrap();
+            let got_single = e.embed(&texts[1..2], &stage()).unwrap();
+            let mut worst = f32::INFINITY;
+            for ((t, g), w) in texts
+                .iter()
+                .chain(&texts[1..2])
+                .zip(got.iter().chain(&got_single))
+                .zip(want.iter().chain(&want_single))
+            {
+                assert_eq!(g.len(), 384);
+                assert!(
+                    (dot(g, g) - 1.0).abs() < 1e-4,
+                    "{precision:?} {t:?}: not unit length"
+                );
+                let c = cosine(g, w);
+                assert!(
+                    c >= floor,
+                    "{precision:?} {t:?}: cosine {c} to the reference"
+                );
+                worst = worst.min(c);
+            }
+            eprintln!(
+                "{precision:?}: lowest cosine to candle's F32 BertModel {worst:.6} (1 - cos {:.1e})",
+                1.0 - worst
+            );
+        }
+    }
+
+    /// Interleaved A/B of candle's forward against the CPU one, on the peer benchmark's inputs
+    /// (`ragscope bench --peer-inputs DIR` writes them; `RAGSCOPE_AB_INPUTS` names the file):
+    /// batch-32 sentences/s and single-query p50 ms, each the median of the rounds.
+    /// `cargo nextest run --release -p ragscope embed_ab --run-ignored only --no-capture`
+    #[test]
+    #[ignore = "a benchmark; prints figures, asserts nothing about speed"]
+    fn embed_ab() {
+        let path = std::env::var("RAGSCOPE_AB_INPUTS")
+            .unwrap_or_else(|_| "data/bench-peers/inputs/inputs.json".into());
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            eprintln!("skipping: no {path}");
+            return;
+        };
+        let inputs: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let strings = |key: &str| -> Vec<String> {
+            inputs[key]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_string())
+                .collect()
+        };
+        let (sentences, queries) = (strings("sentences"), strings("queries"));
+        let sentences: Vec<&str> = sentences.iter().map(String::as_str).collect();
+        let dir = crate::models::test_model_dir("all-MiniLM-L6-v2");
+        let rounds: usize = std::env::var("RAGSCOPE_AB_ROUNDS")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(3);
+        let mut backends = vec![Backend::Candle, Backend::Cpu(Precision::F32)];
+        if Precision::best() == Precision::Bf16 {
+            backends.push(Backend::Cpu(Precision::Bf16));
+        }
+        // RAGSCOPE_AB_ONLY=Bf16 (say) keeps the backends whose name contains it, for profiling.
+        if let Ok(only) = std::env::var("RAGSCOPE_AB_ONLY") {
+            backends.retain(|b| format!("{b:?}").contains(&only));
+        }
+        let embedders: Vec<BertEmbedder> = backends
+            .iter()
+            .map(|&b| BertEmbedder::load_with(&dir, "all-MiniLM-L6-v2", &Device::Cpu, b).unwrap())
+            .collect();
+        for e in &embedders {
+            e.embed(&sentences[..32], &stage()).unwrap();
+        }
+        let mut batch = vec![Vec::new(); embedders.len()];
+        let mut single = vec![Vec::new(); embedders.len()];
+        for _ in 0..rounds {
+            for (i, e) in embedders.iter().enumerate() {
+                let t = std::time::Instant::now();
+                e.embed(&sentences, &stage()).unwrap();
+                batch[i].push(sentences.len() as f64 / t.elapsed().as_secs_f64());
+                let mut times: Vec<f64> = queries
+                    .iter()
+                    .map(|q| {
+                        let t = std::time::Instant::now();
+                        e.embed(&[q], &stage()).unwrap();
+                        t.elapsed().as_secs_f64() * 1e3
+                    })
+                    .collect();
+                times.sort_by(f64::total_cmp);
+                single[i].push(times[times.len() / 2]);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        for (i, b) in backends.iter().enumerate() {
+            eprintln!(
+                "{:<12} batch 32: {:>7.1} sentences/s   one query p50: {:>6.2} ms",
+                format!("{b:?}"),
+                median(&mut batch[i]),
+                median(&mut single[i])
+            );
+        }
     }
 }

@@ -6,6 +6,8 @@
 
 pub mod bert;
 pub mod cache;
+pub mod cpu_bert;
+pub mod kernels;
 
 use crate::telemetry::span::Stage;
 
