@@ -461,3 +461,52 @@ fn add_into(x: &mut [f32], y: &[f32]) {
         *x += y;
     }
 }
+
+#[cfg(test)]
+mod speed {
+    use super::*;
+
+    /// `cargo nextest run --release --lib --run-ignored only decode_step_speed --no-capture`:
+    /// one sequence's step at 600-650 positions of context, and the layer matmuls alone.
+    #[test]
+    #[ignore]
+    fn decode_step_speed() {
+        let path = crate::generate::llama::test_model_path();
+        let (d, _) = crate::generate::llama::decoder_for_bench(&path);
+        let mut kv = HostKv::new(d.layers.len(), d.dims.n_kv_head, d.dims.head_dim, 1024);
+        let mut logits = vec![0f32; d.vocab()];
+        let mut step = |pos: usize| {
+            let seq = SeqStep {
+                kv: &mut kv,
+                pos,
+                token: 100 + pos as u32,
+            };
+            d.step(&mut [seq], &mut logits).unwrap();
+        };
+        for pos in 0..600 {
+            step(pos);
+        }
+        let t = std::time::Instant::now();
+        for pos in 600..650 {
+            step(pos);
+        }
+        let per_step = t.elapsed().as_secs_f64() * 1e3 / 50.0;
+        let mut acts = QActs::default();
+        let x = vec![0.5f32; d.dims.ffn];
+        let mut out = vec![0f32; 2 * d.dims.ffn];
+        let hidden = d.dims.n_head * d.dims.head_dim;
+        let t = std::time::Instant::now();
+        for _ in 0..20 {
+            for l in &d.layers {
+                acts.quantize(&x[..hidden], 1, hidden);
+                matmul(&l.qkv, &acts, &mut out[..l.qkv.rows()]);
+                matmul(&l.attn_out, &acts, &mut out[..hidden]);
+                matmul(&l.gate_up, &acts, &mut out[..2 * d.dims.ffn]);
+                acts.quantize(&x, 1, d.dims.ffn);
+                matmul(&l.down, &acts, &mut out[..hidden]);
+            }
+        }
+        let layers = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+        println!("step {per_step:.2} ms, layer matmuls {layers:.2} ms");
+    }
+}

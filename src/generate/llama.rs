@@ -1483,6 +1483,13 @@ impl Generator for Llama {
     }
 }
 
+/// The CPU decoder of the model at `path`, for the decoder's own speed test.
+#[cfg(test)]
+pub(super) fn decoder_for_bench(path: &Path) -> (Arc<CpuDecoder>, Llama) {
+    let model = Llama::from_gguf(path, &Device::Cpu, 2048).expect("load");
+    (model.weights.decoder.clone().expect("CPU default"), model)
+}
+
 /// Where tests find the model: `$RAGSCOPE_MODELS_DIR` (default `models`), then
 /// `SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf`.
 #[cfg(test)]
