@@ -9,7 +9,28 @@ use candle_core::Device;
 pub fn device(spec: &str) -> Result<Device> {
     let device = parse(spec)?;
     crate::telemetry::gpu::memory::watch(&device);
+    keep_freed_memory();
     Ok(device)
+}
+
+/// Keeps freed memory in the process instead of handing it back to the kernel. Every candle op
+/// allocates its output; with glibc's defaults a prefill's multi-megabyte activations come
+/// from fresh `mmap`s or a trimmed heap, so each op first faults in and zeroes its pages:
+/// measured 1,690-1,750 ms to the first token of the 586-token peer prompt, 1,300-1,400 ms
+/// with these settings. Process-wide, idempotent, glibc only.
+fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // glibc refuses an mmap threshold above 32 MiB; allocations below it come from the
+        // heap, and the heap is trimmed only past 1 GiB of free space at its top.
+        const MMAP_THRESHOLD: libc::c_int = 32 << 20;
+        const TRIM_THRESHOLD: libc::c_int = 1 << 30;
+        // SAFETY: mallopt only changes allocator parameters; it is thread-safe.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
+        }
+    }
 }
 
 fn parse(spec: &str) -> Result<Device> {
