@@ -348,6 +348,38 @@ impl Partial {
     pub fn attend(
         &mut self,
         q: &[f32],
+        kv: (&[f32], &[f32]),
+        dims: (usize, usize, usize, usize),
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if super::kernels::Isa::detect() != super::kernels::Isa::Portable {
+            // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
+            return unsafe { self.attend_avx2(q, kv, dims, range, scale) };
+        }
+        self.attend_body(q, kv, dims, range, scale)
+    }
+
+    /// The same loops compiled for AVX2: eight lanes per instruction instead of SSE2's four
+    /// (same arithmetic in the same order, so the same results).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn attend_avx2(
+        &mut self,
+        q: &[f32],
+        kv: (&[f32], &[f32]),
+        dims: (usize, usize, usize, usize),
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) {
+        self.attend_body(q, kv, dims, range, scale)
+    }
+
+    #[inline(always)]
+    fn attend_body(
+        &mut self,
+        q: &[f32],
         (k, v): (&[f32], &[f32]),
         (nh, nkv, cap, hd): (usize, usize, usize, usize),
         range: std::ops::Range<usize>,
@@ -417,6 +449,7 @@ pub(super) fn merge(parts: &[Partial], nh: usize, hd: usize, out: &mut [f32]) {
 
 /// Dot product in eight independent lanes, so the compiler can vectorise it (a plain float
 /// sum must keep its order and stays scalar).
+#[inline(always)]
 pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));

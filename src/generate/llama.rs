@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use tokenizers::Tokenizer;
 
 use super::batch::{Batcher, Session};
-use super::cpu_decode::{self, CpuDecoder, HostKv, RawLayer};
+use super::cpu_decode::{self, CpuDecoder, HostKv, Partial, RawLayer};
 use super::tokenizer::{TokenBytes, Utf8Stream};
 use super::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator,
@@ -841,66 +841,6 @@ struct DecodeAttention {
     scale: f32,
 }
 
-/// Below this many positions one thread is faster than waking the others.
-const PARALLEL_ATTENTION_MIN_LEN: usize = 128;
-
-/// Softmax-weighted values of one position range, not yet normalised.
-struct Partial {
-    /// Per head: the largest score in the range, and the sum of exp(score - max).
-    max: Vec<f32>,
-    sum: Vec<f32>,
-    /// Per head: sum of exp(score - max) * value.
-    out: Vec<f32>,
-}
-
-impl DecodeAttention {
-    /// Attends all heads over `range`. The `n_rep` query heads sharing a kv head are done
-    /// together, so every key and value row is read once.
-    fn partial(
-        &self,
-        (q, k, v): (&[f32], &[f32], &[f32]),
-        (nh, nkv, cap, hd): (usize, usize, usize, usize),
-        range: std::ops::Range<usize>,
-    ) -> Partial {
-        let n_rep = nh / nkv;
-        let n = range.len();
-        let mut p = Partial {
-            max: vec![f32::NEG_INFINITY; nh],
-            sum: vec![0.0; nh],
-            out: vec![0.0; nh * hd],
-        };
-        let mut scores = vec![0f32; n_rep * n];
-        for g in 0..nkv {
-            let heads = g * n_rep..(g + 1) * n_rep;
-            let (lo, hi) = ((g * cap + range.start) * hd, (g * cap + range.end) * hd);
-            for (j, key) in k[lo..hi].chunks_exact(hd).enumerate() {
-                for (r, h) in heads.clone().enumerate() {
-                    let s = dot(&q[h * hd..(h + 1) * hd], key) * self.scale;
-                    scores[r * n + j] = s;
-                    p.max[h] = p.max[h].max(s);
-                }
-            }
-            for (r, h) in heads.clone().enumerate() {
-                let mut sum = 0f32;
-                for s in &mut scores[r * n..(r + 1) * n] {
-                    *s = (*s - p.max[h]).exp();
-                    sum += *s;
-                }
-                p.sum[h] = sum;
-            }
-            for (j, value) in v[lo..hi].chunks_exact(hd).enumerate() {
-                for (r, h) in heads.clone().enumerate() {
-                    let w = scores[r * n + j];
-                    for (o, &x) in p.out[h * hd..(h + 1) * hd].iter_mut().zip(value) {
-                        *o += w * x;
-                    }
-                }
-            }
-        }
-        p
-    }
-}
-
 impl candle_core::CustomOp3 for DecodeAttention {
     fn name(&self) -> &'static str {
         "decode-attention"
@@ -937,19 +877,20 @@ impl candle_core::CustomOp3 for DecodeAttention {
         let dims = (nh, nkv, cap, hd);
 
         let pool = candle_core::utils::barrier_pool();
-        let n_threads = if len >= PARALLEL_ATTENTION_MIN_LEN {
+        let n_threads = if len >= cpu_decode::PARALLEL_ATTENTION_MIN_LEN {
             pool.n_workers() + 1
         } else {
             1
         };
         let chunk = len.div_ceil(n_threads);
-        let parts: Vec<std::sync::Mutex<Option<Partial>>> =
+        let parts: Vec<std::sync::Mutex<Partial>> =
             (0..n_threads).map(|_| Default::default()).collect();
+        let (q, k, v) = data;
         let work = |tid: usize| {
             let start = tid * chunk;
             if start < len {
-                let p = self.partial(data, dims, start..len.min(start + chunk));
-                *parts[tid].lock().expect("no panics while held") = Some(p);
+                let mut p = parts[tid].lock().expect("no panics while held");
+                p.attend(q, (k, v), dims, start..len.min(start + chunk), self.scale);
             }
         };
         if n_threads == 1 {
@@ -957,54 +898,18 @@ impl candle_core::CustomOp3 for DecodeAttention {
         } else {
             pool.execute(work);
         }
-
-        // Merge: rescale every range to the overall max of its head, then normalise.
         let parts: Vec<Partial> = parts
             .into_iter()
-            .filter_map(|m| m.into_inner().expect("no panics while held"))
+            .map(|m| m.into_inner().expect("no panics while held"))
+            .take(len.div_ceil(chunk))
             .collect();
         let mut out = vec![0f32; nh * hd];
-        for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-            let max = parts
-                .iter()
-                .map(|p| p.max[h])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for p in &parts {
-                let w = (p.max[h] - max).exp();
-                sum += w * p.sum[h];
-                for (o, &x) in out.iter_mut().zip(&p.out[h * hd..(h + 1) * hd]) {
-                    *o += w * x;
-                }
-            }
-            let inv = 1.0 / sum;
-            out.iter_mut().for_each(|o| *o *= inv);
-        }
+        cpu_decode::merge(&parts, nh, hd, &mut out);
         Ok((
             candle_core::CpuStorage::F32(out),
             candle_core::Shape::from((1, nh * hd)),
         ))
     }
-}
-
-/// Dot product in eight independent lanes, so the compiler can vectorise it (a plain float
-/// sum must keep its order and stays scalar).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        let (x, y): (&[f32; 8], &[f32; 8]) = (x.try_into().unwrap(), y.try_into().unwrap());
-        for ((acc, x), y) in acc.iter_mut().zip(x).zip(y) {
-            *acc += x * y;
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 /// Moves a CPU tensor onto `device` with its quantisation unchanged.
@@ -2097,7 +2002,7 @@ mod tests {
         let k = Tensor::randn(0f32, 1.0, (nkv, cap, hd), &cpu).unwrap();
         let v = Tensor::randn(0f32, 1.0, (nkv, cap, hd), &cpu).unwrap();
         // One thread below PARALLEL_ATTENTION_MIN_LEN, split ranges above.
-        for len in [1, 37, PARALLEL_ATTENTION_MIN_LEN + 1, 300] {
+        for len in [1, 37, cpu_decode::PARALLEL_ATTENTION_MIN_LEN + 1, 300] {
             let q = Tensor::randn(0f32, 1.0, (1, nh, hd), &cpu).unwrap();
             let ours = attention(&q, &k, &v, len, None).unwrap();
             let ops = attention_ops(&q, &k, &v, len, None).unwrap();
