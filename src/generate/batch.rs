@@ -52,13 +52,14 @@ pub(super) struct Batcher {
 }
 
 impl Batcher {
-    pub fn start(decoder: Arc<CpuDecoder>) -> Batcher {
+    /// `compute`: taken for each step, shared with the model's prefill layers.
+    pub fn start(decoder: Arc<CpuDecoder>, compute: Arc<parking_lot::FairMutex<()>>) -> Batcher {
         let (tx, rx) = mpsc::channel();
         let active = Arc::new(AtomicUsize::new(0));
         let seen = active.clone();
         let thread = std::thread::Builder::new()
             .name("decode-batcher".into())
-            .spawn(move || run(&decoder, &rx, &seen))
+            .spawn(move || run(&decoder, &rx, &seen, &compute))
             .expect("spawning the decode batcher");
         Batcher {
             tx: Mutex::new(Some(tx)),
@@ -127,7 +128,12 @@ impl Drop for Session<'_> {
     }
 }
 
-fn run(decoder: &CpuDecoder, rx: &Receiver<Job>, active: &AtomicUsize) {
+fn run(
+    decoder: &CpuDecoder,
+    rx: &Receiver<Job>,
+    active: &AtomicUsize,
+    compute: &parking_lot::FairMutex<()>,
+) {
     let vocab = decoder.vocab();
     let mut logits = Vec::new();
     // The profile label of a batch of one, kept while the same request decodes alone: each
@@ -176,6 +182,7 @@ fn run(decoder: &CpuDecoder, rx: &Receiver<Job>, active: &AtomicUsize) {
         }
         logits.resize(b * vocab, 0.0);
         let mut jobs = jobs;
+        let turn = compute.lock();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut steps: Vec<SeqStep<'_>> = jobs
                 .iter_mut()
@@ -188,6 +195,7 @@ fn run(decoder: &CpuDecoder, rx: &Receiver<Job>, active: &AtomicUsize) {
             decoder.step(&mut steps, &mut logits)
         }))
         .unwrap_or_else(|_| Err(candle_core::Error::Msg("decode step panicked".into())));
+        drop(turn);
         for (i, mut job) in jobs.into_iter().enumerate() {
             let result = match &result {
                 Ok(()) => {

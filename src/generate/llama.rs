@@ -402,6 +402,15 @@ pub struct Llama {
     eos: Vec<u32>,
     /// Batches the decode steps of concurrent requests (with the CPU decoder).
     batcher: Option<Batcher>,
+    /// Prefills run one at a time: interleaved on the same cores they would all finish late,
+    /// while in turn the first request's first token comes after one prefill, not several.
+    /// Decode steps of other requests go on meanwhile.
+    prefill_turn: std::sync::Mutex<()>,
+    /// Held for each prefill layer and each batched decode step, handed over in arrival order:
+    /// the two take turns on the cores instead of running at once, where candle's GEMM threads,
+    /// its spinning pool and the decoder's threads oversubscribed two cores and slowed both
+    /// two- to threefold.
+    compute: Arc<parking_lot::FairMutex<()>>,
 }
 
 fn load_err(path: &Path, e: impl std::fmt::Display) -> GenerateError {
@@ -565,9 +574,15 @@ impl Llama {
         content_tokenizer.set_encode_special_tokens(true);
         let newline = encode(&content_tokenizer, "\n")?;
         let token_bytes = TokenBytes::new(&tokenizer);
-        let batcher = weights.decoder.clone().map(Batcher::start);
+        let compute = Arc::new(parking_lot::FairMutex::new(()));
+        let batcher = weights
+            .decoder
+            .clone()
+            .map(|d| Batcher::start(d, compute.clone()));
         Ok(Llama {
             batcher,
+            prefill_turn: std::sync::Mutex::new(()),
+            compute,
             cfg,
             format,
             weights,
@@ -656,6 +671,7 @@ impl Llama {
         };
         let cap = cache.capacity;
         for (li, layer) in self.weights.layers.iter().enumerate() {
+            let _turn = self.compute.lock();
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, cfg.rms_eps)?;
             let qkv = layer.qkv.forward(&h, t)?;
             // RoPE on q and k together. Laid out as (t, heads, 1, hd) with cos/sin (t, 1, hd/2),
@@ -1264,6 +1280,17 @@ impl Generator for Llama {
         if req.max_tokens == 0 {
             return Ok(out);
         }
+        // Wait for the prefill turn; the wait is its own stage when there is one.
+        let turn = match self.prefill_turn.try_lock() {
+            Ok(turn) => turn,
+            Err(std::sync::TryLockError::WouldBlock) => {
+                let wait = stage.child("prefill_queue");
+                let turn = self.prefill_turn.lock().unwrap_or_else(|p| p.into_inner());
+                wait.end();
+                turn
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+        };
         if past_deadline() {
             out.finish = FinishReason::Timeout;
             return Ok(out);
@@ -1289,6 +1316,7 @@ impl Generator for Llama {
             KeyValue::new("rag.prefill.tokens_per_second", per_second(n_prompt, took)),
         ]);
         out.prefill = prefill.end_at(done);
+        drop(turn);
 
         let decode = stage.child("decode");
         let gpu_every = if self.device.is_cpu() {
