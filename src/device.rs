@@ -9,24 +9,29 @@ use candle_core::Device;
 pub fn device(spec: &str) -> Result<Device> {
     let device = parse(spec)?;
     crate::telemetry::gpu::memory::watch(&device);
-    keep_freed_memory();
     Ok(device)
 }
 
 /// Keeps freed memory in the process instead of handing it back to the kernel. Every candle op
-/// allocates its output; with glibc's defaults a prefill's multi-megabyte activations come
-/// from fresh `mmap`s or a trimmed heap, so each op first faults in and zeroes its pages:
-/// measured 1,690-1,750 ms to the first token of the 586-token peer prompt, 1,300-1,400 ms
-/// with these settings. Process-wide, idempotent, glibc only.
-fn keep_freed_memory() {
+/// allocates its output; with glibc's defaults a prefill's multi-megabyte activations came from
+/// fresh `mmap`s, or from a per-thread arena's heap that shrank and regrew, so each op first
+/// faulted in and zeroed its pages. Measured to the first token of the 586-token peer prompt:
+/// 1,720-1,840 ms with glibc's defaults once the embedder's threads had created arenas,
+/// 1,470-1,750 with the thresholds alone, 1,260-1,450 with one arena as well (the binary
+/// before the embedder's threads: 1,260-1,390). Process-wide, idempotent, glibc only; one
+/// arena costs little here, where a few threads allocate large buffers. Call it first thing in
+/// `main`, before any thread exists: a thread keeps the arena it already has.
+pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // glibc refuses an mmap threshold above 32 MiB; allocations below it come from the
-        // heap, and the heap is trimmed only past 1 GiB of free space at its top.
+        // heap, the heap is trimmed only past 1 GiB of free space at its top, and every
+        // thread uses the one main heap.
         const MMAP_THRESHOLD: libc::c_int = 32 << 20;
         const TRIM_THRESHOLD: libc::c_int = 1 << 30;
         // SAFETY: mallopt only changes allocator parameters; it is thread-safe.
         unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 1);
             libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
             libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD);
         }

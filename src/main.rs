@@ -3,10 +3,18 @@
 use anyhow::Result;
 use clap::Parser;
 use ragscope::config::{Cli, Command, ModelsAction};
-use ragscope::{app, cli, telemetry};
+use ragscope::{app, cli, device, telemetry};
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Before any thread exists, so every thread allocates from the one tuned heap.
+    device::keep_freed_memory();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let args = Cli::parse();
     let _telemetry = telemetry::init()?;
     match args.command {
