@@ -68,10 +68,19 @@ impl Batcher {
         }
     }
 
-    /// Registers a request that is about to decode; it counts as active until dropped.
-    pub fn session(&self) -> Session<'_> {
+    /// Registers a request that is about to decode, under its `decode` stage; it counts as
+    /// active until dropped.
+    pub fn session(&self, decode: &Stage) -> Session<'_> {
         self.active.fetch_add(1, Ordering::Relaxed);
-        Session { batcher: self }
+        let (reply, done) = mpsc::sync_channel(1);
+        Session {
+            batcher: self,
+            profile: profile::enabled()
+                .then(|| profile::target(decode))
+                .flatten(),
+            reply,
+            done,
+        }
     }
 }
 
@@ -87,6 +96,10 @@ impl Drop for Batcher {
 /// A decoding request's handle on the batcher.
 pub(super) struct Session<'a> {
     batcher: &'a Batcher,
+    profile: Option<profile::SpanTarget>,
+    /// Every step's answer comes back on this one channel.
+    reply: mpsc::SyncSender<Done>,
+    done: Receiver<Done>,
 }
 
 impl Session<'_> {
@@ -98,16 +111,14 @@ impl Session<'_> {
         pos: usize,
         token: u32,
         logits: &mut Vec<f32>,
-        stage: &Stage,
     ) -> candle_core::Result<usize> {
-        let (reply, done) = mpsc::sync_channel(1);
         let job = Job {
             kv: std::mem::take(kv),
             pos,
             token,
             logits: std::mem::take(logits),
-            profile: profile::enabled().then(|| profile::target(stage)).flatten(),
-            reply,
+            profile: self.profile.clone(),
+            reply: self.reply.clone(),
         };
         let gone = || candle_core::Error::Msg("the decode batcher stopped".into());
         let sent = match self.batcher.tx.lock().expect("batcher lock").as_ref() {
@@ -115,7 +126,7 @@ impl Session<'_> {
             None => Err(gone()),
         };
         sent?;
-        let done = done.recv().map_err(|_| gone())?;
+        let done = self.done.recv().map_err(|_| gone())?;
         *kv = done.kv;
         *logits = done.logits;
         done.result.map(|()| done.batch)
@@ -156,13 +167,14 @@ fn run(
             }
         }
         // A request whose own step is invalid fails alone, before the batch runs.
-        let (jobs, refused): (Vec<Job>, Vec<Job>) = jobs
-            .into_iter()
-            .partition(|j| decoder.check(&j.kv, j.pos, j.token).is_ok());
-        for job in refused {
-            let result = decoder.check(&job.kv, job.pos, job.token);
-            finish(job, 0, result);
+        let mut valid = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            match decoder.check(&job.kv, job.pos, job.token) {
+                Ok(()) => valid.push(job),
+                Err(e) => finish(job, 0, Err(e)),
+            }
         }
+        let mut jobs = valid;
         if jobs.is_empty() {
             continue;
         }
@@ -181,7 +193,6 @@ fn run(
             labelled.0 = single;
         }
         logits.resize(b * vocab, 0.0);
-        let mut jobs = jobs;
         let turn = compute.lock();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut steps: Vec<SeqStep<'_>> = jobs

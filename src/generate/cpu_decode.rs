@@ -87,6 +87,8 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<f32>,
     acts: QActs,
+    /// Attention work items: (sequence, position range), and each one's result.
+    items: Vec<(usize, std::ops::Range<usize>)>,
     parts: Vec<Partial>,
 }
 
@@ -275,7 +277,8 @@ impl CpuDecoder {
         let threads = candle_core::utils::get_num_threads().max(1);
         let b = seqs.len();
         let qkv_width = (nh + 2 * nkv) * hd;
-        let mut items = Vec::with_capacity(b * threads);
+        let items = &mut sc.items;
+        items.clear();
         for (i, s) in seqs.iter().enumerate() {
             let len = s.pos + 1;
             let ranges = if b < threads && len >= PARALLEL_ATTENTION_MIN_LEN {

@@ -138,16 +138,14 @@ impl QMatrix {
         }
     }
 
-    /// ggml's Q8_0 rounding: d = max|x| / 127, q = round(x / d).
+    /// ggml's Q8_0 rounding (the activations' rounding, with d stored as f16).
     fn push_quantized_q8(&mut self, dense: &[f32]) {
+        let mut q = [0i8; BLOCK];
         for row in dense.chunks_exact(self.cols) {
             for block in row.chunks_exact(BLOCK) {
-                let amax = block.iter().fold(0f32, |a, x| a.max(x.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let (d, _) = quantize_block(block, &mut q);
                 self.d.push(f16::from_f32(d).to_bits());
-                self.quants
-                    .extend(block.iter().map(|x| (x * id).round() as i8 as u8));
+                self.quants.extend(q.iter().map(|&q| q as u8));
             }
             self.pad_scales();
         }

@@ -731,7 +731,6 @@ impl Llama {
         cache: &mut KvCache,
         token: u32,
         logits: &mut Logits,
-        stage: &Stage,
     ) -> candle_core::Result<usize> {
         match (session, &mut cache.store) {
             (Some(session), KvStore::Host(kv)) => {
@@ -739,7 +738,7 @@ impl Llama {
                     Logits::Host(buf) => buf,
                     Logits::Device(_) => Vec::new(),
                 };
-                let batch = session.step(kv, cache.len, token, &mut buf, stage)?;
+                let batch = session.step(kv, cache.len, token, &mut buf)?;
                 cache.len += 1;
                 *logits = Logits::Host(buf);
                 Ok(batch)
@@ -1330,7 +1329,7 @@ impl Generator for Llama {
         }
         let mut stream = Utf8Stream::new();
         let mut index = 0usize;
-        let mut session = self.batcher.as_ref().map(Batcher::session);
+        let mut session = self.batcher.as_ref().map(|b| b.session(&decode));
         let mut batches = BatchSizes::default();
         loop {
             if past_deadline() {
@@ -1342,7 +1341,7 @@ impl Generator for Llama {
                 let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&self.device));
                 let batch = on_stage(
                     &decode,
-                    self.decode_one(session.as_mut(), &mut cache, last, &mut logits, &decode),
+                    self.decode_one(session.as_mut(), &mut cache, last, &mut logits),
                 )?;
                 batches.record(batch);
                 if let Some(iv) = timer.and_then(GpuTimer::finish) {
@@ -1492,6 +1491,16 @@ mod tests {
         (out, pieces)
     }
 
+    /// A one-passage question the model answers correctly ("Quenta").
+    fn zorbia_prompt(model: &Llama) -> Vec<u32> {
+        model
+            .chat_prompt(&[ChatMessage::new(
+                "user",
+                "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
+            )])
+            .unwrap()
+    }
+
     fn rag_messages() -> Vec<ChatMessage> {
         vec![
             ChatMessage::new(
@@ -1569,11 +1578,11 @@ mod tests {
         let mut cache = KvCache::new(&model.cfg, cap, &Device::Cpu, host).unwrap();
         let mut logits = vec![model.prefill(prompt, &mut cache).unwrap()];
         let mut last = Logits::Host(Vec::new());
-        let mut session = model.batcher.as_ref().map(Batcher::session);
-        let stage = stage();
+        let decode = stage();
+        let mut session = model.batcher.as_ref().map(|b| b.session(&decode));
         for &t in forced {
             model
-                .decode_one(session.as_mut(), &mut cache, t, &mut last, &stage)
+                .decode_one(session.as_mut(), &mut cache, t, &mut last)
                 .unwrap();
             logits.push(match &last {
                 Logits::Device(t) => t.clone(),
@@ -1720,12 +1729,7 @@ mod tests {
     #[test]
     fn answers_from_the_passage() {
         let Some(model) = model() else { return };
-        let prompt = model
-            .chat_prompt(&[ChatMessage::new(
-                "user",
-                "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
-            )])
-            .unwrap();
+        let prompt = zorbia_prompt(model);
         let (out, _) = run(model, request(&prompt, 24, Sampling::default()));
         eprintln!("answer: {:?}", out.text);
         assert!(out.text.contains("Quenta"), "answer was {:?}", out.text);
@@ -1736,12 +1740,7 @@ mod tests {
     #[test]
     fn ignore_eos_runs_to_max_tokens_past_the_natural_end() {
         let Some(model) = model() else { return };
-        let prompt = model
-            .chat_prompt(&[ChatMessage::new(
-                "user",
-                "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
-            )])
-            .unwrap();
+        let prompt = zorbia_prompt(model);
         let (stopped, _) = run(model, request(&prompt, 64, Sampling::default()));
         assert_eq!(stopped.finish, FinishReason::Stop, "{:?}", stopped.text);
         let n = stopped.tokens.len() + 8;
@@ -2178,12 +2177,12 @@ mod tests {
                 let mut logits = Logits::Device(model.prefill(&prompt, &mut cache).unwrap());
                 let t1 = Instant::now();
                 let mut greedy = Sampler::new(&Sampling::default());
-                let mut session = model.batcher.as_ref().map(Batcher::session);
-                let stage = stage();
+                let decode = stage();
+                let mut session = model.batcher.as_ref().map(|b| b.session(&decode));
                 for _ in 0..DECODE {
                     let next = greedy.sample(&logits).unwrap();
                     model
-                        .decode_one(session.as_mut(), &mut cache, next, &mut logits, &stage)
+                        .decode_one(session.as_mut(), &mut cache, next, &mut logits)
                         .unwrap();
                 }
                 let t2 = Instant::now();
