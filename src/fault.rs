@@ -17,6 +17,7 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::config::FaultArgs;
+use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
 
 /// The request header carrying a per-request plan (JSON, same shape as `PUT /admin/faults`).
@@ -37,14 +38,31 @@ pub enum FaultStage {
 }
 
 impl FaultStage {
-    pub fn as_str(self) -> &'static str {
+    /// The fault key of a pipeline stage; `None` for stages faults are not injected into.
+    pub fn of(kind: StageKind) -> Option<FaultStage> {
+        Some(match kind {
+            StageKind::Embed => FaultStage::Embeddings,
+            StageKind::Retrieve => FaultStage::Retrieval,
+            StageKind::Rerank => FaultStage::Rerank,
+            StageKind::Prompt => FaultStage::Prompt,
+            StageKind::Generate => FaultStage::Chat,
+            _ => return None,
+        })
+    }
+
+    pub fn kind(self) -> StageKind {
         match self {
-            FaultStage::Embeddings => "embeddings",
-            FaultStage::Retrieval => "retrieval",
-            FaultStage::Rerank => "rerank",
-            FaultStage::Prompt => "prompt",
-            FaultStage::Chat => "chat",
+            FaultStage::Embeddings => StageKind::Embed,
+            FaultStage::Retrieval => StageKind::Retrieve,
+            FaultStage::Rerank => StageKind::Rerank,
+            FaultStage::Prompt => StageKind::Prompt,
+            FaultStage::Chat => StageKind::Generate,
         }
+    }
+
+    /// The key in a plan and the `rag.stage` label of the fault counter: the stage's span prefix.
+    pub fn as_str(self) -> &'static str {
+        self.kind().span_prefix()
     }
 }
 
@@ -243,7 +261,7 @@ impl FaultPlan {
         };
         let mut rng = rand::rng();
         if fault.error_rate > 0.0 && rng.random::<f64>() < fault.error_rate {
-            span.set(KeyValue::new("rag.fault.error", true));
+            span.set(KeyValue::new(attr::FAULT_ERROR, true));
             span.fail("injected_fault", Injected(stage).to_string());
             count(stage, "error");
             return Err(Injected(stage));
@@ -252,7 +270,7 @@ impl FaultPlan {
             return Ok(());
         }
         if fault.cpu_burn_ms > 0.0 {
-            span.set(KeyValue::new("rag.fault.cpu_burn_ms", fault.cpu_burn_ms));
+            span.set(KeyValue::new(attr::FAULT_CPU_BURN_MS, fault.cpu_burn_ms));
             count(stage, "cpu_burn");
             burn(Duration::from_secs_f64(fault.cpu_burn_ms / 1e3));
         }
@@ -268,8 +286,8 @@ impl FaultPlan {
                 .sample_ms(u, z)
                 .clamp(0.0, MAX_DELAY.as_secs_f64() * 1e3);
             span.set_all([
-                KeyValue::new("rag.fault.delay_ms", ms),
-                KeyValue::new("rag.fault.delay.distribution", delay.name()),
+                KeyValue::new(attr::FAULT_DELAY_MS, ms),
+                KeyValue::new(attr::FAULT_DELAY_DISTRIBUTION, delay.name()),
             ]);
             count(stage, "delay");
             std::thread::sleep(Duration::from_secs_f64(ms / 1e3));
@@ -288,8 +306,8 @@ pub(crate) fn count(stage: FaultStage, kind: &'static str) {
     crate::telemetry::metrics::metrics().faults_injected.add(
         1,
         &[
-            KeyValue::new("rag.stage", stage.as_str()),
-            KeyValue::new("kind", kind),
+            KeyValue::new(attr::STAGE, stage.as_str()),
+            KeyValue::new(attr::KIND, kind),
         ],
     );
 }

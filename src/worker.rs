@@ -13,6 +13,8 @@ use std::thread::JoinHandle;
 use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 
+use crate::telemetry::metrics::metrics;
+use crate::telemetry::names::{attr, metric, StageKind};
 use crate::telemetry::span::Stage;
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -44,7 +46,7 @@ impl Workers {
         let depth = Arc::new(AtomicUsize::new(0));
         let observed = depth.clone();
         let _gauge = opentelemetry::global::meter(crate::telemetry::span::SCOPE)
-            .u64_observable_gauge("ragscope.queue.depth")
+            .u64_observable_gauge(metric::QUEUE_DEPTH)
             .with_unit("{request}")
             .with_description("Requests waiting for a model worker")
             .with_callback(move |o| o.observe(observed.load(Ordering::Relaxed) as u64, &[]))
@@ -74,13 +76,13 @@ impl Workers {
         F: FnOnce() -> T + Send + 'static,
     {
         let (done_tx, done_rx) = oneshot::channel();
-        let queue = parent.child("queue");
+        let queue = parent.child(StageKind::Queue.span_prefix());
         let waiting = self.depth.fetch_add(1, Ordering::Relaxed);
-        queue.set(KeyValue::new("rag.queue.depth_at_entry", waiting as i64));
+        queue.set(KeyValue::new(attr::QUEUE_DEPTH_AT_ENTRY, waiting as i64));
         let depth = self.depth.clone();
         let job: Job = Box::new(move || {
             depth.fetch_sub(1, Ordering::Relaxed);
-            queue.end();
+            metrics().stage(StageKind::Queue, queue.end());
             if done_tx.is_closed() {
                 return;
             }

@@ -15,6 +15,7 @@ use serde_json::json;
 use super::error::ApiError;
 use super::AppState;
 use crate::fault::{FaultPlan, HEADER};
+use crate::telemetry::names::attr;
 use crate::telemetry::span::Stage;
 
 /// The plan a request runs: its own from the header when the server allows that, else the
@@ -45,7 +46,7 @@ pub fn request_faults(
         None => return Ok(Arc::default()),
     };
     if !plan.is_empty() {
-        request.set(KeyValue::new("rag.fault.plan", source));
+        request.set(KeyValue::new(attr::FAULT_PLAN, source));
     }
     Ok(plan)
 }

@@ -4,6 +4,7 @@
 //! written, so streamed answers are timed to the last byte.
 
 pub mod admin;
+pub mod ask;
 pub mod documents;
 pub mod error;
 pub mod grpc;
@@ -29,6 +30,7 @@ use opentelemetry::KeyValue;
 use serde_json::json;
 
 use crate::pipeline::Pipeline;
+use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
 use error::ApiError;
 
@@ -184,13 +186,19 @@ pub type RequestStage = Arc<Stage>;
 #[derive(Clone)]
 pub struct ResponseStage(pub Arc<Stage>);
 
+/// Marks the request span of a streamed answer that failed after the response had started
+/// (its status line already said 200).
+fn stream_failed(request: &Stage, e: &ApiError) {
+    request.fail("stream_error", e.message.clone());
+}
+
 /// Wraps a JSON answer with a `respond` stage that starts when the worker finished.
 pub fn respond_json<T: serde::Serialize>(
     request: &Stage,
     finished_at: std::time::Instant,
     body: &T,
 ) -> Response {
-    let respond = request.child_at("respond", finished_at);
+    let respond = request.child_at(StageKind::Respond.span_prefix(), finished_at);
     let mut response = Json(body).into_response();
     response
         .extensions_mut()
@@ -207,7 +215,7 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
         .unwrap_or_else(|| req.uri().path().to_string());
     let method = req.method().as_str().to_string();
     let request_id = uuid::Uuid::new_v4().to_string();
-    let mut inherited = vec![KeyValue::new("rag.request.id", request_id.clone())];
+    let mut inherited = vec![KeyValue::new(attr::REQUEST_ID, request_id.clone())];
     inherited.extend(crate::telemetry::baggage_attributes(&parent));
     let stage = Arc::new(Stage::start(
         format!("{method} {route}"),
@@ -216,16 +224,16 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
         inherited,
     ));
     stage.set_all([
-        KeyValue::new("http.request.method", method),
-        KeyValue::new("http.route", route.clone()),
-        KeyValue::new("url.path", req.uri().path().to_string()),
+        KeyValue::new(attr::HTTP_REQUEST_METHOD, method),
+        KeyValue::new(attr::HTTP_ROUTE, route.clone()),
+        KeyValue::new(attr::URL_PATH, req.uri().path().to_string()),
     ]);
     req.extensions_mut().insert(stage.clone());
     let in_flight = InFlight::start();
     let mut response = next.run(req).await;
     let status = response.status();
     stage.set(KeyValue::new(
-        "http.response.status_code",
+        attr::HTTP_RESPONSE_STATUS_CODE,
         status.as_u16() as i64,
     ));
     if status.is_server_error() {
@@ -246,8 +254,8 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
         inner: body.into_data_stream(),
         respond,
         attributes: vec![
-            KeyValue::new("http.route", route),
-            KeyValue::new("http.response.status_code", status.as_u16() as i64),
+            KeyValue::new(attr::HTTP_ROUTE, route),
+            KeyValue::new(attr::HTTP_RESPONSE_STATUS_CODE, status.as_u16() as i64),
         ],
         stage,
         _in_flight: in_flight,
@@ -289,7 +297,7 @@ impl<S> Drop for Guarded<S> {
     fn drop(&mut self) {
         // The child ends before its parent; both end now, whoever still holds them.
         if let Some(respond) = self.respond.take() {
-            crate::telemetry::metrics::metrics().stage("respond", respond.0.finish_now());
+            crate::telemetry::metrics::metrics().stage(StageKind::Respond, respond.0.finish_now());
         }
         let took = self.stage.finish_now();
         crate::telemetry::metrics::metrics()

@@ -10,22 +10,19 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use base64::Engine;
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
+use super::ask::{self, AnswerEvent, Asked};
 use super::error::ApiError;
 use super::json::ValidJson;
-use super::rag::{rag_request, Asked};
 use super::{AppState, RequestStage};
 use crate::generate::ChatMessage;
-use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer};
-use crate::telemetry::span::Stage;
+use crate::pipeline::{Pipeline, RagAnswer};
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
 const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
-const MAX_EMBED_INPUTS: usize = 256;
 
 #[derive(Debug, Deserialize)]
 pub struct ChatBody {
@@ -137,36 +134,33 @@ pub async fn chat_completions(
     }
     // Our own system prompt frames the passages; the client's system turns are kept as context.
     let last_index = body.messages.len() - 1;
-    let mut req = rag_request(
-        &pipeline,
-        &state,
-        Asked {
-            query: last.content,
-            history,
-            top_k: body.top_k,
-            rerank_top_n: body.rerank_top_n,
-            max_tokens: body.max_completion_tokens.or(body.max_tokens),
-            temperature: body.temperature,
-            top_p: body.top_p,
-            seed: body.seed,
-            filter: body.filter,
-        },
-    )
-    .map_err(|e| match e.param.as_deref() {
-        Some("query") => ApiError {
-            param: Some(format!("messages[{last_index}].content")),
-            message: e
-                .message
-                .replacen("query", &format!("messages[{last_index}].content"), 1),
-            ..e
-        },
-        _ => e,
+    let asked = Asked {
+        query: last.content,
+        history,
+        top_k: body.top_k,
+        rerank_top_n: body.rerank_top_n,
+        max_tokens: body.max_completion_tokens.or(body.max_tokens),
+        temperature: body.temperature,
+        top_p: body.top_p,
+        seed: body.seed,
+        filter: body.filter,
+    };
+    let req = ask::prepare(&state, &pipeline, &stage, &headers, asked).map_err(|e| {
+        match e.param.as_deref() {
+            Some("query") => ApiError {
+                param: Some(format!("messages[{last_index}].content")),
+                message: e
+                    .message
+                    .replacen("query", &format!("messages[{last_index}].content"), 1),
+                ..e
+            },
+            _ => e,
+        }
     })?;
-    req.faults = super::admin::request_faults(&state, &headers, &stage)?;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = pipeline.generator.model_id().to_string();
     if !body.stream {
-        let a = pipeline.start_query(req, &stage, None)?.await?;
+        let a = ask::answer(&pipeline, req, &stage).await?;
         let body = json!({
             "id": id,
             "object": "chat.completion",
@@ -184,10 +178,8 @@ pub async fn chat_completions(
         });
         return Ok(super::respond_json(&stage, a.finished_at, &body));
     }
-    let (tx, rx) = mpsc::unbounded_channel();
-    let answer = pipeline.start_query(req, &stage, Some(tx))?;
-    let writing = stage.child("stream");
-    Ok(Sse::new(chunks(rx, answer, id, model, stage, writing))
+    let events = ask::answer_stream(&pipeline, req, &stage)?;
+    Ok(Sse::new(chunks(events, id, model, stage))
         .keep_alive(KeepAlive::default())
         .into_response())
 }
@@ -201,40 +193,41 @@ fn openai_finish(a: &RagAnswer) -> &'static str {
 
 /// `chat.completion.chunk` events, then `[DONE]`.
 fn chunks(
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    answer: impl std::future::Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
+    events: impl Stream<Item = AnswerEvent> + Send + 'static,
     id: String,
     model: String,
     stage: RequestStage,
-    writing: Stage,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    async_stream::stream! {
-        let created = unix_now();
-        let chunk = |delta: Value, finish: Value| json!({
+    let created = unix_now();
+    let chunk = move |delta: Value, finish: Value| {
+        json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
-        });
-        yield Ok(SseEvent::default().json_data(chunk(json!({"role": "assistant", "content": ""}), Value::Null)).unwrap_or_default());
-        while let Some(event) = rx.recv().await {
-            if let Event::Token(text) = event {
-                yield Ok(SseEvent::default().json_data(chunk(json!({"content": text}), Value::Null)).unwrap_or_default());
-            }
-        }
-        match answer.await {
-            Ok(a) => {
+        })
+    };
+    let first = chunk(json!({"role": "assistant", "content": ""}), Value::Null);
+    let body = events.filter_map(move |event| {
+        let data = match event {
+            AnswerEvent::Sources(_) => None,
+            AnswerEvent::Token(text) => Some(chunk(json!({"content": text}), Value::Null)),
+            AnswerEvent::Done(a) => {
                 let mut last = chunk(json!({}), json!(openai_finish(&a)));
                 last["usage"] = json!(a.usage);
-                yield Ok(SseEvent::default().json_data(last).unwrap_or_default());
+                Some(last)
             }
-            Err(e) => {
-                let e = ApiError::from(e);
-                stage.fail("stream_error", e.message.clone());
-                yield Ok(SseEvent::default().json_data(e.body()).unwrap_or_default());
+            AnswerEvent::Failed(e) => {
+                super::stream_failed(&stage, &e);
+                Some(e.body())
             }
-        }
-        yield Ok(SseEvent::default().data("[DONE]"));
-        crate::telemetry::metrics::metrics().stage("stream", writing.end());
-    }
+        };
+        futures::future::ready(data)
+    });
+    futures::stream::once(futures::future::ready(first))
+        .chain(body)
+        .map(|data| Ok(SseEvent::default().json_data(data).unwrap_or_default()))
+        .chain(futures::stream::once(futures::future::ready(Ok(
+            SseEvent::default().data("[DONE]"),
+        ))))
 }
 
 #[derive(Debug, Deserialize)]
@@ -248,6 +241,7 @@ pub struct EmbeddingsBody {
 pub async fn embeddings(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
+    headers: axum::http::HeaderMap,
     ValidJson(body): ValidJson<EmbeddingsBody>,
 ) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
@@ -304,9 +298,10 @@ pub async fn embeddings(
             ))
         }
     };
-    check_embed_inputs("input", &texts)?;
-    let tokens = embed_tokens(&pipeline, &texts);
-    let vectors = pipeline.embed(texts, &stage).await?;
+    ask::check_embed_inputs("input", &texts)?;
+    let tokens = ask::embed_tokens(&pipeline, &texts);
+    let faults = super::admin::request_faults(&state, &headers, &stage)?;
+    let vectors = pipeline.embed(texts, faults, &stage).await?;
     let data: Vec<Value> = vectors
         .iter()
         .enumerate()
@@ -326,43 +321,6 @@ pub async fn embeddings(
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     })))
-}
-
-/// Checks texts to embed (HTTP and gRPC); errors name `param` (`input` over HTTP, `inputs`
-/// over gRPC) or one of its items.
-pub fn check_embed_inputs(param: &str, texts: &[String]) -> Result<(), ApiError> {
-    if texts.is_empty() {
-        return Err(ApiError::field(param, "must not be empty"));
-    }
-    if texts.len() > MAX_EMBED_INPUTS {
-        return Err(ApiError::field(
-            param,
-            format!("at most {MAX_EMBED_INPUTS} inputs, got {}", texts.len()),
-        ));
-    }
-    if let Some(i) = texts.iter().position(|t| t.is_empty()) {
-        return Err(ApiError::field(
-            &format!("{param}[{i}]"),
-            "must not be empty",
-        ));
-    }
-    Ok(())
-}
-
-/// Tokens the embedder reads for `texts` (truncated inputs count up to the model's limit,
-/// plus the two special tokens).
-pub fn embed_tokens(pipeline: &Pipeline, texts: &[String]) -> usize {
-    texts
-        .iter()
-        .map(|t| {
-            pipeline
-                .embedder
-                .count_tokens(t)
-                .unwrap_or(0)
-                .min(pipeline.embedder.max_tokens())
-                + 2
-        })
-        .sum()
 }
 
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {

@@ -15,7 +15,8 @@ use serde_json::{Map, Value};
 
 use crate::embed::{EmbedError, Embedder};
 use crate::retrieve::{Chunk, StoreError, VectorStore};
-use crate::telemetry::span::Stage;
+use crate::telemetry::names::{attr, StageKind};
+use crate::telemetry::span::{model_attributes, Stage};
 use chunk::{ChunkerConfig, Section};
 
 /// Namespace for chunk ids (a fixed random UUID: ids stay stable across versions).
@@ -183,7 +184,7 @@ pub fn ingest_document(
     let chunks = plan_chunks(doc, embedder, cfg)?;
     let ids: Vec<String> = chunks.iter().map(|c| c.id.clone()).collect();
     let existing = store.existing(&ids, stage)?;
-    stage.set(KeyValue::new("rag.ingest.chunks", chunks.len() as i64));
+    stage.set(KeyValue::new(attr::INGEST_CHUNKS, chunks.len() as i64));
     if existing.len() == ids.len() {
         return Ok(IngestOutcome {
             id: doc.id.clone(),
@@ -191,7 +192,8 @@ pub fn ingest_document(
             status: IngestStatus::Unchanged,
         });
     }
-    let embed_stage = stage.child(format!("embeddings {}", embedder.model_id()));
+    let embed_stage = stage.child(StageKind::Embed.span_name(Some(embedder.model_id())));
+    embed_stage.set_all(model_attributes(StageKind::Embed, embedder.model_id()));
     let texts: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
     let vectors = embedder.embed(&texts, &embed_stage)?;
     embed_stage.end();

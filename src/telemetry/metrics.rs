@@ -15,6 +15,8 @@ use opentelemetry_sdk::metrics::{
     InstrumentKind, ManualReader, Pipeline, SdkMeterProvider, Temporality,
 };
 
+use super::names::{attr, metric, StageKind};
+
 /// Histogram bounds for durations in seconds: 1 ms … 60 s.
 pub const DURATION_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
@@ -78,45 +80,47 @@ impl Metrics {
         };
         Metrics {
             request_duration: seconds(
-                "gen_ai.server.request.duration",
+                metric::REQUEST_DURATION,
                 "Time from request arrival to the last byte of the response",
             ),
             time_to_first_token: seconds(
-                "gen_ai.server.time_to_first_token",
+                metric::TIME_TO_FIRST_TOKEN,
                 "Time from request arrival to the first generated token",
             ),
             time_per_output_token: seconds(
-                "gen_ai.server.time_per_output_token",
+                metric::TIME_PER_OUTPUT_TOKEN,
                 "Decode time per generated token after the first",
             ),
-            stage_duration: seconds("ragscope.stage.duration", "Duration of one pipeline stage"),
+            stage_duration: seconds(metric::STAGE_DURATION, "Duration of one pipeline stage"),
             tokens: meter
-                .u64_counter("ragscope.token.usage")
+                .u64_counter(metric::TOKEN_USAGE)
                 .with_unit("{token}")
                 .with_description("Tokens processed, by gen_ai.token.type (input or output)")
                 .build(),
             requests_in_flight: meter
-                .i64_up_down_counter("ragscope.requests.in_flight")
+                .i64_up_down_counter(metric::REQUESTS_IN_FLIGHT)
                 .with_unit("{request}")
                 .with_description("Requests being served")
                 .build(),
             cache_requests: meter
-                .u64_counter("ragscope.cache.requests")
+                .u64_counter(metric::CACHE_REQUESTS)
                 .with_unit("{request}")
                 .with_description("Cache look-ups by cache and result (hit or miss)")
                 .build(),
             faults_injected: meter
-                .u64_counter("ragscope.faults.injected")
+                .u64_counter(metric::FAULTS_INJECTED)
                 .with_unit("{fault}")
                 .with_description("Faults injected on purpose (only with --faults true)")
                 .build(),
         }
     }
 
-    /// Records one stage's duration under its `rag.stage` label.
-    pub fn stage(&self, stage: &'static str, took: Duration) {
-        self.stage_duration
-            .record(took.as_secs_f64(), &[KeyValue::new("rag.stage", stage)]);
+    /// Records one stage's duration under its `rag.stage` label (nothing for a stage without one).
+    pub fn stage(&self, kind: StageKind, took: Duration) {
+        if let Some(label) = kind.metric_label() {
+            self.stage_duration
+                .record(took.as_secs_f64(), &[KeyValue::new(attr::STAGE, label)]);
+        }
     }
 }
 
@@ -330,8 +334,8 @@ mod tests {
     fn recorded_values_render_as_cumulative_histograms() {
         let _provider = ensure_provider();
         let m = metrics();
-        m.stage("embed", Duration::from_millis(3));
-        m.stage("embed", Duration::from_millis(30));
+        m.stage(StageKind::Embed, Duration::from_millis(3));
+        m.stage(StageKind::Embed, Duration::from_millis(30));
         m.tokens
             .add(5, &[KeyValue::new("gen_ai.token.type", "input")]);
         let text = render_prometheus();

@@ -10,6 +10,7 @@ pub mod clock;
 pub mod export;
 pub mod gpu;
 pub mod metrics;
+pub mod names;
 pub mod profile;
 pub mod span;
 
@@ -212,7 +213,7 @@ pub fn install_stage_services<E: SpanExporter + 'static>(
 ) -> Result<Vec<SdkTracerProvider>> {
     let mut tracers = HashMap::new();
     let mut providers = Vec::new();
-    for service in span::STAGE_SERVICES {
+    for service in names::STAGE_SERVICES {
         let resource = Resource::builder()
             .with_service_name(service)
             .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))

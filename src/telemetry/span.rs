@@ -17,6 +17,7 @@ use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, KeyValue};
 
 use super::clock;
+use super::names::{attr, StageKind, PROVIDER};
 
 /// The instrumentation scope every span of ours is created under.
 pub const SCOPE: &str = "ragscope";
@@ -137,7 +138,7 @@ impl Stage {
     /// Marks the stage failed with the OpenTelemetry `error.type` convention.
     pub fn fail(&self, error_type: &'static str, message: impl Into<Cow<'static, str>>) {
         let span = self.cx.span();
-        span.set_attribute(KeyValue::new("error.type", error_type));
+        span.set_attribute(KeyValue::new(attr::ERROR_TYPE, error_type));
         span.set_status(Status::error(message));
     }
 
@@ -197,28 +198,20 @@ impl Stage {
 /// The per-stage `service.name` of a pipeline stage, from its span name; children inherit
 /// their parent's. Tracing backends colour services apart, so each stage gets its own colour.
 pub fn stage_service(name: &str) -> Option<&'static str> {
-    Some(match name.split(' ').next()? {
-        "queue" => "ragscope-queue",
-        "embeddings" => "ragscope-embed",
-        "retrieval" => "ragscope-retrieve",
-        "rerank" => "ragscope-rerank",
-        "prompt" => "ragscope-prompt",
-        "chat" => "ragscope-generate",
-        "stream" | "respond" => "ragscope-respond",
-        _ => return None,
-    })
+    StageKind::of_span_name(name)?.service()
 }
 
-/// Every per-stage service name.
-pub const STAGE_SERVICES: [&str; 7] = [
-    "ragscope-queue",
-    "ragscope-embed",
-    "ragscope-retrieve",
-    "ragscope-rerank",
-    "ragscope-prompt",
-    "ragscope-generate",
-    "ragscope-respond",
-];
+/// The GenAI attributes every model stage carries: the operation and provider where the
+/// conventions name one, and the model.
+pub fn model_attributes(kind: StageKind, model: &str) -> Vec<KeyValue> {
+    let mut attributes = Vec::with_capacity(3);
+    if let Some(operation) = kind.operation() {
+        attributes.push(KeyValue::new(attr::GEN_AI_OPERATION_NAME, operation));
+        attributes.push(KeyValue::new(attr::GEN_AI_PROVIDER_NAME, PROVIDER));
+    }
+    attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_MODEL, model.to_string()));
+    attributes
+}
 
 impl Drop for Stage {
     fn drop(&mut self) {

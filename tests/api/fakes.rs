@@ -185,3 +185,42 @@ impl Generator for FakeGenerator {
         })
     }
 }
+
+/// A store whose every call fails as an unreachable server does.
+pub struct DownStore;
+
+impl VectorStore for DownStore {
+    fn info(&self) -> StoreInfo {
+        StoreInfo {
+            system: "fake",
+            collection: "down".into(),
+            index: "plain",
+            points: 0,
+            server: None,
+        }
+    }
+    fn upsert(&self, _: &[Chunk], _: &[Vec<f32>], _: &Stage) -> Result<(), StoreError> {
+        Err(StoreError::Unavailable("test store is down".into()))
+    }
+    fn search(
+        &self,
+        _: &[f32],
+        _: usize,
+        _: Option<&Filter>,
+        _: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        Err(StoreError::Unavailable("test store is down".into()))
+    }
+    fn existing(&self, _: &[String], _: &Stage) -> Result<HashSet<String>, StoreError> {
+        Err(StoreError::Unavailable("test store is down".into()))
+    }
+    fn delete_document(&self, _: &str, _: &Stage) -> Result<usize, StoreError> {
+        Err(StoreError::Unavailable("test store is down".into()))
+    }
+    fn count(&self) -> Result<usize, StoreError> {
+        Ok(0)
+    }
+    fn build_index(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}

@@ -1,6 +1,7 @@
 //! Integration tests: the real server on port 0 with the real models and the embedded store.
 
 mod attribution;
+mod catalogue;
 mod coverage;
 mod documents;
 mod errors;
@@ -16,5 +17,6 @@ mod query;
 mod receiver;
 mod rotel;
 mod stack;
+mod stages;
 mod store_conformance;
 mod trace;

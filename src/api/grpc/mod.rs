@@ -1,6 +1,6 @@
 //! The gRPC API (`proto/ragscope.proto`): `Query` streams sources, tokens and a closing `done`,
 //! `Ingest`, `Embed` and `Rerank` answer once. It serves the same [`AppState`] as HTTP: the same
-//! pipeline, the same validation (the HTTP handlers' checks, shared), errors mapped once in
+//! pipeline, the same checks and answer stream ([`super::ask`]), errors mapped once in
 //! [`super::error`]. Beside it: the standard health service, SERVING only once the pipeline is
 //! ready, and server reflection for tools like grpcurl. [`trace`] gives each call its server span.
 
@@ -10,22 +10,18 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use futures::Stream;
-use opentelemetry::KeyValue;
+use futures::{Stream, StreamExt};
 use serde_json::{Map, Number, Value};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use super::documents::{documents, DocumentBody};
-use super::openai::{check_embed_inputs, embed_tokens};
-use super::rag::{check_rerank, rag_request, rerank_model, Asked};
+use super::ask::{self, AnswerEvent, Asked, DocumentBody};
 use super::{AppState, Readiness, RequestStage};
 use crate::ingest::Format;
-use crate::pipeline::{Event, PipelineError, RagAnswer};
+use crate::pipeline::RagAnswer;
 use crate::telemetry::span::Stage;
 
 /// The code generated from `proto/ragscope.proto` at build time (see `build.rs`).
@@ -123,6 +119,18 @@ pub struct RagService {
     state: AppState,
 }
 
+impl RagService {
+    /// The faults a call runs under; the `x-ragscope-fault` metadata works like the HTTP header.
+    fn faults<T>(
+        &self,
+        request: &Request<T>,
+        stage: &RequestStage,
+    ) -> Result<Arc<crate::fault::FaultPlan>, Status> {
+        let headers = request.metadata().clone().into_headers();
+        Ok(super::admin::request_faults(&self.state, &headers, stage)?)
+    }
+}
+
 /// The call's server span, left in the request by [`trace::TraceLayer`].
 fn request_stage<T>(request: &Request<T>) -> RequestStage {
     request
@@ -130,7 +138,7 @@ fn request_stage<T>(request: &Request<T>) -> RequestStage {
         .get::<RequestStage>()
         .cloned()
         // Only without the layer (never as served): an untraced root keeps the pipeline going.
-        .unwrap_or_else(|| Arc::new(Stage::root("grpc")))
+        .unwrap_or_else(|| Arc::new(Stage::root(crate::telemetry::names::span::GRPC)))
 }
 
 type QueryStream = Pin<Box<dyn Stream<Item = Result<QueryEvent, Status>> + Send>>;
@@ -143,35 +151,22 @@ impl Rag for RagService {
         let stage = request_stage(&request);
         let pipeline = self.state.pipeline()?;
         // The `x-ragscope-fault` metadata works like the HTTP header.
-        let faults = super::admin::request_faults(
-            &self.state,
-            &request.metadata().clone().into_headers(),
-            &stage,
-        )?;
+        let headers = request.metadata().clone().into_headers();
         let r = request.into_inner();
-        let mut req = rag_request(
-            &pipeline,
-            &self.state,
-            Asked {
-                query: r.query,
-                history: Vec::new(),
-                top_k: r.top_k.map(|v| v as usize),
-                rerank_top_n: r.rerank_top_n.map(|v| v as usize),
-                max_tokens: r.max_tokens.map(|v| v as usize),
-                temperature: r.temperature,
-                top_p: r.top_p,
-                seed: r.seed,
-                filter: r.filter.map(|f| Value::Object(struct_to_json(f))),
-            },
-        )?;
-        req.faults = faults;
-        if pipeline.defaults.capture_content {
-            stage.set(KeyValue::new("rag.query.text", req.query.clone()));
-        }
-        let (tx, rx) = mpsc::unbounded_channel();
-        let answer = pipeline.start_query(req, &stage, Some(tx))?;
-        let writing = stage.child("stream");
-        Ok(Response::new(Box::pin(query_events(rx, answer, writing))))
+        let asked = Asked {
+            query: r.query,
+            history: Vec::new(),
+            top_k: r.top_k.map(|v| v as usize),
+            rerank_top_n: r.rerank_top_n.map(|v| v as usize),
+            max_tokens: r.max_tokens.map(|v| v as usize),
+            temperature: r.temperature,
+            top_p: r.top_p,
+            seed: r.seed,
+            filter: r.filter.map(|f| Value::Object(struct_to_json(f))),
+        };
+        let req = ask::prepare(&self.state, &pipeline, &stage, &headers, asked)?;
+        let events = ask::answer_stream(&pipeline, req, &stage)?;
+        Ok(Response::new(Box::pin(events.map(query_event))))
     }
 
     async fn ingest(
@@ -180,6 +175,7 @@ impl Rag for RagService {
     ) -> Result<Response<IngestResponse>, Status> {
         let stage = request_stage(&request);
         let pipeline = self.state.pipeline()?;
+        let faults = self.faults(&request, &stage)?;
         let bodies = request
             .into_inner()
             .documents
@@ -196,7 +192,9 @@ impl Rag for RagService {
                 metadata: d.metadata.map(struct_to_json).unwrap_or_default(),
             })
             .collect();
-        let outcomes = pipeline.ingest(documents(bodies)?, &stage).await?;
+        let outcomes = pipeline
+            .ingest(ask::documents(bodies)?, faults, &stage)
+            .await?;
         Ok(Response::new(IngestResponse {
             documents: outcomes
                 .into_iter()
@@ -215,10 +213,11 @@ impl Rag for RagService {
     ) -> Result<Response<EmbedResponse>, Status> {
         let stage = request_stage(&request);
         let pipeline = self.state.pipeline()?;
+        let faults = self.faults(&request, &stage)?;
         let texts = request.into_inner().inputs;
-        check_embed_inputs("inputs", &texts)?;
-        let tokens = embed_tokens(&pipeline, &texts);
-        let vectors = pipeline.embed(texts, &stage).await?;
+        ask::check_embed_inputs("inputs", &texts)?;
+        let tokens = ask::embed_tokens(&pipeline, &texts);
+        let vectors = pipeline.embed(texts, faults, &stage).await?;
         Ok(Response::new(EmbedResponse {
             model: pipeline.embedder.model_id().to_string(),
             embeddings: vectors
@@ -235,11 +234,14 @@ impl Rag for RagService {
     ) -> Result<Response<RerankResponse>, Status> {
         let stage = request_stage(&request);
         let pipeline = self.state.pipeline()?;
+        let faults = self.faults(&request, &stage)?;
         let r = request.into_inner();
-        let top_n = check_rerank(&r.query, &r.documents, r.top_n.map(|n| n as usize))?;
-        let scores = pipeline.rerank(r.query, r.documents, &stage).await?;
+        let top_n = ask::check_rerank(&r.query, &r.documents, r.top_n.map(|n| n as usize))?;
+        let scores = pipeline
+            .rerank(r.query, r.documents, faults, &stage)
+            .await?;
         Ok(Response::new(RerankResponse {
-            model: rerank_model(&pipeline),
+            model: ask::rerank_model(&pipeline),
             results: crate::rerank::ranking(&scores)
                 .into_iter()
                 .take(top_n)
@@ -253,34 +255,17 @@ impl Rag for RagService {
 }
 
 /// `sources`, then `token`s, then `done`; a pipeline error ends the stream with its status.
-/// Dropping the stream (the client cancelled) drops `rx`, which stops the generation.
-fn query_events(
-    mut rx: mpsc::UnboundedReceiver<Event>,
-    answer: impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
-    writing: Stage,
-) -> impl Stream<Item = Result<QueryEvent, Status>> {
-    let event = |e: QueryEventKind| Ok(QueryEvent { event: Some(e) });
-    async_stream::stream! {
-        let mut tokens = 0i64;
-        while let Some(e) = rx.recv().await {
-            match e {
-                Event::Sources(sources) => {
-                    let sources = sources.into_iter().map(source).collect();
-                    yield event(QueryEventKind::Sources(Sources { sources }));
-                }
-                Event::Token(text) => {
-                    tokens += 1;
-                    yield event(QueryEventKind::Token(Token { text }));
-                }
-            }
-        }
-        writing.set(KeyValue::new("rag.stream.events", tokens));
-        match answer.await {
-            Ok(a) => yield event(QueryEventKind::Done(done(&a))),
-            Err(e) => yield Err(Status::from(e)),
-        }
-        crate::telemetry::metrics::metrics().stage("stream", writing.end());
-    }
+/// Dropping the stream (the client cancelled) stops the generation.
+fn query_event(event: AnswerEvent) -> Result<QueryEvent, Status> {
+    let event = match event {
+        AnswerEvent::Sources(sources) => QueryEventKind::Sources(Sources {
+            sources: sources.into_iter().map(source).collect(),
+        }),
+        AnswerEvent::Token(text) => QueryEventKind::Token(Token { text }),
+        AnswerEvent::Done(a) => QueryEventKind::Done(done(&a)),
+        AnswerEvent::Failed(e) => return Err(Status::from(e)),
+    };
+    Ok(QueryEvent { event: Some(event) })
 }
 
 fn source(s: crate::pipeline::Source) -> proto::Source {

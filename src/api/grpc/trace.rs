@@ -17,6 +17,7 @@ use opentelemetry::KeyValue;
 use tower::{Layer, Service};
 
 use crate::api::{InFlight, RequestStage};
+use crate::telemetry::names::attr;
 use crate::telemetry::span::Stage;
 
 /// Services whose calls get no span: probes and tooling.
@@ -102,7 +103,7 @@ impl Call {
         let (service, method) = (service.to_string(), method.to_string());
         let parent = crate::telemetry::extract_context(req.headers());
         let request_id = uuid::Uuid::new_v4().to_string();
-        let mut inherited = vec![KeyValue::new("rag.request.id", request_id.clone())];
+        let mut inherited = vec![KeyValue::new(attr::REQUEST_ID, request_id.clone())];
         inherited.extend(crate::telemetry::baggage_attributes(&parent));
         let stage = Arc::new(Stage::start(
             format!("{service}/{method}"),
@@ -111,9 +112,9 @@ impl Call {
             inherited,
         ));
         let attributes = vec![
-            KeyValue::new("rpc.system", "grpc"),
-            KeyValue::new("rpc.service", service),
-            KeyValue::new("rpc.method", method),
+            KeyValue::new(attr::RPC_SYSTEM, "grpc"),
+            KeyValue::new(attr::RPC_SERVICE, service),
+            KeyValue::new(attr::RPC_METHOD, method),
         ];
         stage.set_all(attributes.iter().cloned());
         req.extensions_mut().insert(stage.clone());
@@ -149,7 +150,7 @@ impl Drop for Call {
             Some(s) => (s.code(), s.message().to_string()),
             None => (tonic::Code::Cancelled, "the call ended early".to_string()),
         };
-        let code_attribute = KeyValue::new("rpc.grpc.status_code", code as i64);
+        let code_attribute = KeyValue::new(attr::RPC_GRPC_STATUS_CODE, code as i64);
         self.stage.set(code_attribute.clone());
         if SERVER_FAULTS.contains(&code) {
             self.stage.fail(code_name(code), message);

@@ -1,0 +1,459 @@
+//! One RAG request, top to bottom: embed the query → retrieve candidates → rerank → build the
+//! prompt → generate, streaming tokens as they come. Each step is a stage (a span on the shared
+//! clock) under the request's span, run by the one [`StageRunner`], and the same durations are
+//! returned to the client as `timings`. The whole path runs on a model-worker thread, after one
+//! `queue` stage. The other routes (embeddings, rerank, ingest) run their stages the same way.
+
+mod request;
+pub mod runner;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use opentelemetry::KeyValue;
+use tokio::sync::mpsc::UnboundedSender;
+
+pub use request::{Event, PipelineError, RagAnswer, RagRequest, Source, Timings, Usage};
+pub use runner::{StageRunner, StageSpec};
+
+use crate::config::PipelineArgs;
+use crate::embed::cache::QueryCache;
+use crate::embed::Embedder;
+use crate::fault::{FaultPlan, FaultStage};
+use crate::generate::{Flow, GenerateRequest, Generated, Generator};
+use crate::ingest::chunk::ChunkerConfig;
+use crate::ingest::{Document, IngestOutcome};
+use crate::prompt::{self, Prompt};
+use crate::rerank::{Candidate, Reranker};
+use crate::retrieve::{ScoredChunk, VectorStore};
+use crate::telemetry::clock::{self, millis};
+use crate::telemetry::metrics::metrics;
+use crate::telemetry::names::{attr, StageKind};
+use crate::telemetry::span::Stage;
+use crate::worker::Workers;
+
+/// Everything a request needs, shared by all requests.
+pub struct Pipeline {
+    pub embedder: Arc<dyn Embedder>,
+    pub store: Arc<dyn VectorStore>,
+    /// `None` keeps retrieval order.
+    pub reranker: Option<Arc<dyn Reranker>>,
+    pub generator: Arc<dyn Generator>,
+    pub workers: Workers,
+    pub defaults: PipelineArgs,
+    pub chunker: ChunkerConfig,
+    pub query_cache: QueryCache,
+}
+
+impl Pipeline {
+    /// Answers a question. With `events`, sources and tokens are sent as they are ready, and a
+    /// closed receiver (the client went away) stops the generation.
+    ///
+    /// The job is queued before this returns, so a full queue is reported at once (the API
+    /// turns it into 429 before any byte of a stream is sent); the future yields the answer.
+    pub fn start_query(
+        self: &Arc<Self>,
+        req: RagRequest,
+        request: &Arc<Stage>,
+        events: Option<UnboundedSender<Event>>,
+    ) -> Result<
+        impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
+        PipelineError,
+    > {
+        let this = self.clone();
+        let stage = request.clone();
+        let rx = self
+            .workers
+            .submit(request, move || this.answer(&req, &stage, events.as_ref()))?;
+        Ok(async move { rx.await.map_err(|_| PipelineError::WorkerGone)? })
+    }
+
+    /// The RAG path itself, on a worker thread.
+    fn answer(
+        &self,
+        req: &RagRequest,
+        request: &Stage,
+        events: Option<&UnboundedSender<Event>>,
+    ) -> Result<RagAnswer, PipelineError> {
+        let mut run = StageRunner::new(request, &req.faults);
+        run.timings_mut().queue_ms = millis(request.elapsed());
+        check_deadline(req, request)?;
+
+        let vector = self.embed_query(&mut run, req)?;
+        let hits = self.retrieve(&mut run, req, &vector)?;
+        let mut ranked = self.rank(&mut run, &req.query, hits)?;
+        ranked.truncate(req.rerank_top_n);
+        if let Some(tx) = events {
+            let _ = tx.send(Event::Sources(ranked.clone()));
+        }
+        check_deadline(req, request)?;
+
+        let built = self.build_prompt(&mut run, req, &ranked)?;
+        let sources: Vec<Source> = built.kept.iter().map(|&i| ranked[i].clone()).collect();
+        let generated = self.generate(&mut run, req, &built.tokens, events)?;
+        Ok(self.finish(run, sources, generated))
+    }
+
+    /// 1. The query's vector, from the query cache or the embedder.
+    fn embed_query(
+        &self,
+        run: &mut StageRunner,
+        req: &RagRequest,
+    ) -> Result<Vec<f32>, PipelineError> {
+        let cached = self.query_cache.get(&req.query);
+        let spec = StageSpec::model(StageKind::Embed, self.embedder.model_id())
+            .with([KeyValue::new(attr::CACHE_HIT, cached.is_some())])
+            .profiled(cached.is_none());
+        run.run(spec, |stage| match cached {
+            Some(vector) => Ok(vector),
+            None => {
+                let vector = self.embedder.embed(&[&req.query], stage)?.remove(0);
+                self.query_cache.put(&req.query, vector.clone());
+                Ok(vector)
+            }
+        })
+    }
+
+    /// 2. The `top_k` nearest chunks.
+    fn retrieve(
+        &self,
+        run: &mut StageRunner,
+        req: &RagRequest,
+        vector: &[f32],
+    ) -> Result<Vec<ScoredChunk>, PipelineError> {
+        let info = self.store.info();
+        let mut attributes = vec![
+            KeyValue::new(attr::DB_SYSTEM_NAME, info.system),
+            KeyValue::new(attr::DB_COLLECTION_NAME, info.collection.clone()),
+            KeyValue::new(attr::DB_OPERATION_NAME, "query"),
+            KeyValue::new(attr::GEN_AI_DATA_SOURCE_ID, info.collection.clone()),
+            KeyValue::new(attr::RETRIEVAL_TOP_K, req.top_k as i64),
+            KeyValue::new(attr::RETRIEVAL_INDEX, info.index),
+            KeyValue::new(attr::RETRIEVAL_FILTERED, req.filter.is_some()),
+        ];
+        if let Some(server) = &info.server {
+            attributes.push(KeyValue::new(attr::SERVER_ADDRESS, server.address.clone()));
+            attributes.push(KeyValue::new(attr::SERVER_PORT, i64::from(server.port)));
+        }
+        let spec = StageSpec::new(StageKind::Retrieve)
+            .on(info.collection)
+            .with(attributes);
+        run.run(spec, |stage| {
+            let hits = self
+                .store
+                .search(vector, req.top_k, req.filter.as_ref(), stage)?;
+            stage.set(KeyValue::new(
+                attr::DB_RESPONSE_RETURNED_ROWS,
+                hits.len() as i64,
+            ));
+            Ok(hits)
+        })
+    }
+
+    /// 3. Candidates reordered by the reranker's scores (retrieval order without one).
+    fn rank(
+        &self,
+        run: &mut StageRunner,
+        query: &str,
+        hits: Vec<ScoredChunk>,
+    ) -> Result<Vec<Source>, PipelineError> {
+        let scores = match &self.reranker {
+            Some(reranker) if !hits.is_empty() => {
+                let texts: Vec<&str> = hits.iter().map(|h| h.chunk.text.as_str()).collect();
+                let retrieval: Vec<f32> = hits.iter().map(|h| h.score).collect();
+                self.rerank_stage(run, reranker.as_ref(), query, &texts, &retrieval)?
+            }
+            _ => hits.iter().map(|h| h.score).collect(),
+        };
+        let order = crate::rerank::ranking(&scores);
+        Ok(order
+            .into_iter()
+            .map(|i| Source::ranked(&hits[i], scores[i]))
+            .collect())
+    }
+
+    /// 4. The prompt within the context window.
+    fn build_prompt(
+        &self,
+        run: &mut StageRunner,
+        req: &RagRequest,
+        ranked: &[Source],
+    ) -> Result<Prompt, PipelineError> {
+        run.run(StageSpec::new(StageKind::Prompt), |stage| {
+            let passages: Vec<&str> = ranked.iter().map(|s| s.text.as_str()).collect();
+            let built = prompt::build(
+                self.generator.as_ref(),
+                &req.history,
+                &req.query,
+                &passages,
+                req.max_tokens,
+            )?;
+            stage.set_all([
+                KeyValue::new(attr::PROMPT_PASSAGES_KEPT, built.kept.len() as i64),
+                KeyValue::new(attr::PROMPT_PASSAGES_DROPPED, built.dropped as i64),
+                KeyValue::new(attr::PROMPT_TRUNCATED, built.truncated),
+                KeyValue::new(attr::GEN_AI_USAGE_INPUT_TOKENS, built.tokens.len() as i64),
+            ]);
+            Ok(built)
+        })
+    }
+
+    /// 5. The answer, each piece of text streamed as it completes.
+    fn generate(
+        &self,
+        run: &mut StageRunner,
+        req: &RagRequest,
+        prompt: &[u32],
+        events: Option<&UnboundedSender<Event>>,
+    ) -> Result<Generated, PipelineError> {
+        let model = self.generator.model_id();
+        let mut attributes = vec![
+            KeyValue::new(attr::GEN_AI_REQUEST_MAX_TOKENS, req.max_tokens as i64),
+            KeyValue::new(attr::GEN_AI_REQUEST_TEMPERATURE, req.sampling.temperature),
+            KeyValue::new(attr::GEN_AI_REQUEST_SEED, req.sampling.seed as i64),
+            KeyValue::new(attr::GEN_AI_REQUEST_STREAM, events.is_some()),
+        ];
+        if let Some(p) = req.sampling.top_p {
+            attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_TOP_P, p));
+        }
+        let started = run.request().started();
+        let spec = StageSpec::model(StageKind::Generate, model).with(attributes);
+        run.run(spec, |stage| {
+            let token_delay = req.faults.token_delay();
+            let mut delayed_tokens = 0;
+            let mut on_token = |piece: &str| {
+                if let Some(d) = token_delay {
+                    std::thread::sleep(d);
+                    delayed_tokens += 1;
+                }
+                match events {
+                    Some(tx) if tx.send(Event::Token(piece.to_string())).is_err() => Flow::Stop,
+                    _ => Flow::Continue,
+                }
+            };
+            let generated = self.generator.generate(
+                GenerateRequest {
+                    prompt,
+                    max_tokens: req.max_tokens,
+                    sampling: req.sampling,
+                    token_trace: self.defaults.token_trace,
+                    deadline: Some(req.deadline),
+                    ignore_eos: false,
+                },
+                stage,
+                &mut on_token,
+            )?;
+            if let Some(d) = token_delay {
+                stage.set_all([
+                    KeyValue::new(attr::FAULT_TOKEN_DELAY_MS, millis(d)),
+                    KeyValue::new(attr::FAULT_DELAYED_TOKENS, delayed_tokens as i64),
+                ]);
+                crate::fault::count(FaultStage::Chat, "token_delay");
+            }
+            stage.set_all([
+                KeyValue::new(attr::GEN_AI_RESPONSE_MODEL, model.to_string()),
+                KeyValue::new(
+                    attr::GEN_AI_RESPONSE_FINISH_REASONS,
+                    generated.finish.as_str(),
+                ),
+                KeyValue::new(
+                    attr::GEN_AI_USAGE_INPUT_TOKENS,
+                    generated.prompt_tokens as i64,
+                ),
+                KeyValue::new(
+                    attr::GEN_AI_USAGE_OUTPUT_TOKENS,
+                    generated.tokens.len() as i64,
+                ),
+            ]);
+            if let Some(ttft) = time_to_first_token(&generated, started) {
+                stage.set(KeyValue::new(
+                    attr::GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
+                    ttft / 1e3,
+                ));
+            }
+            if self.defaults.capture_content {
+                stage.set(KeyValue::new(attr::ANSWER_TEXT, generated.text.clone()));
+            }
+            Ok(generated)
+        })
+    }
+
+    /// 6. The answer with its timings; generation's metrics recorded.
+    fn finish(&self, run: StageRunner, sources: Vec<Source>, generated: Generated) -> RagAnswer {
+        let request = run.request();
+        let mut timings = run.timings();
+        timings.record(StageKind::Prefill, millis(generated.prefill));
+        timings.record(StageKind::Decode, millis(generated.decode));
+        timings.ttft_ms = time_to_first_token(&generated, request.started()).unwrap_or_default();
+        timings.total_ms = millis(request.elapsed());
+        record_generation(&timings, &generated);
+        RagAnswer {
+            answer: generated.text.trim().to_string(),
+            sources,
+            usage: Usage {
+                prompt_tokens: generated.prompt_tokens,
+                completion_tokens: generated.tokens.len(),
+                total_tokens: generated.prompt_tokens + generated.tokens.len(),
+            },
+            timings,
+            finish_reason: generated.finish,
+            finished_at: clock::now(),
+        }
+    }
+
+    /// Embeds texts for the embeddings endpoint.
+    pub async fn embed(
+        self: &Arc<Self>,
+        texts: Vec<String>,
+        faults: Arc<FaultPlan>,
+        request: &Arc<Stage>,
+    ) -> Result<Vec<Vec<f32>>, PipelineError> {
+        let this = self.clone();
+        let stage = request.clone();
+        self.run_on_worker(request, move || {
+            let mut run = StageRunner::new(&stage, &faults);
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let spec = StageSpec::model(StageKind::Embed, this.embedder.model_id());
+            run.run(spec, |stage| Ok(this.embedder.embed(&refs, stage)?))
+        })
+        .await
+    }
+
+    /// Scores passages against a query for the rerank endpoint: their cosine to the query, then
+    /// the reranker's scores (the cosines themselves without a reranker).
+    pub async fn rerank(
+        self: &Arc<Self>,
+        query: String,
+        passages: Vec<String>,
+        faults: Arc<FaultPlan>,
+        request: &Arc<Stage>,
+    ) -> Result<Vec<f32>, PipelineError> {
+        let this = self.clone();
+        let stage = request.clone();
+        self.run_on_worker(request, move || {
+            let mut run = StageRunner::new(&stage, &faults);
+            let texts: Vec<&str> = passages.iter().map(String::as_str).collect();
+            let spec = StageSpec::model(StageKind::Embed, this.embedder.model_id());
+            let retrieval = run.run(spec, |stage| {
+                let mut all = vec![query.as_str()];
+                all.extend_from_slice(&texts);
+                let vectors = this.embedder.embed(&all, stage)?;
+                Ok(cosines(&vectors[0], &vectors[1..]))
+            })?;
+            match &this.reranker {
+                Some(r) => this.rerank_stage(&mut run, r.as_ref(), &query, &texts, &retrieval),
+                None => Ok(retrieval),
+            }
+        })
+        .await
+    }
+
+    /// The `rerank` stage over passages and their retrieval scores.
+    fn rerank_stage(
+        &self,
+        run: &mut StageRunner,
+        reranker: &dyn Reranker,
+        query: &str,
+        texts: &[&str],
+        retrieval: &[f32],
+    ) -> Result<Vec<f32>, PipelineError> {
+        let spec = StageSpec::model(StageKind::Rerank, reranker.model_id()).with([KeyValue::new(
+            attr::GEN_AI_RERANK_CANDIDATE_COUNT,
+            texts.len() as i64,
+        )]);
+        run.run(spec, |stage| {
+            let candidates: Vec<Candidate> = texts
+                .iter()
+                .zip(retrieval)
+                .map(|(text, &retrieval_score)| Candidate {
+                    text,
+                    retrieval_score,
+                })
+                .collect();
+            Ok(reranker.score(query, &candidates, stage)?)
+        })
+    }
+
+    /// Ingests documents (each one durable before the next starts).
+    pub async fn ingest(
+        self: &Arc<Self>,
+        docs: Vec<Document>,
+        faults: Arc<FaultPlan>,
+        request: &Arc<Stage>,
+    ) -> Result<Vec<IngestOutcome>, PipelineError> {
+        let this = self.clone();
+        let stage = request.clone();
+        self.run_on_worker(request, move || {
+            let mut run = StageRunner::new(&stage, &faults);
+            docs.iter()
+                .map(|doc| {
+                    let spec = StageSpec::new(StageKind::Ingest)
+                        .with([KeyValue::new(attr::DOCUMENT_ID, doc.id.clone())]);
+                    run.run(spec, |stage| {
+                        Ok(crate::ingest::ingest_document(
+                            doc,
+                            this.embedder.as_ref(),
+                            this.store.as_ref(),
+                            this.chunker,
+                            stage,
+                        )?)
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
+
+    async fn run_on_worker<T: Send + 'static>(
+        &self,
+        request: &Stage,
+        work: impl FnOnce() -> Result<T, PipelineError> + Send + 'static,
+    ) -> Result<T, PipelineError> {
+        let rx = self.workers.submit(request, work)?;
+        rx.await.map_err(|_| PipelineError::WorkerGone)?
+    }
+}
+
+fn check_deadline(req: &RagRequest, request: &Stage) -> Result<(), PipelineError> {
+    if clock::now() >= req.deadline {
+        return Err(PipelineError::Timeout(millis(request.elapsed())));
+    }
+    Ok(())
+}
+
+/// Milliseconds from the request's start to the first generated token.
+fn time_to_first_token(generated: &Generated, started: std::time::Instant) -> Option<f64> {
+    generated
+        .first_token_at
+        .map(|t| millis(t.saturating_duration_since(started)))
+}
+
+/// Dot products of unit vectors with the query's: their cosine similarity.
+fn cosines(query: &[f32], vectors: &[Vec<f32>]) -> Vec<f32> {
+    vectors
+        .iter()
+        .map(|v| v.iter().zip(query).map(|(a, b)| a * b).sum())
+        .collect()
+}
+
+/// Generation's metrics: its two stages, time to first token, time per output token, tokens.
+fn record_generation(t: &Timings, generated: &Generated) {
+    let m = metrics();
+    m.stage(StageKind::Prefill, generated.prefill);
+    m.stage(StageKind::Decode, generated.decode);
+    if generated.first_token_at.is_some() {
+        m.time_to_first_token.record(t.ttft_ms / 1e3, &[]);
+    }
+    if generated.tokens.len() > 1 {
+        let per_token = t.decode_ms / 1e3 / (generated.tokens.len() - 1) as f64;
+        m.time_per_output_token.record(per_token, &[]);
+    }
+    m.tokens.add(
+        generated.prompt_tokens as u64,
+        &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "input")],
+    );
+    m.tokens.add(
+        generated.tokens.len() as u64,
+        &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "output")],
+    );
+}

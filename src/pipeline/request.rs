@@ -1,0 +1,184 @@
+//! What goes into a request and what comes out: the validated request, the answer with its
+//! sources, usage and per-stage timings, the events a stream sees, and the one error type
+//! every stage folds into.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::config::PipelineArgs;
+use crate::embed::EmbedError;
+use crate::fault::{FaultPlan, Injected};
+use crate::generate::{ChatMessage, FinishReason, GenerateError, Sampling};
+use crate::ingest::IngestError;
+use crate::rerank::RerankError;
+use crate::retrieve::{Filter, ScoredChunk, StoreError};
+use crate::telemetry::clock;
+use crate::telemetry::names::StageKind;
+use crate::worker::QueueFull;
+
+#[derive(Debug, Clone)]
+pub struct RagRequest {
+    pub query: String,
+    /// Earlier chat turns (OpenAI-compatible endpoint); empty for `/v1/rag/query`.
+    pub history: Vec<ChatMessage>,
+    pub top_k: usize,
+    pub rerank_top_n: usize,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub filter: Option<Filter>,
+    pub deadline: Instant,
+    /// Faults to inject (empty unless the server allows injection).
+    pub faults: Arc<FaultPlan>,
+}
+
+impl RagRequest {
+    /// A question with the server's default settings (evaluation, benchmarks).
+    pub fn with_defaults(query: String, defaults: &PipelineArgs, timeout: Duration) -> RagRequest {
+        RagRequest {
+            query,
+            history: Vec::new(),
+            top_k: defaults.top_k,
+            rerank_top_n: defaults.rerank_top_n,
+            max_tokens: defaults.max_tokens,
+            sampling: Sampling::default(),
+            filter: None,
+            deadline: clock::now() + timeout,
+            faults: Arc::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Source {
+    pub id: String,
+    pub doc_id: String,
+    /// Relevance after reranking (the retrieval score when no reranker runs).
+    pub score: f32,
+    pub retrieval_score: f32,
+    pub text: String,
+    pub source: String,
+    pub metadata: Map<String, Value>,
+}
+
+impl Source {
+    /// A retrieved chunk as a source, with its score after ranking.
+    pub fn ranked(hit: &ScoredChunk, score: f32) -> Source {
+        Source {
+            id: hit.chunk.id.clone(),
+            doc_id: hit.chunk.doc_id.clone(),
+            score,
+            retrieval_score: hit.score,
+            text: hit.chunk.text.clone(),
+            source: hit.chunk.source.clone(),
+            metadata: hit.chunk.metadata.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// Milliseconds per stage, equal to the durations of the stage spans.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub embed_ms: f64,
+    pub retrieve_ms: f64,
+    pub rerank_ms: f64,
+    pub prompt_ms: f64,
+    pub prefill_ms: f64,
+    pub decode_ms: f64,
+    pub ttft_ms: f64,
+    pub total_ms: f64,
+}
+
+impl Timings {
+    /// Sets the field of a stage that has one (generation's time is its prefill and decode).
+    pub fn record(&mut self, kind: StageKind, ms: f64) {
+        let field = match kind {
+            StageKind::Queue => &mut self.queue_ms,
+            StageKind::Embed => &mut self.embed_ms,
+            StageKind::Retrieve => &mut self.retrieve_ms,
+            StageKind::Rerank => &mut self.rerank_ms,
+            StageKind::Prompt => &mut self.prompt_ms,
+            StageKind::Prefill => &mut self.prefill_ms,
+            StageKind::Decode => &mut self.decode_ms,
+            StageKind::Generate | StageKind::Stream | StageKind::Respond | StageKind::Ingest => {
+                return
+            }
+        };
+        *field = ms;
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RagAnswer {
+    pub answer: String,
+    pub sources: Vec<Source>,
+    pub usage: Usage,
+    pub timings: Timings,
+    pub finish_reason: FinishReason,
+    /// When the worker finished, on the shared clock: the `respond` stage starts here.
+    #[serde(skip)]
+    pub finished_at: Instant,
+}
+
+/// What a streaming request sees, in order: sources once, then tokens.
+#[derive(Debug, Clone)]
+pub enum Event {
+    Sources(Vec<Source>),
+    Token(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error("the server is at capacity; retry shortly")]
+    QueueFull,
+    #[error("the request timed out after {0:.0} ms")]
+    Timeout(f64),
+    #[error("the model worker stopped before answering")]
+    WorkerGone,
+    #[error(transparent)]
+    Embed(#[from] EmbedError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Rerank(#[from] RerankError),
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    #[error(transparent)]
+    Ingest(#[from] IngestError),
+    #[error(transparent)]
+    Injected(#[from] Injected),
+}
+
+impl From<QueueFull> for PipelineError {
+    fn from(_: QueueFull) -> Self {
+        PipelineError::QueueFull
+    }
+}
+
+impl PipelineError {
+    /// The `error.type` recorded on the failing span.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            PipelineError::QueueFull => "queue_full",
+            PipelineError::Timeout(_) => "timeout",
+            PipelineError::WorkerGone => "worker_gone",
+            PipelineError::Embed(_) => "embed",
+            PipelineError::Store(_) => "store",
+            PipelineError::Rerank(_) => "rerank",
+            PipelineError::Generate(GenerateError::ContextOverflow { .. }) => "context_overflow",
+            PipelineError::Generate(_) => "generate",
+            PipelineError::Ingest(_) => "ingest",
+            PipelineError::Injected(_) => "injected_fault",
+        }
+    }
+}

@@ -1,0 +1,344 @@
+//! Every name the server's telemetry uses, in one place: the stages of a request, the other span
+//! names, attribute keys and metric names. Code refers to these constants, never to a string
+//! literal, so a name is spelled once and the README's span and metric catalogues can be checked
+//! against this file (`tests/api/catalogue.rs`).
+//!
+//! Attribute keys follow the OpenTelemetry conventions where one exists (`gen_ai.*`, `db.*`,
+//! `http.*`, `rpc.*`, `server.*`, `error.type`); `rag.*` keys are this server's own.
+
+/// One stage of a request. Its span name, metric label, per-stage service name and fault key
+/// are all derived from this, so they cannot drift apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum StageKind {
+    /// Waiting for a model worker.
+    Queue,
+    /// Embedding the query (or the texts of `/v1/embeddings`, or a document's chunks).
+    Embed,
+    /// Vector search.
+    Retrieve,
+    /// Reordering the candidates.
+    Rerank,
+    /// Building the prompt within the context window.
+    Prompt,
+    /// Generation: the `chat {model}` span, parent of `prefill` and `decode`.
+    Generate,
+    /// The prompt in one pass (a child of `Generate`).
+    Prefill,
+    /// One token per step (a child of `Generate`).
+    Decode,
+    /// A streamed response: opened → last event written.
+    Stream,
+    /// A JSON response: worker done → last byte written.
+    Respond,
+    /// One document stored (`POST /v1/documents`, gRPC `Ingest`).
+    Ingest,
+}
+
+impl StageKind {
+    pub const ALL: [StageKind; 11] = [
+        StageKind::Queue,
+        StageKind::Embed,
+        StageKind::Retrieve,
+        StageKind::Rerank,
+        StageKind::Prompt,
+        StageKind::Generate,
+        StageKind::Prefill,
+        StageKind::Decode,
+        StageKind::Stream,
+        StageKind::Respond,
+        StageKind::Ingest,
+    ];
+
+    /// The first word of the stage's span name (the GenAI operation name for model stages).
+    pub const fn span_prefix(self) -> &'static str {
+        match self {
+            StageKind::Queue => "queue",
+            StageKind::Embed => "embeddings",
+            StageKind::Retrieve => "retrieval",
+            StageKind::Rerank => "rerank",
+            StageKind::Prompt => "prompt",
+            StageKind::Generate => "chat",
+            StageKind::Prefill => "prefill",
+            StageKind::Decode => "decode",
+            StageKind::Stream => "stream",
+            StageKind::Respond => "respond",
+            StageKind::Ingest => "ingest",
+        }
+    }
+
+    /// The span name: the prefix, then what the stage works on (`embeddings all-MiniLM-L6-v2`,
+    /// `retrieval git-doc`) where there is one.
+    pub fn span_name(self, subject: Option<&str>) -> std::borrow::Cow<'static, str> {
+        match subject {
+            Some(s) => format!("{} {s}", self.span_prefix()).into(),
+            None => self.span_prefix().into(),
+        }
+    }
+
+    /// The stage a span name belongs to, from its first word.
+    pub fn of_span_name(name: &str) -> Option<StageKind> {
+        let first = name.split(' ').next()?;
+        StageKind::ALL
+            .into_iter()
+            .find(|k| k.span_prefix() == first)
+    }
+
+    /// The `rag.stage` label of `ragscope.stage.duration`. `None` for generation, whose time is
+    /// recorded as its two parts, prefill and decode.
+    pub const fn metric_label(self) -> Option<&'static str> {
+        Some(match self {
+            StageKind::Queue => "queue",
+            StageKind::Embed => "embed",
+            StageKind::Retrieve => "retrieve",
+            StageKind::Rerank => "rerank",
+            StageKind::Prompt => "prompt",
+            StageKind::Generate => return None,
+            StageKind::Prefill => "prefill",
+            StageKind::Decode => "decode",
+            StageKind::Stream => "stream",
+            StageKind::Respond => "respond",
+            StageKind::Ingest => "ingest",
+        })
+    }
+
+    /// The `service.name` the stage is exported under when per-stage services are on
+    /// (`RAGSCOPE_STAGE_SERVICES`); `None` keeps the parent's (prefill and decode stay with
+    /// generation, an ingest with its request).
+    pub const fn service(self) -> Option<&'static str> {
+        Some(match self {
+            StageKind::Queue => "ragscope-queue",
+            StageKind::Embed => "ragscope-embed",
+            StageKind::Retrieve => "ragscope-retrieve",
+            StageKind::Rerank => "ragscope-rerank",
+            StageKind::Prompt => "ragscope-prompt",
+            StageKind::Generate => "ragscope-generate",
+            StageKind::Stream | StageKind::Respond => "ragscope-respond",
+            StageKind::Prefill | StageKind::Decode | StageKind::Ingest => return None,
+        })
+    }
+
+    /// Whether the CPU profile is labelled with the stage's span while it runs. Each label
+    /// change makes the profiler cut its sample buffer, so only the stages that compute are.
+    pub const fn profiled(self) -> bool {
+        matches!(
+            self,
+            StageKind::Embed | StageKind::Retrieve | StageKind::Rerank | StageKind::Generate
+        )
+    }
+
+    /// The `gen_ai.operation.name` of a model stage.
+    pub const fn operation(self) -> Option<&'static str> {
+        match self {
+            StageKind::Embed => Some("embeddings"),
+            StageKind::Generate => Some("chat"),
+            _ => None,
+        }
+    }
+}
+
+/// Every per-stage service name, in pipeline order.
+pub const STAGE_SERVICES: [&str; 7] = [
+    "ragscope-queue",
+    "ragscope-embed",
+    "ragscope-retrieve",
+    "ragscope-rerank",
+    "ragscope-prompt",
+    "ragscope-generate",
+    "ragscope-respond",
+];
+
+/// `provider.name` of every model stage: the models run in this process.
+pub const PROVIDER: &str = "ragscope";
+
+/// Declares a module of name constants and the list of all of them.
+macro_rules! names {
+    ($(#[$meta:meta])* $module:ident { $($(#[$doc:meta])* $name:ident = $value:literal,)* }) => {
+        $(#[$meta])*
+        pub mod $module {
+            $($(#[$doc])* pub const $name: &str = $value;)*
+            /// Every name in this module.
+            pub const ALL: &[&str] = &[$($value),*];
+        }
+    };
+}
+
+names! {
+    /// Span names that are not a [`StageKind`](super::StageKind) of their own: the parts of a
+    /// stage, and roots of work outside any request.
+    span {
+        /// Tokenizing a batch (under `embeddings`).
+        TOKENIZE = "tokenize",
+        /// A model's forward pass (under `embeddings`, `rerank`).
+        FORWARD = "forward",
+        /// The wait for the prefill turn, only when another request is prefilling.
+        PREFILL_QUEUE = "prefill_queue",
+        /// One decode step, with `RAGSCOPE_TOKEN_TRACE=spans`.
+        DECODE_STEP = "decode_step",
+        /// GPU work of a phase, `gpu {phase}` (CUDA builds).
+        GPU = "gpu",
+        /// The root of corpus ingest at start-up and of `ragscope ingest`.
+        INGEST_ROOT = "ingest",
+        /// The root of benchmark work.
+        BENCH = "bench",
+        /// The root of evaluation work.
+        EVAL = "eval",
+        /// A gRPC call served without the trace layer (never as served; tests).
+        GRPC = "grpc",
+    }
+}
+
+names! {
+    /// Span event names.
+    event {
+        /// One generated token, on the `decode` span.
+        TOKEN = "token",
+    }
+}
+
+names! {
+    /// Attribute keys of spans and metric points.
+    attr {
+        // Requests.
+        HTTP_REQUEST_METHOD = "http.request.method",
+        HTTP_ROUTE = "http.route",
+        URL_PATH = "url.path",
+        HTTP_RESPONSE_STATUS_CODE = "http.response.status_code",
+        RPC_SYSTEM = "rpc.system",
+        RPC_SERVICE = "rpc.service",
+        RPC_METHOD = "rpc.method",
+        RPC_GRPC_STATUS_CODE = "rpc.grpc.status_code",
+        ERROR_TYPE = "error.type",
+        REQUEST_ID = "rag.request.id",
+        QUERY_TEXT = "rag.query.text",
+        ANSWER_TEXT = "rag.answer.text",
+        QUEUE_DEPTH_AT_ENTRY = "rag.queue.depth_at_entry",
+        STREAM_EVENTS = "rag.stream.events",
+        // GenAI.
+        GEN_AI_OPERATION_NAME = "gen_ai.operation.name",
+        GEN_AI_PROVIDER_NAME = "gen_ai.provider.name",
+        GEN_AI_REQUEST_MODEL = "gen_ai.request.model",
+        GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens",
+        GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature",
+        GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p",
+        GEN_AI_REQUEST_SEED = "gen_ai.request.seed",
+        GEN_AI_REQUEST_STREAM = "gen_ai.request.stream",
+        GEN_AI_RESPONSE_MODEL = "gen_ai.response.model",
+        GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons",
+        GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens",
+        GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens",
+        GEN_AI_SERVER_TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token",
+        GEN_AI_EMBEDDINGS_DIMENSION_COUNT = "gen_ai.embeddings.dimension.count",
+        GEN_AI_DATA_SOURCE_ID = "gen_ai.data_source.id",
+        GEN_AI_RERANK_CANDIDATE_COUNT = "gen_ai.rerank.candidate.count",
+        GEN_AI_TOKEN_INDEX = "gen_ai.token.index",
+        GEN_AI_TOKEN_ID = "gen_ai.token.id",
+        GEN_AI_TOKEN_TYPE = "gen_ai.token.type",
+        // Embedding and reranking.
+        INPUTS = "rag.inputs",
+        BATCH_SIZE = "rag.batch.size",
+        BATCH_PADDED_TOKENS = "rag.batch.padded_tokens",
+        CACHE_HIT = "rag.cache.hit",
+        RERANK_MOVED = "rag.rerank.moved",
+        // Retrieval.
+        DB_SYSTEM_NAME = "db.system.name",
+        DB_COLLECTION_NAME = "db.collection.name",
+        DB_OPERATION_NAME = "db.operation.name",
+        DB_RESPONSE_RETURNED_ROWS = "db.response.returned_rows",
+        SERVER_ADDRESS = "server.address",
+        SERVER_PORT = "server.port",
+        RETRIEVAL_TOP_K = "rag.retrieval.top_k",
+        RETRIEVAL_INDEX = "rag.retrieval.index",
+        RETRIEVAL_FILTERED = "rag.retrieval.filtered",
+        // Prompt and generation.
+        PROMPT_PASSAGES_KEPT = "rag.prompt.passages_kept",
+        PROMPT_PASSAGES_DROPPED = "rag.prompt.passages_dropped",
+        PROMPT_TRUNCATED = "rag.prompt.truncated",
+        PREFILL_TOKENS_PER_SECOND = "rag.prefill.tokens_per_second",
+        DECODE_TOKENS_PER_SECOND = "rag.decode.tokens_per_second",
+        DECODE_BATCH_SIZE_MAX = "rag.decode.batch_size.max",
+        DECODE_BATCH_SIZE_MEAN = "rag.decode.batch_size.mean",
+        GPU_DEVICE_MS = "gpu.device_ms",
+        GPU_HOST_LAUNCH_MS = "gpu.host_launch_ms",
+        GPU_GAP_MS = "gpu.gap_ms",
+        // Documents.
+        DOCUMENT_ID = "rag.document.id",
+        INGEST_CHUNKS = "rag.ingest.chunks",
+        // Injected faults (every key under `rag.fault.`).
+        FAULT_PREFIX = "rag.fault.",
+        FAULT_ERROR = "rag.fault.error",
+        FAULT_CPU_BURN_MS = "rag.fault.cpu_burn_ms",
+        FAULT_DELAY_MS = "rag.fault.delay_ms",
+        FAULT_DELAY_DISTRIBUTION = "rag.fault.delay.distribution",
+        FAULT_TOKEN_DELAY_MS = "rag.fault.token_delay_ms",
+        FAULT_DELAYED_TOKENS = "rag.fault.delayed_tokens",
+        FAULT_PLAN = "rag.fault.plan",
+        // Profiles.
+        PYROSCOPE_PROFILE_ID = "pyroscope.profile.id",
+        // Metric point labels.
+        STAGE = "rag.stage",
+        CACHE = "cache",
+        RESULT = "result",
+        REASON = "reason",
+        KIND = "kind",
+        VERSION = "version",
+        SERVICE_NAME = "service.name",
+        SERVICE_VERSION = "service.version",
+    }
+}
+
+names! {
+    /// Metric instrument names (OpenTelemetry spelling; `/metrics` renders the Prometheus one).
+    metric {
+        REQUEST_DURATION = "gen_ai.server.request.duration",
+        TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token",
+        TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token",
+        STAGE_DURATION = "ragscope.stage.duration",
+        TOKEN_USAGE = "ragscope.token.usage",
+        REQUESTS_IN_FLIGHT = "ragscope.requests.in_flight",
+        CACHE_REQUESTS = "ragscope.cache.requests",
+        FAULTS_INJECTED = "ragscope.faults.injected",
+        QUEUE_DEPTH = "ragscope.queue.depth",
+        SPANS_DROPPED = "ragscope.spans.dropped",
+        KV_CACHE_BYTES = "ragscope.kv_cache.bytes",
+        KV_CACHE_TOKENS = "ragscope.kv_cache.tokens",
+        DECODE_BATCH_SIZE = "ragscope.decode.batch_size",
+        GPU_MEMORY_USED = "ragscope.gpu.memory.used",
+        GPU_MEMORY_PEAK = "ragscope.gpu.memory.peak",
+        GPU_MEMORY_TOTAL = "ragscope.gpu.memory.total",
+        GPU_KV_CACHE_BYTES = "ragscope.gpu.kv_cache.bytes",
+        BUILD_INFO = "ragscope.build.info",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn span_names_lead_back_to_their_stage() {
+        for kind in StageKind::ALL {
+            assert_eq!(
+                StageKind::of_span_name(&kind.span_name(Some("m"))),
+                Some(kind)
+            );
+            assert_eq!(StageKind::of_span_name(kind.span_prefix()), Some(kind));
+        }
+        assert_eq!(StageKind::of_span_name("POST /v1/rag/query"), None);
+    }
+
+    #[test]
+    fn every_stage_service_is_listed() {
+        let derived: std::collections::BTreeSet<&str> =
+            StageKind::ALL.iter().filter_map(|k| k.service()).collect();
+        let listed: std::collections::BTreeSet<&str> = STAGE_SERVICES.into_iter().collect();
+        assert_eq!(derived, listed);
+    }
+
+    #[test]
+    fn no_name_is_declared_twice() {
+        for all in [span::ALL, event::ALL, attr::ALL, metric::ALL] {
+            let unique: std::collections::BTreeSet<&&str> = all.iter().collect();
+            assert_eq!(unique.len(), all.len(), "{all:?}");
+        }
+    }
+}
