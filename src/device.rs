@@ -13,13 +13,11 @@ pub fn device(spec: &str) -> Result<Device> {
 }
 
 /// Keeps freed memory in the process instead of handing it back to the kernel. Every candle op
-/// allocates its output; with glibc's defaults a prefill's multi-megabyte activations came from
-/// fresh `mmap`s, or from a per-thread arena's heap that shrank and regrew, so each op first
-/// faulted in and zeroed its pages. Measured to the first token of the 586-token peer prompt:
-/// 1,720-1,840 ms with glibc's defaults once the embedder's threads had created arenas,
-/// 1,470-1,750 with the thresholds alone, 1,260-1,450 with one arena as well (the binary
-/// before the embedder's threads: 1,260-1,390). Process-wide, idempotent, glibc only; one
-/// arena costs little here, where a few threads allocate large buffers. Call it first thing in
+/// allocates its output; with glibc's defaults a prefill's multi-megabyte activations come from
+/// fresh `mmap`s, or from a per-thread arena's heap that shrinks and regrows, so each op first
+/// faults in and zeroes its pages: about a third more time to the first token of a long prompt
+/// (docs/PERFORMANCE.md has the figures). Process-wide, idempotent, glibc only; one arena
+/// costs little here, where a few threads allocate large buffers. Call it first thing in
 /// `main`, before any thread exists: a thread keeps the arena it already has.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -26,7 +26,7 @@ use crate::generate::{
 use crate::ingest::{self, chunk};
 use crate::telemetry::{clock, span::Stage};
 
-/// Prompt budget, in generator tokens (the "600-token RAG prompt").
+/// Prompt budget, in generator tokens: a typical RAG prompt of about 600 tokens.
 const PROMPT_TOKENS: usize = 600;
 /// Greedy tokens generated, end-of-sequence ignored.
 const GEN_TOKENS: usize = 128;
