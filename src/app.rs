@@ -29,6 +29,7 @@ use crate::rerank::Reranker;
 use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::remote::RemoteStore;
 use crate::retrieve::VectorStore;
+use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
 use crate::worker::Workers;
 
@@ -199,7 +200,7 @@ pub fn ingest_corpus(
     let started = Instant::now();
     let mut chunks = 0;
     for (i, doc) in docs.iter().enumerate() {
-        let stage = Stage::root("ingest");
+        let stage = Stage::root(span::INGEST_ROOT);
         let outcome = ingest_document(
             doc,
             pipeline.embedder.as_ref(),

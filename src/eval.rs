@@ -15,6 +15,7 @@ use crate::pipeline::RagRequest;
 use crate::rerank::fusion::FusionReranker;
 use crate::rerank::{ranking, Candidate, Reranker};
 use crate::retrieve::ScoredChunk;
+use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
 
 #[derive(Debug, Deserialize)]
@@ -106,7 +107,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         ),
     ];
     let mut scores = vec![RankScores::default(); variants.len()];
-    let root = || Stage::root("eval");
+    let root = || Stage::root(span::EVAL);
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);

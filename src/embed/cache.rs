@@ -5,6 +5,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
+use crate::telemetry::names::attr;
 use opentelemetry::KeyValue;
 
 pub struct QueryCache {
@@ -44,8 +45,8 @@ impl QueryCache {
         crate::telemetry::metrics::metrics().cache_requests.add(
             1,
             &[
-                KeyValue::new("cache", "query_embedding"),
-                KeyValue::new("result", result),
+                KeyValue::new(attr::CACHE, "query_embedding"),
+                KeyValue::new(attr::RESULT, result),
             ],
         );
         hit

@@ -15,6 +15,7 @@ use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use super::{Candidate, RerankError, Reranker};
 use crate::telemetry::gpu::GpuTimer;
+use crate::telemetry::names::{attr, span};
 use crate::telemetry::span::Stage;
 
 /// Pairs per forward pass.
@@ -133,8 +134,8 @@ impl Reranker for CrossEncoder {
         candidates: &[Candidate<'_>],
         stage: &Stage,
     ) -> Result<Vec<f32>, RerankError> {
-        let forward = stage.child("forward");
-        forward.set(KeyValue::new("rag.batch.size", candidates.len() as i64));
+        let forward = stage.child(span::FORWARD);
+        forward.set(KeyValue::new(attr::BATCH_SIZE, candidates.len() as i64));
         let texts: Vec<&str> = candidates.iter().map(|c| c.text).collect();
         let mut scores = Vec::with_capacity(texts.len());
         for group in texts.chunks(SUB_BATCH) {

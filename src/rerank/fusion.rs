@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use opentelemetry::KeyValue;
 
 use super::{Candidate, RerankError, Reranker};
+use crate::telemetry::names::attr;
 use crate::telemetry::span::Stage;
 
 /// Words too common to count as evidence.
@@ -114,7 +115,7 @@ impl Reranker for FusionReranker {
             .enumerate()
             .filter(|(r, &i)| *r != i)
             .count();
-        stage.set(KeyValue::new("rag.rerank.moved", moved as i64));
+        stage.set(KeyValue::new(attr::RERANK_MOVED, moved as i64));
         Ok(fused)
     }
 }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use opentelemetry::KeyValue;
 
 use super::clock;
+use super::names::{attr, span};
 use super::span::Stage;
 
 /// What the host saw of one GPU phase, all readings of the shared clock.
@@ -83,15 +84,15 @@ pub fn sampled(index: usize, every: usize) -> bool {
 /// The attributes a `gpu <phase>` span carries.
 pub fn attributes(iv: &GpuInterval) -> Vec<KeyValue> {
     vec![
-        KeyValue::new("gpu.device_ms", clock::millis(iv.device)),
-        KeyValue::new("gpu.host_launch_ms", clock::millis(iv.host_launch)),
-        KeyValue::new("gpu.gap_ms", clock::millis(iv.gap)),
+        KeyValue::new(attr::GPU_DEVICE_MS, clock::millis(iv.device)),
+        KeyValue::new(attr::GPU_HOST_LAUNCH_MS, clock::millis(iv.host_launch)),
+        KeyValue::new(attr::GPU_GAP_MS, clock::millis(iv.gap)),
     ]
 }
 
 /// Emits `iv` as the child span `gpu {phase}` of `host`.
 pub fn emit(host: &Stage, phase: &str, iv: &GpuInterval, extra: Vec<KeyValue>) {
-    let span = host.child_at(format!("gpu {phase}"), iv.start);
+    let span = host.child_at(format!("{} {phase}", span::GPU), iv.start);
     span.set_all(attributes(iv).into_iter().chain(extra));
     span.end_at(iv.end);
 }
@@ -225,6 +226,8 @@ mod cuda {
 pub mod memory {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+    use crate::telemetry::names::metric;
+
     /// KV-cache bytes on the GPU; the generator adds and subtracts.
     pub static KV_CACHE_BYTES: AtomicU64 = AtomicU64::new(0);
     static PEAK: AtomicU64 = AtomicU64::new(0);
@@ -273,7 +276,7 @@ pub mod memory {
     /// Registers the gauges; they report nothing until a CUDA device is watched.
     pub fn register(meter: &opentelemetry::metrics::Meter) {
         let _used = meter
-            .u64_observable_gauge("ragscope.gpu.memory.used")
+            .u64_observable_gauge(metric::GPU_MEMORY_USED)
             .with_unit("By")
             .with_description("GPU memory in use on the models' device (all processes)")
             .with_callback(|o| {
@@ -283,7 +286,7 @@ pub mod memory {
             })
             .build();
         let _peak = meter
-            .u64_observable_gauge("ragscope.gpu.memory.peak")
+            .u64_observable_gauge(metric::GPU_MEMORY_PEAK)
             .with_unit("By")
             .with_description("Largest GPU memory use seen at a GPU phase end or a collection")
             .with_callback(|o| {
@@ -293,7 +296,7 @@ pub mod memory {
             })
             .build();
         let _total = meter
-            .u64_observable_gauge("ragscope.gpu.memory.total")
+            .u64_observable_gauge(metric::GPU_MEMORY_TOTAL)
             .with_unit("By")
             .with_description("GPU memory of the models' device")
             .with_callback(|o| {
@@ -303,7 +306,7 @@ pub mod memory {
             })
             .build();
         let _kv = meter
-            .u64_observable_gauge("ragscope.gpu.kv_cache.bytes")
+            .u64_observable_gauge(metric::GPU_KV_CACHE_BYTES)
             .with_unit("By")
             .with_description("KV-cache memory of running generations held on the GPU")
             .with_callback(|o| {
