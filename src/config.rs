@@ -265,6 +265,25 @@ pub struct BenchArgs {
     /// Tokens each stream decodes (with --streams).
     #[arg(long, default_value_t = 64)]
     pub stream_tokens: usize,
+    /// Instead of the stage figures, time the decode matmul kernels on a synthetic 92,160 × 576
+    /// matrix, in Q4_1 and Q8_0, for 1 to 16 activation rows: ms per multiply and GB/s of
+    /// weights read. Needs no model.
+    #[arg(long)]
+    pub kernels: bool,
+    /// Instead of the stage figures, time one CPU decode step of the generator's GGUF at 600-650
+    /// positions of context, and its layer matmuls alone.
+    #[arg(long)]
+    pub decode_step: bool,
+    /// Instead of the stage figures, run the embedder's forwards (candle's, the CPU one in F32
+    /// and, with AVX-512 BF16, in BF16) in interleaved rounds on the peer benchmark's inputs
+    /// (`inputs.json` in --peer-inputs, default data/bench-peers/inputs, which `ragscope bench
+    /// --peer-inputs DIR` writes): batch-32 sentences/s and single-query p50 ms, each the
+    /// median of --rounds rounds.
+    #[arg(long)]
+    pub embed_ab: bool,
+    /// With --embed-ab: only the forwards whose name contains this (e.g. `Bf16`), for profiling.
+    #[arg(long, requires = "embed_ab", value_name = "NAME")]
+    pub ab_only: Option<String>,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]

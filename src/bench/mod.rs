@@ -1,6 +1,7 @@
 //! `ragscope bench`: speed of every stage on this machine, printed as a table. Measurements,
 //! not assertions: the README quotes its output with the command that produced it.
 
+mod micro;
 mod overhead;
 mod peers;
 mod streams;
@@ -39,6 +40,9 @@ fn median(xs: &mut [f64]) -> f64 {
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
+    if args.kernels || args.decode_step || args.embed_ab {
+        return tokio::task::spawn_blocking(move || micro::run(&args)).await?;
+    }
     if args.telemetry_overhead {
         return overhead::run(&args).await;
     }

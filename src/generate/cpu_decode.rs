@@ -16,7 +16,7 @@ use super::kernels::{matmul, QActs, QMatrix};
 
 /// The model's dimensions, as the decoder needs them.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Dims {
+pub(crate) struct Dims {
     pub n_head: usize,
     pub n_kv_head: usize,
     pub head_dim: usize,
@@ -27,7 +27,7 @@ pub(super) struct Dims {
 /// One sequence's keys and values on the host: per layer `(n_kv_head, capacity, head_dim)`,
 /// head-major like the candle cache.
 #[derive(Default)]
-pub(super) struct HostKv {
+pub(crate) struct HostKv {
     pub k: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
     pub capacity: usize,
@@ -45,27 +45,27 @@ impl HostKv {
 }
 
 /// One sequence's share of a step: its cache, the position its token goes to, and the token.
-pub(super) struct SeqStep<'a> {
+pub(crate) struct SeqStep<'a> {
     pub kv: &'a mut HostKv,
     pub pos: usize,
     pub token: u32,
 }
 
-struct Layer {
+pub(crate) struct Layer {
     attn_norm: Vec<f32>,
     /// q, k and v stacked row-wise.
-    qkv: QMatrix,
-    attn_out: QMatrix,
+    pub(crate) qkv: QMatrix,
+    pub(crate) attn_out: QMatrix,
     ffn_norm: Vec<f32>,
     /// gate and up stacked row-wise.
-    gate_up: QMatrix,
-    down: QMatrix,
+    pub(crate) gate_up: QMatrix,
+    pub(crate) down: QMatrix,
 }
 
 /// The decode weights (read-only, shared by all requests) and the step's scratch buffers.
-pub(super) struct CpuDecoder {
-    dims: Dims,
-    layers: Vec<Layer>,
+pub(crate) struct CpuDecoder {
+    pub(crate) dims: Dims,
+    pub(crate) layers: Vec<Layer>,
     final_norm: Vec<f32>,
     /// Token embedding; also the output head when the model ties them.
     embed: QMatrix,
@@ -111,7 +111,7 @@ fn vector(t: &QTensor) -> candle_core::Result<Vec<f32>> {
 
 impl CpuDecoder {
     /// `cos`/`sin`: the RoPE tables `(positions, head_dim / 2)` the prefill uses too.
-    pub fn new(
+    pub(super) fn new(
         dims: Dims,
         layers: &[RawLayer<'_>],
         embed: &QTensor,
@@ -495,54 +495,5 @@ fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
 fn add_into(x: &mut [f32], y: &[f32]) {
     for (x, y) in x.iter_mut().zip(y) {
         *x += y;
-    }
-}
-
-#[cfg(test)]
-mod speed {
-    use super::*;
-
-    /// `cargo nextest run --release --lib --run-ignored only decode_step_speed --no-capture`:
-    /// one sequence's step at 600-650 positions of context, and the layer matmuls alone.
-    #[test]
-    #[ignore]
-    fn decode_step_speed() {
-        let path = crate::generate::llama::test_model_path();
-        let (d, _) = crate::generate::llama::decoder_for_bench(&path);
-        let mut kv = HostKv::new(d.layers.len(), d.dims.n_kv_head, d.dims.head_dim, 1024);
-        let mut logits = vec![0f32; d.vocab()];
-        let mut step = |pos: usize| {
-            let seq = SeqStep {
-                kv: &mut kv,
-                pos,
-                token: 100 + pos as u32,
-            };
-            d.step(&mut [seq], &mut logits).unwrap();
-        };
-        for pos in 0..600 {
-            step(pos);
-        }
-        let t = std::time::Instant::now();
-        for pos in 600..650 {
-            step(pos);
-        }
-        let per_step = t.elapsed().as_secs_f64() * 1e3 / 50.0;
-        let mut acts = QActs::default();
-        let x = vec![0.5f32; d.dims.ffn];
-        let mut out = vec![0f32; 2 * d.dims.ffn];
-        let hidden = d.dims.n_head * d.dims.head_dim;
-        let t = std::time::Instant::now();
-        for _ in 0..20 {
-            for l in &d.layers {
-                acts.quantize(&x[..hidden], 1, hidden);
-                matmul(&l.qkv, &acts, &mut out[..l.qkv.rows()]);
-                matmul(&l.attn_out, &acts, &mut out[..hidden]);
-                matmul(&l.gate_up, &acts, &mut out[..2 * d.dims.ffn]);
-                acts.quantize(&x, 1, d.dims.ffn);
-                matmul(&l.down, &acts, &mut out[..hidden]);
-            }
-        }
-        let layers = t.elapsed().as_secs_f64() * 1e3 / 20.0;
-        println!("step {per_step:.2} ms, layer matmuls {layers:.2} ms");
     }
 }

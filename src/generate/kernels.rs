@@ -374,9 +374,9 @@ const ROW_TILE: usize = 4;
 /// Below this many row × sequence dot products, waking the other threads costs more than it saves.
 const PARALLEL_MIN_WORK: usize = 64;
 
-/// Weight rows per kernel call for a tile of `n` activations. Measured (`kernel_speed`, 2
-/// threads): Q4_1 with one activation runs 1.6 ms with four rows per call against 2.1 ms with
-/// one; Q8_0 the other way round (5.6 ms with four rows, 2.2 ms with one).
+/// Weight rows per kernel call for a tile of `n` activations. Measured (`ragscope bench
+/// --kernels`, 2 threads): Q4_1 with one activation runs 1.6 ms with four rows per call against
+/// 2.1 ms with one; Q8_0 the other way round (5.6 ms with four rows, 2.2 ms with one).
 fn row_tile(format: BlockFormat, n: usize) -> usize {
     match (format, n) {
         (BlockFormat::Q8_0, _) => 1,
@@ -539,8 +539,8 @@ mod x86 {
     }
 
     /// How far ahead of the blocks being multiplied the kernel asks for the weights (bytes).
-    /// Measured on the decode step (`decode_step_speed`): 1 KiB ahead 9.4 ms against 9.8–10.1
-    /// without; 512 B, 768 B, 1.5 KiB and more were no better than none.
+    /// Measured on the decode step (`ragscope bench --decode-step`): 1 KiB ahead 9.4 ms against
+    /// 9.8–10.1 without; 512 B, 768 B, 1.5 KiB and more were no better than none.
     const PREFETCH_BYTES: usize = 1024;
 
     /// Picks the monomorphised tile for `rows.len()` × `acts.len()`.
@@ -826,46 +826,5 @@ mod tests {
         let mut out = [1f32];
         matmul(&w, &acts, &mut out);
         assert_eq!(out, [0.0]);
-    }
-}
-
-#[cfg(test)]
-mod speed {
-    use super::*;
-
-    /// `cargo nextest run --release --run-ignored only kernels::speed`: GB/s of weights read.
-    #[test]
-    #[ignore]
-    fn kernel_speed() {
-        let (rows, cols) = (3072 * 30, 576);
-        let dense: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-            .collect();
-        let t =
-            candle_core::Tensor::from_vec(dense.clone(), (rows, cols), &candle_core::Device::Cpu)
-                .unwrap();
-        let q4 =
-            QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1).unwrap()]).unwrap();
-        let q8 = QMatrix::quantize_q8(&dense, rows, cols);
-        for w in [&q4, &q8] {
-            for n in [1, 2, 4, 8, 16] {
-                let mut acts = QActs::default();
-                acts.quantize(&dense[..n * cols], n, cols);
-                let mut out = vec![0f32; n * rows];
-                matmul(w, &acts, &mut out);
-                let t0 = std::time::Instant::now();
-                let reps = 10;
-                for _ in 0..reps {
-                    matmul(w, &acts, &mut out);
-                }
-                let s = t0.elapsed().as_secs_f64() / reps as f64;
-                println!(
-                    "{:?} n={n}: {:.2} ms, {:.1} GB/s",
-                    w.format(),
-                    s * 1e3,
-                    w.size_in_bytes() as f64 / s / 1e9,
-                );
-            }
-        }
     }
 }

@@ -1418,9 +1418,8 @@ impl Generator for Llama {
     }
 }
 
-/// The CPU decoder of the model at `path`, for the decoder's own speed test.
-#[cfg(test)]
-pub(super) fn decoder_for_bench(path: &Path) -> (Arc<CpuDecoder>, Llama) {
+/// The CPU decoder of the model at `path`, for `ragscope bench --decode-step`.
+pub(crate) fn decoder_for_bench(path: &Path) -> (Arc<CpuDecoder>, Llama) {
     let model = Llama::from_gguf(path, &Device::Cpu, 2048).expect("load");
     (model.weights.decoder.clone().expect("CPU default"), model)
 }

@@ -5,7 +5,7 @@
 //! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
 
 mod batch;
-mod cpu_decode;
+pub(crate) mod cpu_decode;
 pub mod kernels;
 pub mod llama;
 pub mod tokenizer;

@@ -1,0 +1,68 @@
+//! Compute kernels for the CPU BERT forward ([`super::cpu_bert`]): a matrix multiply against
+//! weights packed once at load, in BF16 on AVX-512 BF16 (`vdpbf16ps`, F32 accumulation) or in
+//! F32 through the `gemm` crate anywhere else, and the row-wise pieces around it (LayerNorm,
+//! exact-erf GELU, attention with softmax). The x86 paths are chosen at run time, so one binary
+//! runs on any x86-64 or aarch64 CPU.
+//!
+//! By role: `linear` holds the layer and its portable F32 path, `bf16` the BF16 rounding, weight
+//! packing and AVX-512 BF16 tile kernel, `activation` the erf GELU and exp polynomials the
+//! epilogues and the softmax use, `norm` LayerNorm and `attention` one head's attention. Each
+//! keeps its AVX-512 bodies in its own `x86` module.
+
+mod activation;
+mod attention;
+mod bf16;
+mod linear;
+mod norm;
+#[cfg(test)]
+mod tests;
+
+pub use activation::{exp, gelu};
+pub use attention::attention_head;
+pub use bf16::{convert_to_bf16, from_bf16, to_bf16};
+pub use linear::{column_share, Epilogue, Linear, Rows};
+pub use norm::layer_norm;
+
+/// Output columns per packed weight panel; a thread's share of a matrix multiply is whole panels.
+pub const PANEL: usize = 64;
+
+/// One AVX-512 register of f32.
+const LANES: usize = 16;
+
+/// What the linear layers multiply in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// Weights and activations rounded to BF16, products accumulated in F32 (AVX-512 BF16 only).
+    Bf16,
+    /// F32 throughout, on any CPU.
+    F32,
+}
+
+impl Precision {
+    /// BF16 where the CPU has AVX-512 BF16 (twice the multiply rate of F32 FMA on Zen 4), else F32.
+    pub fn best() -> Precision {
+        if avx512_bf16() {
+            Precision::Bf16
+        } else {
+            Precision::F32
+        }
+    }
+}
+
+/// Whether the AVX-512 paths (BF16 dot products and the vectorised row kernels) can run here.
+pub fn avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+            && std::is_x86_feature_detected!("avx512dq")
+            && std::is_x86_feature_detected!("avx512bf16")
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}

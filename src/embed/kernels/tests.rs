@@ -1,0 +1,295 @@
+//! The kernels against their definitions, in f64, and the AVX-512 paths against the portable
+//! ones where this CPU has AVX-512 BF16.
+
+#[cfg(target_arch = "x86_64")]
+use super::activation::x86;
+use super::attention::attention_head_body;
+use super::norm::layer_norm_body;
+use super::*;
+
+/// Deterministic values in [-1, 1).
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn naive(a: &[f32], w: &[f32], bias: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+    let mut out = vec![0f64; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            out[r * n + c] = f64::from(bias[c])
+                + (0..k)
+                    .map(|i| f64::from(a[r * k + i]) * f64::from(w[c * k + i]))
+                    .sum::<f64>();
+        }
+    }
+    out
+}
+
+fn gelu_f64(x: f64) -> f64 {
+    // Beyond 5.5, x Φ(x) is within 1e-7 of max(x, 0); below, erf by its Taylor series,
+    // which f64 sums with ~1e-10 to spare.
+    if x.abs() > 5.5 {
+        return x.max(0.0);
+    }
+    let z = x / std::f64::consts::SQRT_2;
+    let mut term = z;
+    let mut erf = z;
+    for n in 1..200 {
+        term *= -z * z / n as f64;
+        erf += term / (2 * n + 1) as f64;
+    }
+    0.5 * x * (1.0 + erf * 2.0 / std::f64::consts::PI.sqrt())
+}
+
+/// Runs `layer` over `a` in `parts` column shares, as the forward's threads do.
+fn run(layer: &Linear, a: &[f32], m: usize, epilogue: Epilogue<'_>, parts: usize) -> Vec<f32> {
+    let n = layer.out_features();
+    let mut out = vec![f32::NAN; m * n];
+    let bf;
+    let rows = match layer.precision() {
+        Precision::Bf16 => {
+            bf = a.iter().map(|&x| to_bf16(x)).collect::<Vec<_>>();
+            Rows::Bf16(&bf)
+        }
+        Precision::F32 => Rows::F32(a),
+    };
+    for part in 0..parts {
+        let cols = column_share(n, part, parts);
+        // SAFETY: out is [m, n] and only this call touches it.
+        unsafe { layer.forward_columns(rows, m, out.as_mut_ptr(), cols, epilogue) };
+    }
+    out
+}
+
+fn check_linear(precision: Precision, m: usize, n: usize, k: usize) {
+    let a = values(m * k, 1);
+    let w = values(n * k, 2);
+    let bias = values(n, 3);
+    let layer = Linear::new(&w, &bias, n, k, precision);
+    assert_eq!(layer.precision(), precision);
+    let residual = values(m * n, 4);
+    // The exact answer for the operands the kernel sees: BF16-rounded in BF16 mode.
+    let round = |v: &[f32]| -> Vec<f32> {
+        match precision {
+            Precision::Bf16 => v.iter().map(|&x| from_bf16(to_bf16(x))).collect(),
+            Precision::F32 => v.to_vec(),
+        }
+    };
+    let want = naive(&round(&a), &round(&w), &bias, m, n, k);
+    let tol = 1e-5 * k as f64;
+    for parts in [1, 2, 3] {
+        let plain = run(&layer, &a, m, Epilogue::None, parts);
+        let added = run(&layer, &a, m, Epilogue::Add(&residual), parts);
+        let gelu = run(&layer, &a, m, Epilogue::Gelu, parts);
+        for i in 0..m * n {
+            let (r, c) = (i / n, i % n);
+            let at = format!("{precision:?} m={m} n={n} k={k} parts={parts} [{r},{c}]");
+            assert!(
+                (f64::from(plain[i]) - want[i]).abs() < tol,
+                "{at}: {} vs {}",
+                plain[i],
+                want[i]
+            );
+            let sum = want[i] + f64::from(residual[i]);
+            assert!(
+                (f64::from(added[i]) - sum).abs() < tol,
+                "{at}: {} vs {sum}",
+                added[i]
+            );
+            let g = gelu_f64(want[i]);
+            assert!(
+                (f64::from(gelu[i]) - g).abs() < tol,
+                "{at}: {} vs {g}",
+                gelu[i]
+            );
+        }
+    }
+}
+
+#[test]
+fn f32_linear_matches_a_naive_product() {
+    for (m, n, k) in [(1, 64, 2), (7, 128, 30), (13, 192, 384), (3, 100, 17)] {
+        check_linear(Precision::F32, m, n, k);
+    }
+}
+
+#[test]
+fn bf16_linear_matches_a_naive_product_of_the_rounded_operands() {
+    if !avx512_bf16() {
+        eprintln!("skipping: this CPU has no AVX-512 BF16");
+        return;
+    }
+    // Every tile height (1..=6 rows and a tail), one and several panels, short and long k.
+    for (m, n, k) in [
+        (1, 64, 2),
+        (5, 128, 30),
+        (6, 64, 384),
+        (13, 192, 384),
+        (27, 384, 1536),
+    ] {
+        check_linear(Precision::Bf16, m, n, k);
+    }
+}
+
+#[test]
+fn bf16_needs_whole_panels_and_even_k_else_stays_f32() {
+    let w = values(100 * 3, 5);
+    let b = values(100, 6);
+    assert_eq!(
+        Linear::new(&w, &b, 100, 3, Precision::Bf16).precision(),
+        Precision::F32
+    );
+}
+
+#[test]
+fn column_shares_cover_the_columns_once_in_whole_panels() {
+    for (n, parts) in [(384, 2), (1152, 2), (1536, 3), (100, 2), (64, 2)] {
+        let mut next = 0;
+        for part in 0..parts {
+            let share = column_share(n, part, parts);
+            assert_eq!(share.start, next, "n={n} parts={parts}");
+            assert!(share.start.is_multiple_of(PANEL));
+            next = share.end;
+        }
+        assert_eq!(next, n);
+    }
+}
+
+#[test]
+fn bf16_rounding_is_to_nearest_even_and_the_vector_path_agrees() {
+    assert_eq!(to_bf16(1.0), 0x3f80);
+    // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
+    assert_eq!(to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+    assert_eq!(to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+    assert_eq!(from_bf16(to_bf16(-2.5)), -2.5);
+    let src = values(100, 7);
+    let mut dst = vec![0u16; 100];
+    convert_to_bf16(&src, &mut dst);
+    for (s, d) in src.iter().zip(&dst) {
+        assert_eq!(*d, to_bf16(*s), "{s}");
+    }
+}
+
+#[test]
+fn exp_and_gelu_are_accurate() {
+    for i in -800..=800 {
+        let x = i as f32 / 10.0;
+        let want = f64::from(x).exp();
+        let got = f64::from(exp(x));
+        assert!(
+            (got - want).abs() <= 5e-7 * want + 1e-37,
+            "exp({x}) = {got}, want {want}"
+        );
+    }
+    for i in -600..=600 {
+        let x = i as f32 / 100.0;
+        let want = gelu_f64(f64::from(x));
+        assert!(
+            (f64::from(gelu(x)) - want).abs() < 3e-7 * (1.0 + x.abs() as f64),
+            "gelu({x})"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if avx512_bf16() {
+            let v = x86::gelu16([x; 16]);
+            assert!(
+                (f64::from(v[3]) - want).abs() < 3e-7 * (1.0 + x.abs() as f64),
+                "gelu16({x})"
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_matches_the_definition() {
+    let width = 384;
+    let x = values(3 * width, 8);
+    let gamma = values(width, 9);
+    let beta = values(width, 10);
+    let mut out = vec![0f32; x.len()];
+    let mut bf = vec![0u16; x.len()];
+    let mut portable = vec![0f32; x.len()];
+    layer_norm_body(&x, &gamma, &beta, 1e-12, &mut portable, None);
+    layer_norm(&x, &gamma, &beta, 1e-12, &mut out, Some(&mut bf));
+    for (a, b) in out.iter().zip(&portable) {
+        assert!((a - b).abs() < 1e-6, "{a} vs the portable {b}");
+    }
+    for r in 0..3 {
+        let row: Vec<f64> = x[r * width..(r + 1) * width]
+            .iter()
+            .map(|&v| f64::from(v))
+            .collect();
+        let mean = row.iter().sum::<f64>() / width as f64;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / width as f64;
+        for c in 0..width {
+            let want =
+                (row[c] - mean) / (var + 1e-12).sqrt() * f64::from(gamma[c]) + f64::from(beta[c]);
+            let got = out[r * width + c];
+            assert!(
+                (f64::from(got) - want).abs() < 1e-5,
+                "[{r},{c}] {got} vs {want}"
+            );
+            assert_eq!(bf[r * width + c], to_bf16(got));
+        }
+    }
+}
+
+#[test]
+fn attention_head_matches_the_definition() {
+    // Shorter and longer than a register of keys, a whole one, and a head width with no
+    // vector path (24); the dispatched kernel and, where that is AVX-512, the portable body.
+    for (len, d) in [(9, 32), (37, 32), (16, 64), (1, 16), (5, 24)] {
+        check_attention(len, d, attention_head);
+        check_attention(len, d, attention_head_body);
+    }
+}
+
+type Attention = fn(&[f32], usize, usize, (usize, usize, usize), f32, &mut [f32], &mut Vec<f32>);
+
+fn check_attention(len: usize, d: usize, attention: Attention) {
+    let heads = 3;
+    let ld = 3 * heads * d;
+    let qkv = values(len * ld, 11)
+        .iter()
+        .map(|v| v * 4.0)
+        .collect::<Vec<_>>();
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut scratch = Vec::new();
+    for h in 0..heads {
+        let cols = (h * d, heads * d + h * d, 2 * heads * d + h * d);
+        let mut out = vec![0f32; len * d];
+        attention(&qkv, ld, len, cols, scale, &mut out, &mut scratch);
+        for i in 0..len {
+            let s: Vec<f64> = (0..len)
+                .map(|j| {
+                    (0..d)
+                        .map(|e| {
+                            f64::from(qkv[i * ld + cols.0 + e])
+                                * f64::from(qkv[j * ld + cols.1 + e])
+                        })
+                        .sum::<f64>()
+                        * f64::from(scale)
+                })
+                .collect();
+            let max = s.iter().cloned().fold(f64::MIN, f64::max);
+            let total: f64 = s.iter().map(|x| (x - max).exp()).sum();
+            for e in 0..d {
+                let want: f64 = (0..len)
+                    .map(|j| (s[j] - max).exp() / total * f64::from(qkv[j * ld + cols.2 + e]))
+                    .sum();
+                let got = out[i * d + e];
+                assert!(
+                    (f64::from(got) - want).abs() < 1e-5,
+                    "len {len} d {d} head {h} [{i},{e}] {got} vs {want}"
+                );
+            }
+        }
+    }
+}
