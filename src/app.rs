@@ -80,6 +80,14 @@ pub fn load_models(args: &ModelArgs) -> Result<Models> {
     })
 }
 
+/// The GGUF file in a generator's model directory.
+pub fn gguf_in(dir: &Path) -> Result<std::path::PathBuf> {
+    std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .with_context(|| format!("no .gguf file in {}", dir.display()))
+}
+
 /// The GGUF file in `dir`, with `tokenizer.json` beside it when there is one (written by
 /// `models fetch`), else the tokenizer rebuilt from the GGUF metadata.
 pub fn load_generator(
@@ -87,10 +95,7 @@ pub fn load_generator(
     device: &candle_core::Device,
     max_context: usize,
 ) -> Result<Llama> {
-    let gguf = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
-        .with_context(|| format!("no .gguf file in {}", dir.display()))?;
+    let gguf = gguf_in(dir)?;
     let tokenizer_json = dir.join("tokenizer.json");
     let tokenizer = if tokenizer_json.exists() {
         tokenizer::load(&tokenizer_json)?

@@ -3,7 +3,7 @@
 //! synthetic weights, `--decode-step` one CPU decode step of the generator, and `--embed-ab`
 //! the embedder's forwards against each other on the peer benchmark's inputs.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -74,7 +74,7 @@ fn kernels() -> Result<()> {
 fn decode_step(args: &BenchArgs) -> Result<()> {
     let m = &args.models;
     let dir = crate::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
-    let path = gguf_in(&dir)?;
+    let path = crate::app::gguf_in(&dir)?;
     let (d, _) = crate::generate::llama::decoder_for_bench(&path);
     let mut kv = HostKv::new(d.layers.len(), d.dims.n_kv_head, d.dims.head_dim, 1024);
     let mut logits = vec![0f32; d.vocab()];
@@ -112,14 +112,6 @@ fn decode_step(args: &BenchArgs) -> Result<()> {
     let layers = t.elapsed().as_secs_f64() * 1e3 / 20.0;
     println!("step {per_step:.2} ms, layer matmuls {layers:.2} ms");
     Ok(())
-}
-
-/// The GGUF file in a generator's model directory.
-fn gguf_in(dir: &Path) -> Result<PathBuf> {
-    std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
-        .with_context(|| format!("no .gguf file in {}", dir.display()))
 }
 
 /// Candle's forward against the CPU one (F32, and BF16 where the CPU has it), interleaved

@@ -219,10 +219,7 @@ fn build_inputs(
         bail!("the corpus has only {} usable sentences", sentences.len());
     }
 
-    let gguf = std::fs::read_dir(gen_dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|x| x == "gguf"))
-        .with_context(|| format!("no .gguf file in {}", gen_dir.display()))?;
+    let gguf = crate::app::gguf_in(gen_dir)?;
     let eos_tokens = ["<|im_end|>", "<|endoftext|>"]
         .iter()
         .filter_map(|t| generator.tokenizer().token_to_id(t))
