@@ -265,6 +265,11 @@ pub struct BenchArgs {
     /// Tokens each stream decodes (with --streams).
     #[arg(long, default_value_t = 64)]
     pub stream_tokens: usize,
+    /// Instead of the stage figures, measure the generator's prefill and decode speed on the CPU
+    /// in each weight format (a ~600-token prompt, then 128 greedy tokens, medians of 3), or
+    /// only in those listed, e.g. `Q8_0,F32PrefillQ8Decode`. Run it on an idle machine.
+    #[arg(long, value_name = "FORMATS", value_delimiter = ',', num_args = 0..)]
+    pub weight_formats: Option<Vec<String>>,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]
