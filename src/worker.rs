@@ -4,6 +4,7 @@
 //! dedicated thread. The queue has a fixed capacity; a full queue is refused at once (the API
 //! answers 429 with Retry-After) rather than letting latency grow without bound. Each job's wait
 //! is recorded as a `queue` stage under the span that submitted it.
+//! How a running model then shares the cores between requests is `generate::schedule`'s policy.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};

@@ -3,12 +3,21 @@
 //! A generation prefills the whole prompt once, then decodes one token per step against a KV
 //! cache owned by that request. The implementation records `prefill` and `decode` child stages
 //! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
+//! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts).
 
-mod batch;
 pub(crate) mod cpu_decode;
+mod forward;
+mod generation;
 pub mod kernels;
+mod kv_cache;
 pub mod llama;
+mod sampler;
+mod schedule;
+mod template;
+#[cfg(test)]
+mod testing;
 pub mod tokenizer;
+mod weights;
 
 use std::time::{Duration, Instant};
 

@@ -1,16 +1,30 @@
-//! Continuous batching of decode steps across requests.
+//! How one model's requests share the cores: the scheduling policy behind [`super::llama::Llama`]
+//! (which requests run at all is the worker queue's business, `crate::worker`). Three rules:
+//! - **Prefills take turns.** One prompt prefills at a time: interleaved on the same cores they
+//!   would all finish late, while in turn the first request's first token comes after one
+//!   prefill, not several. A request that has to wait records the wait as a `prefill_queue`
+//!   stage.
+//! - **A prefill layer and a batched decode step alternate on the cores, in arrival order.**
+//!   Each holds one fair lock ([`parking_lot::FairMutex`], handed over first come, first served)
+//!   for one layer or one step, so a long prompt never stalls the decoding requests for its whole
+//!   prefill, and the two never run at once (candle's GEMM threads, its spinning pool and the
+//!   decoder's threads oversubscribed two cores and slowed both two- to threefold).
+//! - **The decode steps of all requests run as one batched step.** Every request prefills on
+//!   its own worker thread, then hands each decode step to one batcher thread, which runs the
+//!   steps of all requests that are decoding as one [`CpuDecoder::step`], reading every weight
+//!   once for the whole batch, and hands each request its logits back. Requests join and leave
+//!   between steps (continuous batching, as vLLM and TGI do on GPUs). Sampling, streaming and the
+//!   per-token telemetry stay on the request's own thread, so each request's `decode` span still
+//!   shows its own tokens at their own times; the span also records the batch sizes its steps
+//!   ran in.
 //!
-//! Every request prefills on its own worker thread, then hands each decode step to one batcher
-//! thread. The batcher runs the steps of all requests that are decoding as one
-//! [`CpuDecoder::step`], which reads every weight once for the whole batch, and hands each
-//! request its logits back. Requests join and leave between steps (continuous batching, as vLLM
-//! and TGI do on GPUs). Sampling, streaming and the per-token telemetry stay on the request's
-//! own thread, so each request's `decode` span still shows its own tokens at their own times;
-//! the span also records the batch sizes its steps ran in.
+//! Without the CPU decoder (the GPU, and the formats that decode on candle's ops) each request
+//! decodes on its own thread through the candle forward, each step's layers taking compute turns
+//! like a prefill's.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -24,6 +38,55 @@ pub const MAX_BATCH: usize = 16;
 /// (each is sampling or streaming its last one, normally tens of microseconds). A request
 /// whose consumer is slow misses the step instead of holding everyone back.
 const GATHER: Duration = Duration::from_millis(1);
+
+/// One model's scheduling state, shared by all its requests.
+pub(super) struct Scheduler {
+    /// Taken for a request's whole prefill: prefills run one at a time.
+    prefill_turn: Mutex<()>,
+    /// Held for each prefill layer and each batched decode step, handed over in arrival order.
+    compute: Arc<parking_lot::FairMutex<()>>,
+    /// Batches the decode steps of concurrent requests (with the CPU decoder).
+    batcher: Option<Batcher>,
+}
+
+impl Scheduler {
+    /// `decoder`: the CPU decoder whose steps are batched, when the model decodes on it.
+    pub fn new(decoder: Option<Arc<CpuDecoder>>) -> Scheduler {
+        let compute = Arc::new(parking_lot::FairMutex::new(()));
+        let batcher = decoder.map(|d| Batcher::start(d, compute.clone()));
+        Scheduler {
+            prefill_turn: Mutex::new(()),
+            compute,
+            batcher,
+        }
+    }
+
+    /// Waits for the prefill turn, held until the guard drops; the wait is its own
+    /// `prefill_queue` stage under `stage` when there is one.
+    pub fn prefill_turn(&self, stage: &Stage) -> MutexGuard<'_, ()> {
+        match self.prefill_turn.try_lock() {
+            Ok(turn) => turn,
+            Err(TryLockError::WouldBlock) => {
+                let wait = stage.child("prefill_queue");
+                let turn = self.prefill_turn.lock().unwrap_or_else(|p| p.into_inner());
+                wait.end();
+                turn
+            }
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+        }
+    }
+
+    /// One turn on the cores, for one prefill layer (or one unbatched decode step's layer).
+    pub fn compute_turn(&self) -> parking_lot::FairMutexGuard<'_, ()> {
+        self.compute.lock()
+    }
+
+    /// Registers a request that is about to decode, under its `decode` stage, when decode
+    /// steps are batched: its steps then go through [`Session::step`].
+    pub fn session(&self, decode: &Stage) -> Option<Session<'_>> {
+        self.batcher.as_ref().map(|b| b.session(decode))
+    }
+}
 
 /// One request's step, sent to the batcher and back.
 struct Job {
@@ -44,7 +107,7 @@ struct Done {
 }
 
 /// The batcher thread and the channel feeding it.
-pub(super) struct Batcher {
+struct Batcher {
     tx: Mutex<Option<Sender<Job>>>,
     /// Requests between their first and last decode step.
     active: Arc<AtomicUsize>,
@@ -229,4 +292,53 @@ fn finish(job: Job, batch: usize, result: candle_core::Result<()>) {
         batch,
         result,
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::generate::testing::{model, request, run};
+    use crate::generate::{ChatMessage, Generator, Sampling};
+
+    /// Requests decoding at the same time share batched steps; each still gets exactly the
+    /// tokens it gets alone (greedy), whatever it is batched with, and the decode span says so.
+    #[test]
+    fn batched_decoding_gives_each_request_its_own_tokens() {
+        let Some(model) = model() else { return };
+        let prompts: Vec<Vec<u32>> = [
+            "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
+            "Write a short poem about the sea.",
+            "List three uses of git stash.",
+        ]
+        .iter()
+        .map(|q| model.chat_prompt(&[ChatMessage::new("user", *q)]).unwrap())
+        .collect();
+        let max_tokens = [40, 24, 32];
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(max_tokens)
+            .map(|(p, n)| run(model, request(p, n, Sampling::default())).0.tokens)
+            .collect();
+        let start = std::sync::Barrier::new(prompts.len());
+        let together: Vec<Vec<u32>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = prompts
+                .iter()
+                .zip(max_tokens)
+                .map(|(p, n)| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        start.wait();
+                        run(model, request(p, n, Sampling::default())).0.tokens
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(together, alone);
+        assert!(model.schedule.batcher.is_some(), "the CPU default batches");
+        let largest = &crate::telemetry::metrics::DECODE_BATCH.largest;
+        assert!(
+            largest.load(std::sync::atomic::Ordering::Relaxed) > 1,
+            "the steps never ran batched"
+        );
+    }
 }

@@ -1,0 +1,135 @@
+//! What the generation tests share: the model file, the default model loaded once, and small
+//! ways to run it.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use candle_core::{Device, Tensor};
+
+use super::kv_cache::KvCache;
+use super::llama::{Llama, MODEL_ID};
+use super::sampler::Logits;
+use super::{ChatMessage, Flow, GenerateRequest, Generated, Generator, Sampling, TokenTrace};
+use crate::telemetry::span::Stage;
+
+/// Where tests find the model: `$RAGSCOPE_MODELS_DIR` (default `models`), then
+/// `SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf`.
+pub(crate) fn test_model_path() -> PathBuf {
+    let dir = std::env::var("RAGSCOPE_MODELS_DIR").unwrap_or_else(|_| "models".into());
+    Path::new(&dir)
+        .join(MODEL_ID)
+        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+pub(super) const MAX_CONTEXT: usize = 2048;
+
+/// The default-format model, loaded once for all tests, or `None` (with a note) when the
+/// GGUF is absent.
+pub(super) fn model() -> Option<&'static Llama> {
+    static MODEL: OnceLock<Option<Llama>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| {
+            let path = test_model_path();
+            if !path.exists() {
+                eprintln!("skipping: {} not found", path.display());
+                return None;
+            }
+            Some(Llama::from_gguf(&path, &Device::Cpu, MAX_CONTEXT).expect("load model"))
+        })
+        .as_ref()
+}
+
+/// A no-op stage: no global tracer provider is installed in unit tests.
+pub(super) fn stage() -> Stage {
+    Stage::root("test")
+}
+
+pub(super) fn request(
+    prompt: &[u32],
+    max_tokens: usize,
+    sampling: Sampling,
+) -> GenerateRequest<'_> {
+    GenerateRequest {
+        prompt,
+        max_tokens,
+        sampling,
+        token_trace: TokenTrace::Events,
+        deadline: None,
+        ignore_eos: false,
+    }
+}
+
+/// Generates and also returns the streamed pieces.
+pub(super) fn run(model: &Llama, req: GenerateRequest<'_>) -> (Generated, Vec<String>) {
+    let mut pieces = Vec::new();
+    let out = model
+        .generate(req, &stage(), &mut |p| {
+            pieces.push(p.to_string());
+            Flow::Continue
+        })
+        .expect("generate");
+    (out, pieces)
+}
+
+/// A one-passage question the model answers correctly ("Quenta").
+pub(super) fn zorbia_prompt(model: &Llama) -> Vec<u32> {
+    model
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            "Passage: The capital of Zorbia is Quenta.\nQuestion: What is the capital of Zorbia?",
+        )])
+        .unwrap()
+}
+
+pub(super) fn rag_messages() -> Vec<ChatMessage> {
+    vec![
+        ChatMessage::new(
+            "system",
+            "Answer the question using only the passages. Be brief.",
+        ),
+        ChatMessage::new(
+            "user",
+            "Passage 1: The Great Barrier Reef is the world's largest coral reef system, \
+             composed of over 2,900 individual reefs off the coast of Queensland, Australia.\n\
+             Passage 2: It can be seen from outer space and was selected as a World Heritage \
+             Site in 1981.\n\nQuestion: Where is the Great Barrier Reef?",
+        ),
+    ]
+}
+
+/// Our logits for `prompt` then each of `forced` fed back one at a time.
+pub(super) fn our_logits(model: &Llama, prompt: &[u32], forced: &[u32]) -> Vec<Tensor> {
+    let cap = prompt.len() + forced.len();
+    let (net, schedule) = (&model.transformer, &model.schedule);
+    let host = net.weights.decoder.is_some();
+    let mut cache = KvCache::new(&net.cfg, cap, &Device::Cpu, host).unwrap();
+    let mut logits = vec![net.prefill(prompt, &mut cache, schedule).unwrap()];
+    let mut last = Logits::Host(Vec::new());
+    let decode = stage();
+    let mut session = schedule.session(&decode);
+    for &t in forced {
+        net.decode_one(session.as_mut(), &mut cache, t, &mut last, schedule)
+            .unwrap();
+        logits.push(match &last {
+            Logits::Device(t) => t.clone(),
+            Logits::Host(v) => Tensor::new(v.as_slice(), &Device::Cpu).unwrap(),
+        });
+    }
+    logits
+}
+
+pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+/// The weight-format benchmark's ~600-token RAG prompt (longer than one prefill chunk).
+pub(super) fn long_prompt(model: &Llama) -> Vec<u32> {
+    crate::bench::formats::long_prompt(model).unwrap()
+}

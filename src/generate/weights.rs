@@ -1,0 +1,447 @@
+//! The model's weights: reading the GGUF (hyperparameters, chat template, tensors) and holding
+//! the projections in the chosen [`WeightFormat`], once per process and read-only. The candle
+//! forward ([`super::forward`]) and the CPU decoder ([`super::cpu_decode`]) compute with them.
+
+use std::borrow::Cow;
+use std::io::BufReader;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Module, Tensor};
+
+use super::cpu_decode::{self, CpuDecoder, RawLayer};
+use super::template::ChatTemplate;
+use super::GenerateError;
+
+/// How the projection matrices (attention and MLP) are held in memory. The token embedding,
+/// which doubles as the output head, stays as shipped (Q8_0).
+///
+/// Measured on the 2-core dev box (AVX-512 VNNI, release build, default target CPU, idle):
+/// `ragscope bench --weight-formats`, a 598-token RAG prompt then 128 greedy tokens, medians of 3.
+///
+/// | format                   | prefill tok/s | decode tok/s (598→726 ctx) |
+/// |--------------------------|---------------|----------------------------|
+/// | Q4_1 as shipped          | 29            | 26                         |
+/// | Q8_0 everywhere          | 175           | 81                         |
+/// | F32 everywhere           | 375           | 41                         |
+/// | F32 prefill, Q8_0 decode | 417           | 90                         |
+///
+/// | F32 prefill, Q4_1 decode on [`CpuDecoder`] (the default, later) | 331-449 | 114-142 |
+///
+/// Other idle runs moved these by about ±10 % (F32 prefill up to 447, Q8_0 decode up to 91).
+/// Prefill is a GEMM and dense F32 wins; decode is one row per matmul and reads every weight,
+/// so the fewest bytes win: the file's own Q4_1 blocks through our kernels, without candle's
+/// per-op overhead. The default holds both (≈ 490 MB in all, fine for 135 M parameters).
+/// Decode used to be 56 tok/s in both Q8_0 formats before the `DecodeAttention` loops replaced
+/// candle's matmul/softmax/matmul for the single decode row (per-token cost at 20 / 600 / 1200
+/// positions of context went from 11.8 / 17.1 / 21.9 ms to 10.1 / 12.5 / 12.9 ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// The file's own quantisation (Q4_1): slow kernels, kept for comparison.
+    Shipped,
+    /// Requantised to Q8_0 for prefill and decode.
+    Q8_0,
+    /// Dequantised to dense F32 for prefill and decode.
+    F32,
+    /// Dense F32 for prefill (GEMM-bound), Q8_0 for decode (one row: GEMV, bandwidth-bound),
+    /// both on candle's ops.
+    F32PrefillQ8Decode,
+    /// The CPU default: dense F32 for prefill on candle, and decode on our own
+    /// [`CpuDecoder`] over the file's own blocks (Q4_1 as SmolLM2 ships it, 40% fewer bytes per
+    /// token than Q8_0), batched across requests.
+    #[default]
+    F32PrefillQ4Decode,
+    /// The GPU default: dense F16 for prefill (tensor-core GEMMs through cuBLAS; activations are
+    /// cast to F16 for the matmul and back), Q8_0 for decode (candle's quantised CUDA
+    /// matrix-vector kernels read a quarter of F32's bytes per token).
+    F16PrefillQ8Decode,
+}
+
+impl WeightFormat {
+    /// The format [`Llama::load`](super::llama::Llama::load) picks for `device`: the measured CPU default above, or
+    /// [`WeightFormat::F16PrefillQ8Decode`] on a GPU.
+    pub fn for_device(device: &Device) -> WeightFormat {
+        if device.is_cpu() {
+            WeightFormat::default()
+        } else {
+            WeightFormat::F16PrefillQ8Decode
+        }
+    }
+}
+
+/// Hyperparameters from the GGUF `llama.*` metadata.
+#[derive(Debug, Clone)]
+pub(super) struct Config {
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+    pub context_length: usize,
+}
+
+/// One projection, held twice when prefill and decode prefer different formats.
+pub(super) struct Proj {
+    prefill: QMatMul,
+    decode: QMatMul,
+}
+
+impl Proj {
+    pub fn forward(&self, x: &Tensor, rows: usize) -> candle_core::Result<Tensor> {
+        if rows > 1 {
+            self.prefill.forward(x)
+        } else {
+            self.decode.forward(x)
+        }
+    }
+}
+
+pub(super) struct Layer {
+    pub attn_norm: Tensor,
+    /// q, k and v stacked row-wise: one matmul instead of three per step.
+    pub qkv: Proj,
+    pub attn_out: Proj,
+    pub ffn_norm: Tensor,
+    /// gate and up stacked row-wise.
+    pub gate_up: Proj,
+    pub down: Proj,
+}
+
+/// Everything read from the GGUF, converted to the chosen [`WeightFormat`]; read-only.
+pub(super) struct Weights {
+    /// Token embedding, Q8_0 as shipped; also the output head when the model ties them.
+    pub embed: Arc<QTensor>,
+    pub lm_head: QMatMul,
+    pub layers: Vec<Layer>,
+    pub final_norm: Tensor,
+    /// Decode without candle ops ([`WeightFormat::F32PrefillQ4Decode`] on the CPU).
+    pub decoder: Option<Arc<CpuDecoder>>,
+}
+
+impl Weights {
+    #[allow(clippy::too_many_arguments)] // the GGUF's parts, each used once
+    pub fn build(
+        cfg: &Config,
+        raw_layers: Vec<[QTensor; 9]>,
+        embed: QTensor,
+        output: Option<QTensor>,
+        final_norm: QTensor,
+        format: WeightFormat,
+        device: &Device,
+        rope: (&Tensor, &Tensor),
+    ) -> candle_core::Result<Weights> {
+        let decoder = if format == WeightFormat::F32PrefillQ4Decode && device.is_cpu() {
+            let raw: Vec<RawLayer<'_>> = raw_layers
+                .iter()
+                .map(
+                    |[attn_norm, q, k, v, o, ffn_norm, gate, up, down]| RawLayer {
+                        attn_norm,
+                        q,
+                        k,
+                        v,
+                        o,
+                        ffn_norm,
+                        gate,
+                        up,
+                        down,
+                    },
+                )
+                .collect();
+            let dims = cpu_decode::Dims {
+                n_head: cfg.n_head,
+                n_kv_head: cfg.n_kv_head,
+                head_dim: cfg.head_dim,
+                ffn: cfg.ffn,
+                rms_eps: cfg.rms_eps,
+            };
+            let table = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+            Some(Arc::new(CpuDecoder::new(
+                dims,
+                &raw,
+                &embed,
+                output.as_ref(),
+                &final_norm,
+                (table(rope.0)?, table(rope.1)?),
+            )?))
+        } else {
+            None
+        };
+        let vector = |t: &QTensor| t.dequantize(&Device::Cpu)?.to_device(device);
+        let mut layers = Vec::with_capacity(cfg.n_layer);
+        for [attn_norm, q, k, v, o, ffn_norm, gate, up, down] in &raw_layers {
+            layers.push(Layer {
+                attn_norm: vector(attn_norm)?,
+                qkv: proj(&[q, k, v], format, device)?,
+                attn_out: proj(&[o], format, device)?,
+                ffn_norm: vector(ffn_norm)?,
+                gate_up: proj(&[gate, up], format, device)?,
+                down: proj(&[down], format, device)?,
+            });
+        }
+        let embed = Arc::new(move_q(embed, device)?);
+        let lm_head = match output {
+            Some(o) => QMatMul::QTensor(Arc::new(move_q(o, device)?)),
+            None => QMatMul::QTensor(embed.clone()),
+        };
+        Ok(Weights {
+            embed,
+            lm_head,
+            layers,
+            final_norm: vector(&final_norm)?,
+            decoder,
+        })
+    }
+
+    /// Bytes of weights one decode step reads: every projection in its decode format, the
+    /// output head and the norms (the embedding lookup reads a single row, left out).
+    pub fn decode_bytes(&self) -> usize {
+        if let Some(decoder) = &self.decoder {
+            return decoder.weight_bytes();
+        }
+        let matmul = |m: &QMatMul| match m {
+            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        };
+        let vector = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let w = self;
+        let layers: usize = w
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.qkv, &l.attn_out, &l.gate_up, &l.down]
+                    .iter()
+                    .map(|p| matmul(&p.decode))
+                    .sum::<usize>()
+                    + vector(&l.attn_norm)
+                    + vector(&l.ffn_norm)
+            })
+            .sum();
+        layers + matmul(&w.lm_head) + vector(&w.final_norm)
+    }
+}
+
+/// What the GGUF holds: hyperparameters, the chat template, and the tensors as shipped (on the
+/// CPU), before [`Weights::build`] converts them.
+pub(super) struct Gguf {
+    pub cfg: Config,
+    pub template: ChatTemplate,
+    /// `tokenizer.ggml.eos_token_id`, when the file names one.
+    pub eos_token_id: Option<u32>,
+    pub embed: QTensor,
+    /// The output head, when not tied to the embedding.
+    pub output: Option<QTensor>,
+    pub final_norm: QTensor,
+    /// Per layer: attn_norm, q, k, v, output, ffn_norm, gate, up, down.
+    pub layers: Vec<[QTensor; 9]>,
+}
+
+pub(super) fn load_err(path: &Path, e: impl std::fmt::Display) -> GenerateError {
+    GenerateError::Load(format!("{}: {e}", path.display()))
+}
+
+/// Reads the llama GGUF at `gguf_path`: its metadata, checked, and every tensor.
+pub(super) fn read_gguf(gguf_path: &Path) -> Result<Gguf, GenerateError> {
+    let file = std::fs::File::open(gguf_path).map_err(|e| load_err(gguf_path, e))?;
+    let mut reader = BufReader::new(file);
+    let ct = gguf_file::Content::read(&mut reader).map_err(|e| load_err(gguf_path, e))?;
+    let md = |key: &str| {
+        ct.metadata
+            .get(key)
+            .ok_or_else(|| load_err(gguf_path, format!("metadata has no {key}")))
+    };
+    let md_usize = |key: &str| -> Result<usize, GenerateError> {
+        md(key)?
+            .to_u64()
+            .map(|v| v as usize)
+            .map_err(|e| load_err(gguf_path, format!("{key}: {e}")))
+    };
+    let md_f32 = |key: &str| -> Result<f32, GenerateError> {
+        md(key)?
+            .to_f32()
+            .map_err(|e| load_err(gguf_path, format!("{key}: {e}")))
+    };
+    let arch = md("general.architecture")?
+        .to_string()
+        .map_err(|e| load_err(gguf_path, e))?;
+    if arch != "llama" {
+        return Err(load_err(
+            gguf_path,
+            format!("architecture {arch} is not llama"),
+        ));
+    }
+    let n_head = md_usize("llama.attention.head_count")?.max(1);
+    let hidden = md_usize("llama.embedding_length")?;
+    let mut cfg = Config {
+        n_layer: md_usize("llama.block_count")?,
+        n_head,
+        n_kv_head: md_usize("llama.attention.head_count_kv")?,
+        head_dim: hidden / n_head,
+        ffn: 0,
+        rms_eps: md_f32("llama.attention.layer_norm_rms_epsilon")?,
+        rope_base: md_f32("llama.rope.freq_base").unwrap_or(10_000.0),
+        context_length: md_usize("llama.context_length")?,
+    };
+    if cfg.n_kv_head == 0
+        || !cfg.n_head.is_multiple_of(cfg.n_kv_head)
+        || !cfg.head_dim.is_multiple_of(2)
+    {
+        return Err(load_err(gguf_path, "inconsistent head counts"));
+    }
+    let template = ChatTemplate::parse(
+        ct.metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str),
+    )?;
+
+    let cpu = Device::Cpu;
+    let mut tensor = |name: &str| {
+        ct.tensor(&mut reader, name, &cpu)
+            .map_err(|e| load_err(gguf_path, e))
+    };
+    let embed = tensor("token_embd.weight")?;
+    let final_norm = tensor("output_norm.weight")?;
+    // SmolLM2 ties the output head to the embedding; other llamas ship `output.weight`.
+    let output = tensor("output.weight").ok();
+    let mut raw_layers = Vec::with_capacity(cfg.n_layer);
+    for i in 0..cfg.n_layer {
+        let mut t = |suffix: &str| tensor(&format!("blk.{i}.{suffix}.weight"));
+        raw_layers.push([
+            t("attn_norm")?,
+            t("attn_q")?,
+            t("attn_k")?,
+            t("attn_v")?,
+            t("attn_output")?,
+            t("ffn_norm")?,
+            t("ffn_gate")?,
+            t("ffn_up")?,
+            t("ffn_down")?,
+        ]);
+    }
+    cfg.ffn = raw_layers
+        .first()
+        .map(|l| l[6].shape().dims()[0])
+        .unwrap_or(0);
+    let eos_token_id = ct
+        .metadata
+        .get("tokenizer.ggml.eos_token_id")
+        .and_then(|v| v.to_u32().ok());
+    Ok(Gguf {
+        cfg,
+        template,
+        eos_token_id,
+        embed,
+        output,
+        final_norm,
+        layers: raw_layers,
+    })
+}
+
+/// Moves a CPU tensor onto `device` with its quantisation unchanged.
+fn move_q(t: QTensor, device: &Device) -> candle_core::Result<QTensor> {
+    if device.is_cpu() {
+        return Ok(t);
+    }
+    let storage = QStorage::from_data(t.data()?, device, t.dtype())?;
+    QTensor::new(storage, t.shape().clone())
+}
+
+/// Stacks the row-major matrices `parts` (each `(rows_i, k)`) into one `(Σ rows_i, k)` projection
+/// in `format`.
+fn proj(parts: &[&QTensor], format: WeightFormat, device: &Device) -> candle_core::Result<Proj> {
+    let cpu = Device::Cpu;
+    let dense = || -> candle_core::Result<Tensor> {
+        let ts = parts
+            .iter()
+            .map(|p| p.dequantize(&cpu))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Tensor::cat(&ts, 0)
+    };
+    let q8 = |dense: &Tensor| -> candle_core::Result<QMatMul> {
+        Ok(QMatMul::QTensor(Arc::new(QTensor::quantize_onto(
+            dense,
+            GgmlDType::Q8_0,
+            device,
+        )?)))
+    };
+    let f32 = |dense: Tensor| -> candle_core::Result<QMatMul> {
+        Ok(QMatMul::Tensor(dense.to_device(device)?))
+    };
+    let (prefill, decode) = match format {
+        WeightFormat::Shipped => {
+            // Quantised blocks never span rows, so stacking rows is concatenating their bytes.
+            let dtype = parts[0].dtype();
+            let k = parts[0].shape().dims()[1];
+            let mut bytes = Vec::new();
+            let mut rows = 0;
+            for p in parts {
+                if p.dtype() != dtype || p.shape().dims()[1] != k {
+                    candle_core::bail!("cannot stack {:?} with {:?}", p, parts[0]);
+                }
+                rows += p.shape().dims()[0];
+                bytes.extend_from_slice(&p.data()?);
+            }
+            let storage = QStorage::from_data(Cow::Owned(bytes), &cpu, dtype)?;
+            let q = move_q(QTensor::new(storage, (rows, k))?, device)?;
+            let m = QMatMul::QTensor(Arc::new(q));
+            (m.clone(), m)
+        }
+        WeightFormat::Q8_0 => {
+            let m = q8(&dense()?)?;
+            (m.clone(), m)
+        }
+        WeightFormat::F32 => {
+            let m = f32(dense()?)?;
+            (m.clone(), m)
+        }
+        WeightFormat::F32PrefillQ8Decode => {
+            let d = dense()?;
+            (f32(d.clone())?, q8(&d)?)
+        }
+        // Decode runs on `CpuDecoder`'s own copy; a one-token prefill chunk takes the F32 path.
+        WeightFormat::F32PrefillQ4Decode => {
+            let m = f32(dense()?)?;
+            (m.clone(), m)
+        }
+        WeightFormat::F16PrefillQ8Decode => {
+            let d = dense()?;
+            let f16 = QMatMul::TensorF16(d.to_dtype(DType::F16)?.to_device(device)?);
+            (f16, q8(&d)?)
+        }
+    };
+    Ok(Proj { prefill, decode })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::testing::{model, test_model_path};
+
+    #[test]
+    fn decode_weight_bytes_counts_the_shipped_projections_the_head_and_the_norms() {
+        let Some(model) = model() else { return };
+        assert_eq!(model.weight_format(), WeightFormat::F32PrefillQ4Decode);
+        let mut reader = BufReader::new(std::fs::File::open(test_model_path()).unwrap());
+        let ct = gguf_file::Content::read(&mut reader).unwrap();
+        let mut expected = 0;
+        for (name, info) in &ct.tensor_infos {
+            let elems = info.shape.elem_count();
+            expected += if name.ends_with("norm.weight") {
+                elems * 4
+            } else if name.starts_with("blk.") {
+                assert_eq!(info.ggml_dtype, GgmlDType::Q4_1);
+                elems / 32 * 20 // Q4_1: 32 weights in 20 bytes
+            } else {
+                assert_eq!(name, "token_embd.weight", "untied head?");
+                assert_eq!(info.ggml_dtype, GgmlDType::Q8_0);
+                elems / 32 * 34
+            };
+        }
+        assert_eq!(model.decode_weight_bytes(), expected);
+    }
+}
