@@ -1,4 +1,5 @@
-//! Percentiles and the per-phase summary of a set of request records.
+//! Percentiles and the per-phase summary of a set of request records. The one percentile of the
+//! workspace: the server's trace attribution and its bench table use it too.
 
 use std::collections::BTreeMap;
 
@@ -6,9 +7,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::record::RequestRecord;
 
-/// The `q` quantile (0..=1) of sorted values, interpolating linearly between closest ranks.
+/// The `q` quantile (0..=1) of sorted values, interpolating linearly between closest ranks;
+/// NaN for no values, so that an empty set reads as "no figure" rather than a zero.
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    assert!(!sorted.is_empty(), "percentile of nothing");
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
     let pos = q.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
     let lo = pos.floor() as usize;
     let hi = pos.ceil() as usize;
@@ -153,6 +157,7 @@ mod tests {
         assert!((percentile(&v, 0.95) - 95.05).abs() < 1e-9);
         assert!((percentile(&v, 0.99) - 99.01).abs() < 1e-9);
         assert_eq!(percentile(&[7.0], 0.999), 7.0);
+        assert!(percentile(&[], 0.5).is_nan());
         let p = Percentiles::of([3.0, 1.0, 2.0, f64::NAN]).unwrap();
         assert_eq!(p.count, 3);
         assert_eq!(p.p50, 2.0);
