@@ -4,10 +4,9 @@
 //! `qdrant-edge` is pinned to 0.7.2 because 0.8 and 0.9 use `std::debug_assert_matches`, which
 //! is stable only from rustc 1.96, and this project builds with 1.95.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 
 use qdrant_edge::{
     Condition as QdrantCondition, CountRequest, CreateIndex, Distance, EdgeConfig,
@@ -19,14 +18,9 @@ use qdrant_edge::{
 };
 use serde_json::Value;
 
-use super::payload::{self, chunk_from_payload, chunk_payload, PointKey, INDEXED_KEYWORDS};
-use super::{
-    Chunk, Filter, FilterField, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore,
-};
+use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
+use super::{Chunk, Filter, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use crate::telemetry::span::Stage;
-
-/// Points per update operation: keeps each WAL record and each segment write-lock hold small.
-pub(crate) const UPSERT_BATCH: usize = 256;
 
 /// A collection stored in an embedded Qdrant Edge shard at `<dir>/<collection>`.
 ///
@@ -43,7 +37,7 @@ pub struct EdgeStore {
     /// if the WAL mutex is held by a concurrent `update`, or the segment holder is write-locked by
     /// `optimize` while it swaps segments; holding this around update+flush and around optimize
     /// makes that impossible. Searches never take it.
-    writer: Mutex<()>,
+    writer: WriteLock,
 }
 
 impl Drop for EdgeStore {
@@ -65,11 +59,7 @@ impl EdgeStore {
     /// Fails if an existing shard was created with another dimension or distance, since its
     /// vectors could not be compared with this embedder's.
     pub fn open(dir: &Path, collection: &str, dimension: usize) -> Result<EdgeStore, StoreError> {
-        if dimension == 0 {
-            return Err(StoreError::Backend(format!(
-                "collection `{collection}`: vector dimension must be positive"
-            )));
-        }
+        payload::check_positive_dimension(collection, dimension)?;
         let path = dir.join(collection);
         let shard = if is_empty_or_absent(&path)? {
             fs::create_dir_all(&path).map_err(|e| {
@@ -106,7 +96,7 @@ impl EdgeStore {
             collection: collection.to_string(),
             dimension,
             path,
-            writer: Mutex::new(()),
+            writer: WriteLock::default(),
         };
         store.ensure_payload_indexes()?;
         Ok(store)
@@ -124,7 +114,7 @@ impl EdgeStore {
 
     fn ensure_payload_indexes(&self) -> Result<(), StoreError> {
         let existing = self.shard.info().payload_schema;
-        let _writer = self.lock_writer();
+        let _writer = self.writer.hold();
         let mut created = false;
         for field in INDEXED_KEYWORDS {
             let key = payload_path(field)?;
@@ -144,24 +134,6 @@ impl EdgeStore {
         }
         if created {
             self.shard.flush();
-        }
-        Ok(())
-    }
-
-    fn lock_writer(&self) -> MutexGuard<'_, ()> {
-        // The mutex guards no data, so a panic in another writer leaves nothing inconsistent
-        // behind it here: take the lock even if poisoned.
-        self.writer
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn check_dimension(&self, vector: &[f32]) -> Result<(), StoreError> {
-        if vector.len() != self.dimension {
-            return Err(StoreError::Dimension {
-                got: vector.len(),
-                want: self.dimension,
-            });
         }
         Ok(())
     }
@@ -191,29 +163,19 @@ impl VectorStore for EdgeStore {
         vectors: &[Vec<f32>],
         _stage: &Stage,
     ) -> Result<(), StoreError> {
-        if chunks.len() != vectors.len() {
-            return Err(StoreError::Backend(format!(
-                "upsert: {} chunks but {} vectors",
-                chunks.len(),
-                vectors.len()
-            )));
-        }
-        if chunks.is_empty() {
+        let points = payload::upsert_points(
+            chunks,
+            vectors,
+            self.dimension,
+            |key, vector, p| -> PointStructPersisted {
+                PointStruct::new(to_point_id(key), vector, Value::Object(p)).into()
+            },
+        )?;
+        if points.is_empty() {
             return Ok(());
         }
-        let mut points = Vec::with_capacity(chunks.len());
-        for (chunk, vector) in chunks.iter().zip(vectors) {
-            self.check_dimension(vector)?;
-            let id = point_id(&chunk.id)?;
-            let point: PointStructPersisted =
-                PointStruct::new(id, vector.clone(), Value::Object(chunk_payload(chunk))).into();
-            points.push(point);
-        }
-
-        let _writer = self.lock_writer();
-        let mut batches = points.into_iter().peekable();
-        while batches.peek().is_some() {
-            let batch: Vec<_> = batches.by_ref().take(UPSERT_BATCH).collect();
+        let _writer = self.writer.hold();
+        for batch in payload::batches(points) {
             let op = UpdateOperation::PointOperation(PointOperations::UpsertPoints(
                 PointInsertOperations::PointsList(batch),
             ));
@@ -234,8 +196,7 @@ impl VectorStore for EdgeStore {
         filter: Option<&Filter>,
         _stage: &Stage,
     ) -> Result<Vec<ScoredChunk>, StoreError> {
-        self.check_dimension(vector)?;
-        if top_k == 0 {
+        if !payload::search_needed(vector, top_k, self.dimension)? {
             return Ok(Vec::new());
         }
         let request = QueryRequest {
@@ -268,40 +229,29 @@ impl VectorStore for EdgeStore {
     }
 
     fn existing(&self, ids: &[String], _stage: &Stage) -> Result<HashSet<String>, StoreError> {
-        // Map back to the caller's spelling: the engine prints UUIDs in canonical form.
-        let mut wanted: HashMap<PointId, &String> = HashMap::with_capacity(ids.len());
-        for id in ids {
-            // An id that is not a valid point id cannot have been stored.
-            if let Some(key) = PointKey::parse(id) {
-                wanted.insert(to_point_id(key), id);
-            }
-        }
-        if wanted.is_empty() {
-            return Ok(HashSet::new());
-        }
-        let point_ids: Vec<PointId> = wanted.keys().copied().collect();
-        let records = self
-            .shard
-            .retrieve(
-                &point_ids,
-                Some(WithPayloadInterface::Bool(false)),
-                Some(WithVector::Bool(false)),
-            )
-            .map_err(backend(&format!("looking up ids in `{}`", self.collection)))?;
-        Ok(records
-            .into_iter()
-            .filter_map(|record| wanted.get(&record.id).map(|id| (*id).clone()))
-            .collect())
+        payload::stored_ids(ids, |keys| {
+            let point_ids: Vec<PointId> = keys.into_iter().map(to_point_id).collect();
+            let records = self
+                .shard
+                .retrieve(
+                    &point_ids,
+                    Some(WithPayloadInterface::Bool(false)),
+                    Some(WithVector::Bool(false)),
+                )
+                .map_err(backend(&format!("looking up ids in `{}`", self.collection)))?;
+            Ok(records
+                .into_iter()
+                .map(|record| from_point_id(record.id))
+                .collect())
+        })
     }
 
     fn delete_document(&self, doc_id: &str, _stage: &Stage) -> Result<usize, StoreError> {
-        let filter = QdrantFilter::new_must(QdrantCondition::Field(FieldCondition::new_match(
-            payload_path(&payload::field_path(&FilterField::DocId)?)?,
-            Match::from(doc_id.to_string()),
-        )));
+        let filter = to_qdrant_filter(&payload::document_filter(doc_id))?
+            .expect("a filter with a condition");
         // Counting and deleting under the writer lock: no upsert can slip in between, so the
         // number returned is the number removed.
-        let _writer = self.lock_writer();
+        let _writer = self.writer.hold();
         let removed = self
             .shard
             .count(CountRequest {
@@ -337,7 +287,7 @@ impl VectorStore for EdgeStore {
     /// so searches keep being served. Upserts and deletes wait for the build to finish (see
     /// the `writer` field for why).
     fn build_index(&self) -> Result<(), StoreError> {
-        let _writer = self.lock_writer();
+        let _writer = self.writer.hold();
         self.shard.optimize().map_err(backend(&format!(
             "building the index of `{}`",
             self.collection
@@ -371,28 +321,17 @@ fn optimizers_config() -> EdgeOptimizersConfig {
 
 fn check_compatible(shard: &EdgeShard, path: &Path, dimension: usize) -> Result<(), StoreError> {
     let config = shard.config();
-    let Some(params) = config.vectors.get(DEFAULT_VECTOR_NAME) else {
-        return Err(StoreError::Backend(format!(
-            "shard at {} has no unnamed dense vector: not a ragscope collection",
-            path.display()
-        )));
-    };
-    if params.size != dimension {
-        return Err(StoreError::Backend(format!(
-            "collection at {} holds {}-dimensional vectors but the embedder produces {dimension}; \
-             use another collection name or delete the directory and re-ingest",
-            path.display(),
-            params.size
-        )));
-    }
-    if params.distance != Distance::Cosine {
-        return Err(StoreError::Backend(format!(
-            "collection at {} uses {:?} distance, ragscope needs cosine",
-            path.display(),
-            params.distance
-        )));
-    }
-    Ok(())
+    let vector = config
+        .vectors
+        .get(DEFAULT_VECTOR_NAME)
+        .map(|params| (params.size as u64, params.distance));
+    payload::check_compatible(
+        &format!("collection at {}", path.display()),
+        "the directory",
+        vector,
+        Distance::Cosine,
+        dimension,
+    )
 }
 
 fn is_empty_or_absent(path: &Path) -> Result<bool, StoreError> {
@@ -411,14 +350,17 @@ fn backend(context: &str) -> impl FnOnce(OperationError) -> StoreError + '_ {
     move |e| StoreError::Backend(format!("{context}: {e}"))
 }
 
-fn point_id(id: &str) -> Result<PointId, StoreError> {
-    PointKey::for_chunk(id).map(to_point_id)
-}
-
 fn to_point_id(key: PointKey) -> PointId {
     match key {
         PointKey::Num(n) => PointId::NumId(n),
         PointKey::Uuid(u) => PointId::Uuid(u),
+    }
+}
+
+fn from_point_id(id: PointId) -> PointKey {
+    match id {
+        PointId::NumId(n) => PointKey::Num(n),
+        PointId::Uuid(u) => PointKey::Uuid(u),
     }
 }
 
@@ -461,7 +403,7 @@ mod tests {
     use tempfile::TempDir;
 
     use super::*;
-    use crate::retrieve::Condition;
+    use crate::retrieve::{Condition, FilterField};
 
     const DIM: usize = 8;
 
