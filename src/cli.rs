@@ -1,7 +1,10 @@
 //! The small subcommands: `models fetch|verify`, `ingest` and `query` (a streaming client).
 
+use std::io::Write;
+
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
+use ragscope_loadgen::sse::{SseEvent, SseParser};
 use serde_json::{json, Value};
 
 use crate::app;
@@ -98,51 +101,90 @@ pub async fn query(args: QueryArgs) -> Result<()> {
         return Ok(());
     }
     let mut stream = response.bytes_stream();
-    let mut buffer = String::new();
+    let mut parser = SseParser::new();
     let mut sources = Value::Null;
+    let mut stdout = std::io::stdout();
     while let Some(bytes) = stream.next().await {
-        buffer.push_str(&String::from_utf8_lossy(&bytes?));
-        while let Some(end) = buffer.find("\n\n") {
-            let event: String = buffer.drain(..end + 2).collect();
-            let (mut name, mut data) = ("message", String::new());
-            for line in event.lines() {
-                if let Some(n) = line.strip_prefix("event:") {
-                    name = if n.trim() == "token" {
-                        "token"
-                    } else if n.trim() == "sources" {
-                        "sources"
-                    } else if n.trim() == "done" {
-                        "done"
-                    } else {
-                        "error"
-                    };
-                } else if let Some(d) = line.strip_prefix("data:") {
-                    data.push_str(d.trim_start());
-                }
-            }
-            let v: Value = serde_json::from_str(&data).unwrap_or(Value::Null);
-            match name {
-                "token" => {
-                    print!("{}", v["text"].as_str().unwrap_or_default());
-                    use std::io::Write;
-                    std::io::stdout().flush()?;
-                }
-                "sources" => sources = v,
-                "done" => {
-                    println!("\n");
-                    for (i, s) in sources.as_array().into_iter().flatten().enumerate() {
-                        println!(
-                            "[{}] {} (score {:.3})",
-                            i + 1,
-                            s["source"].as_str().unwrap_or("?"),
-                            s["score"].as_f64().unwrap_or(0.0)
-                        );
-                    }
-                    println!("\ntimings: {}", v["timings"]);
-                }
-                _ => bail!("server error: {data}"),
-            }
+        for event in parser.push(&bytes?) {
+            print_event(&event, &mut sources, &mut stdout)?;
         }
     }
     Ok(())
+}
+
+/// Prints one event of an answer stream: tokens as they arrive, then the sources (sent first,
+/// held until the end) and the server's timings. An `error` event, or one this client does not
+/// know, ends the query with the server's message.
+fn print_event(event: &SseEvent, sources: &mut Value, out: &mut impl Write) -> Result<()> {
+    let v: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
+    match event.event.as_str() {
+        "token" => {
+            write!(out, "{}", v["text"].as_str().unwrap_or_default())?;
+            out.flush()?;
+        }
+        "sources" => *sources = v,
+        "done" => {
+            writeln!(out, "\n")?;
+            for (i, s) in sources.as_array().into_iter().flatten().enumerate() {
+                writeln!(
+                    out,
+                    "[{}] {} (score {:.3})",
+                    i + 1,
+                    s["source"].as_str().unwrap_or("?"),
+                    s["score"].as_f64().unwrap_or(0.0)
+                )?;
+            }
+            writeln!(out, "\ntimings: {}", v["timings"])?;
+        }
+        _ => bail!("server error: {}", event.data),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `stream` to the parser in `chunk`-byte pieces and prints what it completes.
+    fn print_stream(stream: &str, chunk: usize) -> (String, Result<()>) {
+        let (mut parser, mut sources, mut out) = (SseParser::new(), Value::Null, Vec::new());
+        let mut result = Ok(());
+        for piece in stream.as_bytes().chunks(chunk) {
+            for event in parser.push(piece) {
+                result = result.and_then(|()| print_event(&event, &mut sources, &mut out));
+            }
+        }
+        (String::from_utf8(out).unwrap(), result)
+    }
+
+    #[test]
+    fn prints_tokens_then_sources_and_timings() {
+        let stream = concat!(
+            "event: sources\ndata: [{\"source\":\"a.txt\",\"score\":0.91234},{\"score\":0.5}]\n\n",
+            ":\n\n",
+            "event: token\ndata: {\"text\":\"Grüß\"}\n\n",
+            "event: token\ndata: {\"text\":\" dich\"}\n\n",
+            "event: done\ndata: {\"usage\":{},\"timings\":{\"embed_ms\":1.5}}\n\n",
+        );
+        // Split everywhere, inside the two-byte characters too: the output does not change.
+        for chunk in [1, 3, 7, stream.len()] {
+            let (out, result) = print_stream(stream, chunk);
+            result.unwrap();
+            assert_eq!(
+                out,
+                "Grüß dich\n\n[1] a.txt (score 0.912)\n[2] ? (score 0.500)\n\ntimings: {\"embed_ms\":1.5}\n",
+                "chunks of {chunk} bytes"
+            );
+        }
+    }
+
+    #[test]
+    fn an_error_event_ends_the_query_with_its_message() {
+        let stream =
+            "event: token\ndata: {\"text\":\"a\"}\n\nevent: error\ndata: {\"error\":\"boom\"}\n\n";
+        let (out, result) = print_stream(stream, 5);
+        assert_eq!(out, "a");
+        let err = result.unwrap_err().to_string();
+        assert_eq!(err, "server error: {\"error\":\"boom\"}");
+    }
 }

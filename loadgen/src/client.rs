@@ -303,13 +303,7 @@ fn error_message(data: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn ev(event: &str, data: &str) -> SseEvent {
-        SseEvent {
-            event: event.into(),
-            data: data.into(),
-        }
-    }
+    use crate::sse::tests::ev;
 
     #[test]
     fn traceparent_is_w3c_and_sampled() {

@@ -16,7 +16,8 @@ use crate::record::{self, RequestRecord};
 use crate::report::{self, Attribution};
 use crate::runner::{Plan, ProgressPrinter, Runner};
 use crate::schedule::{load_queries, Arrivals, Phase, Phases};
-use crate::stats::{PhaseStats, Summary};
+use crate::stats::PhaseStats;
+use crate::summary::Summary;
 
 /// Runs a subcommand. `Ok(false)` means the gate found a regression.
 pub async fn dispatch(command: Command) -> anyhow::Result<bool> {

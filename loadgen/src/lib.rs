@@ -8,6 +8,7 @@
 //! - [`record`] and [`stats`]: the per-request JSON lines and the percentiles summarising them.
 //! - [`knee`]: stepping the offered rate up until latency or errors pass a threshold.
 //! - [`gate`]: comparing a small fixed load against a checked-in baseline.
+//! - [`summary`]: `summary.json`, gathering the steady-phase figures and the knee or gate outcome.
 //! - [`report`] and [`svg`]: the self-contained HTML report, plots drawn here as inline SVG.
 //! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`.
 //!
@@ -24,4 +25,5 @@ pub mod runner;
 pub mod schedule;
 pub mod sse;
 pub mod stats;
+pub mod summary;
 pub mod svg;

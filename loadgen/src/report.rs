@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::record::RequestRecord;
 use crate::schedule::Phase;
-use crate::stats::{Percentiles, Summary};
+use crate::stats::Percentiles;
+use crate::summary::Summary;
 use crate::svg::{self, escape, Band, BarGroup, Chart, Series, Style, PALETTE};
 
 /// p50/p95/p99 in milliseconds.

@@ -64,10 +64,11 @@ impl SseParser {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn ev(event: &str, data: &str) -> SseEvent {
+    /// An event as the parser hands it out; the client's tests build theirs with it too.
+    pub(crate) fn ev(event: &str, data: &str) -> SseEvent {
         SseEvent {
             event: event.into(),
             data: data.into(),

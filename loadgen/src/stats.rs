@@ -1,4 +1,5 @@
-//! Percentiles and the per-phase summary of a set of request records.
+//! Percentiles and the per-phase summary of a set of request records. The one percentile of the
+//! workspace: the server's trace attribution and its bench table use it too.
 
 use std::collections::BTreeMap;
 
@@ -6,9 +7,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::record::RequestRecord;
 
-/// The `q` quantile (0..=1) of sorted values, interpolating linearly between closest ranks.
+/// The `q` quantile (0..=1) of sorted values, interpolating linearly between closest ranks;
+/// NaN for no values, so that an empty set reads as "no figure" rather than a zero.
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
-    assert!(!sorted.is_empty(), "percentile of nothing");
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
     let pos = q.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
     let lo = pos.floor() as usize;
     let hi = pos.ceil() as usize;
@@ -153,6 +157,7 @@ mod tests {
         assert!((percentile(&v, 0.95) - 95.05).abs() < 1e-9);
         assert!((percentile(&v, 0.99) - 99.01).abs() < 1e-9);
         assert_eq!(percentile(&[7.0], 0.999), 7.0);
+        assert!(percentile(&[], 0.5).is_nan());
         let p = Percentiles::of([3.0, 1.0, 2.0, f64::NAN]).unwrap();
         assert_eq!(p.count, 3);
         assert_eq!(p.p50, 2.0);
@@ -224,46 +229,5 @@ mod tests {
         let t = s.with_throughput((3, 30.0));
         assert!((t.achieved_rps - 0.1).abs() < 1e-12);
         assert_eq!(t.achieved_window_s, 30.0);
-    }
-}
-
-/// `summary.json`: the configuration, the steady-phase figures, and the knee or gate outcome.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Summary {
-    pub tool: String,
-    /// `run`, `knee` or `gate`.
-    pub command: String,
-    /// The flags the command ran with.
-    pub config: serde_json::Value,
-    pub started_unix_ms: u64,
-    /// Phase lengths of a `run` or `gate` (the report shades them).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub phases: Option<crate::schedule::Phases>,
-    /// Requests per phase, all phases.
-    pub requests_by_phase: BTreeMap<String, u64>,
-    /// The steady phase: the only one the figures count. Absent for `knee` (see `steps`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub steady: Option<PhaseStats>,
-    /// Knee finder: one entry per step, in order.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub steps: Vec<crate::knee::StepResult>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub knee: Option<crate::knee::Knee>,
-    /// Gate: the compared metrics and the verdict.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub gate: Option<Vec<crate::gate::Row>>,
-}
-
-impl Summary {
-    pub fn count_phases(records: &[RequestRecord]) -> BTreeMap<String, u64> {
-        let mut m = BTreeMap::new();
-        for r in records {
-            let key = serde_json::to_value(r.phase)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_string))
-                .unwrap_or_default();
-            *m.entry(key).or_insert(0) += 1;
-        }
-        m
     }
 }

@@ -62,14 +62,10 @@ impl Percentiles {
     }
 }
 
-/// The p-th percentile of sorted values, interpolating between the nearest ranks.
+/// The p-th percentile (0..=100) of sorted values, interpolating between the nearest ranks;
+/// NaN for none. The load generator's statistics, on this module's percent scale.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = p / 100.0 * (sorted.len() - 1) as f64;
-    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
-    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+    ragscope_loadgen::stats::percentile(sorted, p / 100.0)
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

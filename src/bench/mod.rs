@@ -25,14 +25,12 @@ fn stage() -> Stage {
     Stage::root("bench")
 }
 
-/// p-th percentile (0..=100) of durations, in milliseconds.
+/// p-th percentile (0..=100) of durations, in milliseconds, interpolated between the nearest
+/// ranks as the load generator's are; NaN for none. Sorts `samples` in place.
 pub fn percentile(samples: &mut [Duration], p: f64) -> f64 {
-    if samples.is_empty() {
-        return f64::NAN;
-    }
     samples.sort();
-    let rank = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
-    clock::millis(samples[rank.min(samples.len() - 1)])
+    let ms: Vec<f64> = samples.iter().map(|d| clock::millis(*d)).collect();
+    ragscope_loadgen::stats::percentile(&ms, p / 100.0)
 }
 
 fn median(xs: &mut [f64]) -> f64 {

@@ -4,10 +4,9 @@
 //! `qdrant-edge` is pinned to 0.7.2 because 0.8 and 0.9 use `std::debug_assert_matches`, which
 //! is stable only from rustc 1.96, and this project builds with 1.95.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 
 use qdrant_edge::{
     Condition as QdrantCondition, CountRequest, CreateIndex, Distance, EdgeConfig,
@@ -19,14 +18,9 @@ use qdrant_edge::{
 };
 use serde_json::Value;
 
-use super::payload::{self, chunk_from_payload, chunk_payload, PointKey, INDEXED_KEYWORDS};
-use super::{
-    Chunk, Filter, FilterField, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore,
-};
+use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
+use super::{Chunk, Filter, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use crate::telemetry::span::Stage;
-
-/// Points per update operation: keeps each WAL record and each segment write-lock hold small.
-pub(crate) const UPSERT_BATCH: usize = 256;
 
 /// A collection stored in an embedded Qdrant Edge shard at `<dir>/<collection>`.
 ///
@@ -43,7 +37,7 @@ pub struct EdgeStore {
     /// if the WAL mutex is held by a concurrent `update`, or the segment holder is write-locked by
     /// `optimize` while it swaps segments; holding this around update+flush and around optimize
     /// makes that impossible. Searches never take it.
-    writer: Mutex<()>,
+    writer: WriteLock,
 }
 
 impl Drop for EdgeStore {
@@ -65,11 +59,7 @@ impl EdgeStore {
     /// Fails if an existing shard was created with another dimension or distance, since its
     /// vectors could not be compared with this embedder's.
     pub fn open(dir: &Path, collection: &str, dimension: usize) -> Result<EdgeStore, StoreError> {
-        if dimension == 0 {
-            return Err(StoreError::Backend(format!(
-                "collection `{collection}`: vector dimension must be positive"
-            )));
-        }
+        payload::check_positive_dimension(collection, dimension)?;
         let path = dir.join(collection);
         let shard = if is_empty_or_absent(&path)? {
             fs::create_dir_all(&path).map_err(|e| {
@@ -106,7 +96,7 @@ impl EdgeStore {
             collection: collection.to_string(),
             dimension,
             path,
-            writer: Mutex::new(()),
+            writer: WriteLock::default(),
         };
         store.ensure_payload_indexes()?;
         Ok(store)
@@ -124,7 +114,7 @@ impl EdgeStore {
 
     fn ensure_payload_indexes(&self) -> Result<(), StoreError> {
         let existing = self.shard.info().payload_schema;
-        let _writer = self.lock_writer();
+        let _writer = self.writer.hold();
         let mut created = false;
         for field in INDEXED_KEYWORDS {
             let key = payload_path(field)?;
@@ -144,24 +134,6 @@ impl EdgeStore {
         }
         if created {
             self.shard.flush();
-        }
-        Ok(())
-    }
-
-    fn lock_writer(&self) -> MutexGuard<'_, ()> {
-        // The mutex guards no data, so a panic in another writer leaves nothing inconsistent
-        // behind it here: take the lock even if poisoned.
-        self.writer
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn check_dimension(&self, vector: &[f32]) -> Result<(), StoreError> {
-        if vector.len() != self.dimension {
-            return Err(StoreError::Dimension {
-                got: vector.len(),
-                want: self.dimension,
-            });
         }
         Ok(())
     }
@@ -191,29 +163,19 @@ impl VectorStore for EdgeStore {
         vectors: &[Vec<f32>],
         _stage: &Stage,
     ) -> Result<(), StoreError> {
-        if chunks.len() != vectors.len() {
-            return Err(StoreError::Backend(format!(
-                "upsert: {} chunks but {} vectors",
-                chunks.len(),
-                vectors.len()
-            )));
-        }
-        if chunks.is_empty() {
+        let points = payload::upsert_points(
+            chunks,
+            vectors,
+            self.dimension,
+            |key, vector, p| -> PointStructPersisted {
+                PointStruct::new(to_point_id(key), vector, Value::Object(p)).into()
+            },
+        )?;
+        if points.is_empty() {
             return Ok(());
         }
-        let mut points = Vec::with_capacity(chunks.len());
-        for (chunk, vector) in chunks.iter().zip(vectors) {
-            self.check_dimension(vector)?;
-            let id = point_id(&chunk.id)?;
-            let point: PointStructPersisted =
-                PointStruct::new(id, vector.clone(), Value::Object(chunk_payload(chunk))).into();
-            points.push(point);
-        }
-
-        let _writer = self.lock_writer();
-        let mut batches = points.into_iter().peekable();
-        while batches.peek().is_some() {
-            let batch: Vec<_> = batches.by_ref().take(UPSERT_BATCH).collect();
+        let _writer = self.writer.hold();
+        for batch in payload::batches(points) {
             let op = UpdateOperation::PointOperation(PointOperations::UpsertPoints(
                 PointInsertOperations::PointsList(batch),
             ));
@@ -234,8 +196,7 @@ impl VectorStore for EdgeStore {
         filter: Option<&Filter>,
         _stage: &Stage,
     ) -> Result<Vec<ScoredChunk>, StoreError> {
-        self.check_dimension(vector)?;
-        if top_k == 0 {
+        if !payload::search_needed(vector, top_k, self.dimension)? {
             return Ok(Vec::new());
         }
         let request = QueryRequest {
@@ -268,40 +229,29 @@ impl VectorStore for EdgeStore {
     }
 
     fn existing(&self, ids: &[String], _stage: &Stage) -> Result<HashSet<String>, StoreError> {
-        // Map back to the caller's spelling: the engine prints UUIDs in canonical form.
-        let mut wanted: HashMap<PointId, &String> = HashMap::with_capacity(ids.len());
-        for id in ids {
-            // An id that is not a valid point id cannot have been stored.
-            if let Some(key) = PointKey::parse(id) {
-                wanted.insert(to_point_id(key), id);
-            }
-        }
-        if wanted.is_empty() {
-            return Ok(HashSet::new());
-        }
-        let point_ids: Vec<PointId> = wanted.keys().copied().collect();
-        let records = self
-            .shard
-            .retrieve(
-                &point_ids,
-                Some(WithPayloadInterface::Bool(false)),
-                Some(WithVector::Bool(false)),
-            )
-            .map_err(backend(&format!("looking up ids in `{}`", self.collection)))?;
-        Ok(records
-            .into_iter()
-            .filter_map(|record| wanted.get(&record.id).map(|id| (*id).clone()))
-            .collect())
+        payload::stored_ids(ids, |keys| {
+            let point_ids: Vec<PointId> = keys.into_iter().map(to_point_id).collect();
+            let records = self
+                .shard
+                .retrieve(
+                    &point_ids,
+                    Some(WithPayloadInterface::Bool(false)),
+                    Some(WithVector::Bool(false)),
+                )
+                .map_err(backend(&format!("looking up ids in `{}`", self.collection)))?;
+            Ok(records
+                .into_iter()
+                .map(|record| from_point_id(record.id))
+                .collect())
+        })
     }
 
     fn delete_document(&self, doc_id: &str, _stage: &Stage) -> Result<usize, StoreError> {
-        let filter = QdrantFilter::new_must(QdrantCondition::Field(FieldCondition::new_match(
-            payload_path(&payload::field_path(&FilterField::DocId)?)?,
-            Match::from(doc_id.to_string()),
-        )));
+        let filter = to_qdrant_filter(&payload::document_filter(doc_id))?
+            .expect("a filter with a condition");
         // Counting and deleting under the writer lock: no upsert can slip in between, so the
         // number returned is the number removed.
-        let _writer = self.lock_writer();
+        let _writer = self.writer.hold();
         let removed = self
             .shard
             .count(CountRequest {
@@ -337,7 +287,7 @@ impl VectorStore for EdgeStore {
     /// so searches keep being served. Upserts and deletes wait for the build to finish (see
     /// the `writer` field for why).
     fn build_index(&self) -> Result<(), StoreError> {
-        let _writer = self.lock_writer();
+        let _writer = self.writer.hold();
         self.shard.optimize().map_err(backend(&format!(
             "building the index of `{}`",
             self.collection
@@ -371,28 +321,17 @@ fn optimizers_config() -> EdgeOptimizersConfig {
 
 fn check_compatible(shard: &EdgeShard, path: &Path, dimension: usize) -> Result<(), StoreError> {
     let config = shard.config();
-    let Some(params) = config.vectors.get(DEFAULT_VECTOR_NAME) else {
-        return Err(StoreError::Backend(format!(
-            "shard at {} has no unnamed dense vector: not a ragscope collection",
-            path.display()
-        )));
-    };
-    if params.size != dimension {
-        return Err(StoreError::Backend(format!(
-            "collection at {} holds {}-dimensional vectors but the embedder produces {dimension}; \
-             use another collection name or delete the directory and re-ingest",
-            path.display(),
-            params.size
-        )));
-    }
-    if params.distance != Distance::Cosine {
-        return Err(StoreError::Backend(format!(
-            "collection at {} uses {:?} distance, ragscope needs cosine",
-            path.display(),
-            params.distance
-        )));
-    }
-    Ok(())
+    let vector = config
+        .vectors
+        .get(DEFAULT_VECTOR_NAME)
+        .map(|params| (params.size as u64, params.distance));
+    payload::check_compatible(
+        &format!("collection at {}", path.display()),
+        "the directory",
+        vector,
+        Distance::Cosine,
+        dimension,
+    )
 }
 
 fn is_empty_or_absent(path: &Path) -> Result<bool, StoreError> {
@@ -411,14 +350,17 @@ fn backend(context: &str) -> impl FnOnce(OperationError) -> StoreError + '_ {
     move |e| StoreError::Backend(format!("{context}: {e}"))
 }
 
-fn point_id(id: &str) -> Result<PointId, StoreError> {
-    PointKey::for_chunk(id).map(to_point_id)
-}
-
 fn to_point_id(key: PointKey) -> PointId {
     match key {
         PointKey::Num(n) => PointId::NumId(n),
         PointKey::Uuid(u) => PointId::Uuid(u),
+    }
+}
+
+fn from_point_id(id: PointId) -> PointKey {
+    match id {
+        PointId::NumId(n) => PointKey::Num(n),
+        PointId::Uuid(u) => PointKey::Uuid(u),
     }
 }
 
@@ -457,11 +399,9 @@ mod tests {
 
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
-    use serde_json::json;
     use tempfile::TempDir;
 
     use super::*;
-    use crate::retrieve::Condition;
 
     const DIM: usize = 8;
 
@@ -469,15 +409,16 @@ mod tests {
         Stage::root("test")
     }
 
-    fn chunk(doc_id: &str, position: u32, source: &str, metadata: Value) -> Chunk {
+    /// Chunk `position` of `doc_id`, its id a UUID derived from its text.
+    fn chunk(doc_id: &str, position: u32) -> Chunk {
         let text = format!("{doc_id} chunk {position}");
         Chunk {
             id: uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, text.as_bytes()).to_string(),
             doc_id: doc_id.into(),
             text,
-            source: source.into(),
+            source: "gen".into(),
             position,
-            metadata: metadata.as_object().cloned().unwrap_or_default(),
+            metadata: Default::default(),
         }
     }
 
@@ -495,293 +436,45 @@ mod tests {
             .collect()
     }
 
-    /// Three documents: a (3 chunks, docs.txt, lang en), b (2, wiki, lang de), c (1, web, none).
+    /// Three documents: a (3 chunks), b (2), c (1); chunk `i` points along axis `i`.
     fn sample() -> (Vec<Chunk>, Vec<Vec<f32>>) {
-        let chunks = vec![
-            chunk(
-                "a",
-                0,
-                "docs.txt",
-                json!({"lang": "en", "year": 2024, "draft": false}),
-            ),
-            chunk(
-                "a",
-                1,
-                "docs.txt",
-                json!({"lang": "en", "year": 2024, "draft": false}),
-            ),
-            chunk(
-                "a",
-                2,
-                "docs.txt",
-                json!({"lang": "en", "year": 2024, "draft": true}),
-            ),
-            chunk("b", 0, "wiki", json!({"lang": "de", "year": 2023})),
-            chunk("b", 1, "wiki", json!({"lang": "de", "year": 2023})),
-            chunk("c", 0, "web", json!({})),
-        ];
+        let chunks: Vec<Chunk> = [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", 0)]
+            .into_iter()
+            .map(|(doc, position)| chunk(doc, position))
+            .collect();
         let vectors = (0..chunks.len()).map(axis_vector).collect();
         (chunks, vectors)
     }
 
-    fn open_sample() -> (TempDir, EdgeStore, Vec<Chunk>, Vec<Vec<f32>>) {
+    // What every store must do (search, filters, ids, deletes, bad input, reopening) is the
+    // conformance suite's, in tests/api/store_conformance.rs; these tests are about the engine.
+
+    #[test]
+    fn info_names_the_engine_and_counts_points() {
         let dir = TempDir::new().unwrap();
         let store = EdgeStore::open(dir.path(), "test", DIM).unwrap();
         let (chunks, vectors) = sample();
         store.upsert(&chunks, &vectors, &stage()).unwrap();
-        (dir, store, chunks, vectors)
-    }
-
-    fn filter(field: FilterField, matches: MatchValue) -> Filter {
-        Filter {
-            conditions: vec![Condition { field, matches }],
-        }
-    }
-
-    fn doc_ids(hits: &[ScoredChunk]) -> Vec<&str> {
-        hits.iter().map(|h| h.chunk.doc_id.as_str()).collect()
-    }
-
-    #[test]
-    fn search_returns_nearest_with_payload_intact() {
-        let (_dir, store, chunks, vectors) = open_sample();
-        assert_eq!(store.count().unwrap(), chunks.len());
-
-        let hits = store.search(&vectors[3], 3, None, &stage()).unwrap();
-        assert_eq!(hits.len(), 3);
-        assert_eq!(
-            hits[0].chunk, chunks[3],
-            "nearest is the chunk itself, payload intact"
-        );
-        assert!(
-            (hits[0].score - 1.0).abs() < 1e-4,
-            "cosine to itself: {}",
-            hits[0].score
-        );
-        assert!(
-            hits.windows(2).all(|w| w[0].score >= w[1].score),
-            "best first"
-        );
-
         let info = store.info();
         assert_eq!(info.system, "qdrant-edge");
         assert_eq!(info.collection, "test");
         assert_eq!(info.index, "plain");
         assert_eq!(info.points, chunks.len());
-    }
-
-    #[test]
-    fn search_checks_dimension_and_top_k() {
-        let (_dir, store, _, vectors) = open_sample();
-        assert!(matches!(
-            store.search(&[1.0; DIM + 1], 3, None, &stage()),
-            Err(StoreError::Dimension { got, want }) if got == DIM + 1 && want == DIM
-        ));
-        assert!(store
-            .search(&vectors[0], 0, None, &stage())
-            .unwrap()
-            .is_empty());
-        assert_eq!(
-            store
-                .search(&vectors[0], 100, None, &stage())
-                .unwrap()
-                .len(),
-            6
-        );
-    }
-
-    #[test]
-    fn filter_by_doc_id() {
-        let (_dir, store, _, vectors) = open_sample();
-        // The query is closest to a chunk of `b`, but only `a` may come back.
-        let only_a = filter(FilterField::DocId, MatchValue::Keyword("a".into()));
-        let hits = store
-            .search(&vectors[3], 10, Some(&only_a), &stage())
-            .unwrap();
-        assert_eq!(doc_ids(&hits), vec!["a", "a", "a"]);
-    }
-
-    #[test]
-    fn filter_by_source_any_of() {
-        let (_dir, store, _, vectors) = open_sample();
-        let wiki_or_web = filter(
-            FilterField::Source,
-            MatchValue::AnyKeyword(vec!["wiki".into(), "web".into()]),
-        );
-        let hits = store
-            .search(&vectors[0], 10, Some(&wiki_or_web), &stage())
-            .unwrap();
-        let mut docs = doc_ids(&hits);
-        docs.sort();
-        assert_eq!(docs, vec!["b", "b", "c"]);
-    }
-
-    #[test]
-    fn filter_by_metadata_keyword_integer_bool_and_conjunction() {
-        let (_dir, store, _, vectors) = open_sample();
-        let lang_de = filter(
-            FilterField::Metadata("lang".into()),
-            MatchValue::Keyword("de".into()),
-        );
-        let hits = store
-            .search(&vectors[0], 10, Some(&lang_de), &stage())
-            .unwrap();
-        assert_eq!(doc_ids(&hits), vec!["b", "b"]);
-
-        let year = filter(
-            FilterField::Metadata("year".into()),
-            MatchValue::Integer(2024),
-        );
-        assert_eq!(
-            store
-                .search(&vectors[0], 10, Some(&year), &stage())
-                .unwrap()
-                .len(),
-            3
-        );
-
-        let drafts = filter(
-            FilterField::Metadata("draft".into()),
-            MatchValue::Bool(true),
-        );
-        let hits = store
-            .search(&vectors[0], 10, Some(&drafts), &stage())
-            .unwrap();
-        assert_eq!(hits.len(), 1);
-        assert_eq!(hits[0].chunk.position, 2);
-
-        // Conditions are a conjunction: source docs.txt AND lang de matches nothing.
-        let both = Filter {
-            conditions: vec![
-                Condition {
-                    field: FilterField::Source,
-                    matches: MatchValue::Keyword("docs.txt".into()),
-                },
-                lang_de.conditions[0].clone(),
-            ],
-        };
-        assert!(store
-            .search(&vectors[0], 10, Some(&both), &stage())
-            .unwrap()
-            .is_empty());
-
-        // An empty filter is no filter.
-        assert_eq!(
-            store
-                .search(&vectors[0], 10, Some(&Filter::default()), &stage())
-                .unwrap()
-                .len(),
-            6
-        );
-    }
-
-    #[test]
-    fn delete_document_counts_and_removes() {
-        let (_dir, store, chunks, vectors) = open_sample();
-        assert_eq!(store.delete_document("a", &stage()).unwrap(), 3);
-        assert_eq!(store.count().unwrap(), 3);
-        let a_ids: Vec<String> = chunks[..3].iter().map(|c| c.id.clone()).collect();
-        assert!(store.existing(&a_ids, &stage()).unwrap().is_empty());
-        let hits = store.search(&vectors[0], 10, None, &stage()).unwrap();
-        assert!(
-            !doc_ids(&hits).contains(&"a"),
-            "deleted chunks are not found"
-        );
-        assert_eq!(
-            store.delete_document("a", &stage()).unwrap(),
-            0,
-            "second delete finds nothing"
-        );
-        assert_eq!(store.delete_document("nope", &stage()).unwrap(), 0);
-    }
-
-    #[test]
-    fn reupsert_same_ids_does_not_grow() {
-        let (_dir, store, mut chunks, vectors) = open_sample();
-        chunks[0].text = "replaced".into();
+        assert!(info.server.is_none());
         store.upsert(&chunks, &vectors, &stage()).unwrap();
-        assert_eq!(store.count().unwrap(), chunks.len());
-        assert_eq!(store.info().points, chunks.len());
-        let hits = store.search(&vectors[0], 1, None, &stage()).unwrap();
-        assert_eq!(
-            hits[0].chunk.text, "replaced",
-            "the upsert replaced the payload"
-        );
+        assert_eq!(store.info().points, chunks.len(), "same ids, same points");
     }
 
+    /// The keyword indexes are made with the shard and are still there when it is reopened.
     #[test]
-    fn existing_reports_only_stored_ids() {
-        let (_dir, store, chunks, _) = open_sample();
-        let absent = uuid::Uuid::new_v4().to_string();
-        let asked = vec![
-            chunks[1].id.clone(),
-            absent,
-            "not-a-uuid".into(),
-            chunks[5].id.clone(),
-        ];
-        let found = store.existing(&asked, &stage()).unwrap();
-        let expected: HashSet<String> = [chunks[1].id.clone(), chunks[5].id.clone()].into();
-        assert_eq!(found, expected);
-        assert!(store.existing(&[], &stage()).unwrap().is_empty());
-    }
-
-    #[test]
-    fn upsert_rejects_bad_input() {
+    fn keyword_indexes_survive_reopen() {
         let dir = TempDir::new().unwrap();
-        let store = EdgeStore::open(dir.path(), "test", DIM).unwrap();
         let (chunks, vectors) = sample();
-        assert!(matches!(
-            store.upsert(&chunks[..1], &[vec![1.0; DIM - 1]], &stage()),
-            Err(StoreError::Dimension { got, want }) if got == DIM - 1 && want == DIM
-        ));
-        assert!(store.upsert(&chunks[..2], &vectors[..1], &stage()).is_err());
-        let mut bad = chunks[0].clone();
-        bad.id = "not-a-uuid".into();
-        assert!(store.upsert(&[bad], &vectors[..1], &stage()).is_err());
-        assert_eq!(store.count().unwrap(), 0, "nothing was written");
-    }
-
-    #[test]
-    fn reopen_keeps_data_and_results() {
-        let dir = TempDir::new().unwrap();
-        let mut rng = StdRng::seed_from_u64(7);
-        let (chunks, _) = sample();
-        let vectors = random_vectors(&mut rng, chunks.len(), DIM);
-        let queries = random_vectors(&mut rng, 5, DIM);
-        let lang_en = filter(
-            FilterField::Metadata("lang".into()),
-            MatchValue::Keyword("en".into()),
-        );
-
-        let run = |store: &EdgeStore| -> Vec<Vec<(String, f32)>> {
-            queries
-                .iter()
-                .flat_map(|q| {
-                    [
-                        store.search(q, 4, None, &stage()),
-                        store.search(q, 4, Some(&lang_en), &stage()),
-                    ]
-                })
-                .map(|hits| {
-                    hits.unwrap()
-                        .into_iter()
-                        .map(|h| (h.chunk.id, h.score))
-                        .collect()
-                })
-                .collect()
-        };
-
-        let before = {
-            let store = EdgeStore::open(dir.path(), "keep", DIM).unwrap();
-            store.upsert(&chunks, &vectors, &stage()).unwrap();
-            run(&store)
-        };
+        EdgeStore::open(dir.path(), "keep", DIM)
+            .unwrap()
+            .upsert(&chunks, &vectors, &stage())
+            .unwrap();
         let store = EdgeStore::open(dir.path(), "keep", DIM).unwrap();
-        assert_eq!(store.count().unwrap(), chunks.len());
-        assert_eq!(run(&store), before, "identical results after reopen");
-        let hits = store.search(&vectors[4], 1, None, &stage()).unwrap();
-        assert_eq!(hits[0].chunk, chunks[4], "payload survives reopen");
-        // The keyword indexes were created once and are still there.
         let schema = store.shard.info().payload_schema;
         for field in INDEXED_KEYWORDS {
             assert!(
@@ -829,8 +522,7 @@ mod tests {
                 thread::spawn(move || {
                     for round in 0..40u32 {
                         let doc = format!("w{w}-r{round}");
-                        let chunks: Vec<Chunk> =
-                            (0..5).map(|p| chunk(&doc, p, "gen", json!({}))).collect();
+                        let chunks: Vec<Chunk> = (0..5).map(|p| chunk(&doc, p)).collect();
                         let vectors: Vec<Vec<f32>> =
                             (0..5).map(|p| axis_vector(w * 5 + p)).collect();
                         store.upsert(&chunks, &vectors, &stage()).unwrap();
@@ -907,7 +599,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(42);
         let vectors = random_vectors(&mut rng, N, BIG_DIM);
         let chunks: Vec<Chunk> = (0..N)
-            .map(|i| chunk(&format!("doc{}", i / 10), (i % 10) as u32, "gen", json!({})))
+            .map(|i| chunk(&format!("doc{}", i / 10), (i % 10) as u32))
             .collect();
         store.upsert(&chunks, &vectors, &stage()).unwrap();
         assert_eq!(store.info().index, "plain");

@@ -1,17 +1,164 @@
-//! What both Qdrant backends store and ask for, written once: the point id of a chunk, the
-//! chunk's payload and its way back, the payload fields that get a keyword index, and our
-//! [`Filter`] lowered to Qdrant's model (a `must` list of field conditions on payload paths).
+//! What both Qdrant backends store, ask for and refuse, written once: the checks on a
+//! collection and on each call's arguments, the point id of a chunk, the chunk's payload and its
+//! way back, the payload fields that get a keyword index, and our [`Filter`] lowered to Qdrant's
+//! model (a `must` list of field conditions on payload paths).
 //!
 //! The embedded engine and the server take the same concepts in different Rust types (the
 //! engine's segment types, the client's protobuf messages); each backend only maps these
-//! values to its types, so ids, payloads and filter semantics cannot drift apart.
+//! values to its types, so ids, payloads, errors and filter semantics cannot drift apart.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Debug;
+use std::sync::{Mutex, MutexGuard};
 
 use serde_json::{Map, Value};
 
-use super::{Chunk, Filter, FilterField, MatchValue, StoreError};
+use super::{Chunk, Condition, Filter, FilterField, MatchValue, StoreError};
 
 /// Payload fields with a keyword index: the filters the API exposes first.
 pub const INDEXED_KEYWORDS: [&str; 2] = ["doc_id", "source"];
+
+/// Points per write: keeps each request (a WAL record in the engine, a gRPC message to the
+/// server) and each segment write-lock hold small.
+pub const UPSERT_BATCH: usize = 256;
+
+/// Refuses to open a collection for vectors of no dimension.
+pub fn check_positive_dimension(collection: &str, dimension: usize) -> Result<(), StoreError> {
+    if dimension == 0 {
+        return Err(StoreError::Backend(format!(
+            "collection `{collection}`: vector dimension must be positive"
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses an existing collection whose vectors could not be compared with the embedder's.
+/// `vector` is the size and distance of its unnamed dense vector (`None`: it has none);
+/// `collection` names it in the messages and `remove` says what a user would delete to start
+/// over.
+pub fn check_compatible<D: Debug + PartialEq>(
+    collection: &str,
+    remove: &str,
+    vector: Option<(u64, D)>,
+    cosine: D,
+    dimension: usize,
+) -> Result<(), StoreError> {
+    let Some((size, distance)) = vector else {
+        return Err(StoreError::Backend(format!(
+            "{collection} has no unnamed dense vector: not a ragscope collection"
+        )));
+    };
+    if size != dimension as u64 {
+        return Err(StoreError::Backend(format!(
+            "{collection} holds {size}-dimensional vectors but the embedder produces {dimension}; \
+             use another collection name or delete {remove} and re-ingest"
+        )));
+    }
+    if distance != cosine {
+        return Err(StoreError::Backend(format!(
+            "{collection} uses {distance:?} distance, ragscope needs cosine"
+        )));
+    }
+    Ok(())
+}
+
+/// A query or stored vector must have the collection's dimension.
+fn check_dimension(vector: &[f32], dimension: usize) -> Result<(), StoreError> {
+    if vector.len() != dimension {
+        return Err(StoreError::Dimension {
+            got: vector.len(),
+            want: dimension,
+        });
+    }
+    Ok(())
+}
+
+/// Checks a search's arguments: `Ok(false)` when it can find nothing (`top_k` is 0), so the
+/// backend need not ask. The vector is checked even then, so a wrong one fails alike always.
+pub fn search_needed(vector: &[f32], top_k: usize, dimension: usize) -> Result<bool, StoreError> {
+    check_dimension(vector, dimension)?;
+    Ok(top_k > 0)
+}
+
+/// Checks an upsert's arguments and builds the backend's points, each by `point` from the
+/// chunk's point id, its vector and its payload. Nothing is built, so nothing is written,
+/// unless every chunk has a vector of the right dimension and a storable id.
+pub fn upsert_points<P>(
+    chunks: &[Chunk],
+    vectors: &[Vec<f32>],
+    dimension: usize,
+    mut point: impl FnMut(PointKey, Vec<f32>, Map<String, Value>) -> P,
+) -> Result<Vec<P>, StoreError> {
+    if chunks.len() != vectors.len() {
+        return Err(StoreError::Backend(format!(
+            "upsert: {} chunks but {} vectors",
+            chunks.len(),
+            vectors.len()
+        )));
+    }
+    chunks
+        .iter()
+        .zip(vectors)
+        .map(|(chunk, vector)| {
+            check_dimension(vector, dimension)?;
+            let key = PointKey::for_chunk(&chunk.id)?;
+            Ok(point(key, vector.clone(), chunk_payload(chunk)))
+        })
+        .collect()
+}
+
+/// `points` in writes of at most [`UPSERT_BATCH`], in order.
+pub fn batches<P>(points: Vec<P>) -> impl Iterator<Item = Vec<P>> {
+    let mut points = points.into_iter().peekable();
+    std::iter::from_fn(move || {
+        points.peek()?;
+        Some(points.by_ref().take(UPSERT_BATCH).collect())
+    })
+}
+
+/// Which of `ids` are stored, in the caller's spelling (a backend prints UUIDs in canonical
+/// form). `lookup` gets the distinct point ids and returns those it found; an id that is not
+/// a valid point id cannot have been stored, so it is never looked up.
+pub fn stored_ids(
+    ids: &[String],
+    lookup: impl FnOnce(Vec<PointKey>) -> Result<Vec<PointKey>, StoreError>,
+) -> Result<HashSet<String>, StoreError> {
+    let wanted: HashMap<PointKey, &String> = ids
+        .iter()
+        .filter_map(|id| PointKey::parse(id).map(|key| (key, id)))
+        .collect();
+    if wanted.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let found = lookup(wanted.keys().copied().collect())?;
+    Ok(found
+        .iter()
+        .filter_map(|key| wanted.get(key).map(|id| (*id).clone()))
+        .collect())
+}
+
+/// The filter that selects every chunk of one document (what `delete_document` removes).
+pub fn document_filter(doc_id: &str) -> Filter {
+    Filter {
+        conditions: vec![Condition {
+            field: FilterField::DocId,
+            matches: MatchValue::Keyword(doc_id.to_string()),
+        }],
+    }
+}
+
+/// Serialises a store's writes. It guards no data, so a writer that panicked leaves nothing
+/// inconsistent behind it: the lock is taken even when poisoned.
+#[derive(Debug, Default)]
+pub struct WriteLock(Mutex<()>);
+
+impl WriteLock {
+    pub fn hold(&self) -> MutexGuard<'_, ()> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
 
 /// A point id as Qdrant accepts it: an unsigned integer or a UUID.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -131,7 +278,6 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::retrieve::Condition;
 
     #[test]
     fn point_keys_accept_what_qdrant_accepts() {

@@ -8,9 +8,9 @@
 //! blocks an executor thread. Every call a request makes carries the caller's W3C trace
 //! context (`traceparent`, `tracestate`, `baggage`) as gRPC metadata.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use qdrant_client::qdrant::point_id::PointIdOptions;
@@ -27,11 +27,9 @@ use serde_json::Map;
 use tokio::runtime::Runtime;
 use tonic::Code;
 
-use super::edge::UPSERT_BATCH;
-use super::payload::{self, chunk_from_payload, chunk_payload, PointKey, INDEXED_KEYWORDS};
+use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
 use super::{
-    Chunk, Filter, FilterField, MatchValue, ScoredChunk, ServerAddress, StoreError, StoreInfo,
-    VectorStore,
+    Chunk, Filter, MatchValue, ScoredChunk, ServerAddress, StoreError, StoreInfo, VectorStore,
 };
 use crate::telemetry::span::Stage;
 
@@ -56,7 +54,7 @@ pub struct RemoteStore {
     stats: Arc<Mutex<Stats>>,
     /// Serialises this process's writes, so that `delete_document`'s count is the number it
     /// removed. (Replicas sharing the collection are not serialised with each other.)
-    writer: Mutex<()>,
+    writer: WriteLock,
 }
 
 #[derive(Debug, Clone)]
@@ -89,11 +87,7 @@ impl RemoteStore {
         collection: &str,
         dimension: usize,
     ) -> Result<RemoteStore, StoreError> {
-        if dimension == 0 {
-            return Err(StoreError::Backend(format!(
-                "collection `{collection}`: vector dimension must be positive"
-            )));
-        }
+        payload::check_positive_dimension(collection, dimension)?;
         let server = server_address(url)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -121,7 +115,7 @@ impl RemoteStore {
                 refreshed: None,
                 refreshing: false,
             })),
-            writer: Mutex::new(()),
+            writer: WriteLock::default(),
         };
         let info = store.ensure_collection()?;
         store.record_stats(&info);
@@ -196,28 +190,20 @@ impl RemoteStore {
             .and_then(|c| c.params.as_ref())
             .and_then(|p| p.vectors_config.as_ref())
             .and_then(|v| v.config.as_ref());
-        let Some(VectorsConfig::Params(params)) = vectors else {
-            return Err(StoreError::Backend(format!(
-                "collection `{}` on {} has no unnamed dense vector: not a ragscope collection",
-                self.collection, self.url
-            )));
+        let vector = match vectors {
+            Some(VectorsConfig::Params(params)) => Some((
+                params.size,
+                Distance::try_from(params.distance).unwrap_or(Distance::UnknownDistance),
+            )),
+            _ => None,
         };
-        if params.size != self.dimension as u64 {
-            return Err(StoreError::Backend(format!(
-                "collection `{}` on {} holds {}-dimensional vectors but the embedder produces {}; \
-                 use another collection name or delete the collection and re-ingest",
-                self.collection, self.url, params.size, self.dimension
-            )));
-        }
-        if params.distance != Distance::Cosine as i32 {
-            return Err(StoreError::Backend(format!(
-                "collection `{}` on {} uses {:?} distance, ragscope needs cosine",
-                self.collection,
-                self.url,
-                Distance::try_from(params.distance).unwrap_or(Distance::UnknownDistance)
-            )));
-        }
-        Ok(())
+        payload::check_compatible(
+            &format!("collection `{}` on {}", self.collection, self.url),
+            "the collection",
+            vector,
+            Distance::Cosine,
+            self.dimension,
+        )
     }
 
     fn record_stats(&self, info: &CollectionInfo) {
@@ -288,31 +274,6 @@ impl RemoteStore {
             other => StoreError::Backend(format!("{doing} on Qdrant at {}: {other}", self.url)),
         }
     }
-
-    fn check_dimension(&self, vector: &[f32]) -> Result<(), StoreError> {
-        if vector.len() != self.dimension {
-            return Err(StoreError::Dimension {
-                got: vector.len(),
-                want: self.dimension,
-            });
-        }
-        Ok(())
-    }
-
-    fn lock_writer(&self) -> MutexGuard<'_, ()> {
-        // Guards no data: a panic in another writer leaves nothing inconsistent.
-        self.writer
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    fn doc_filter(doc_id: &str) -> Result<QdrantFilter, StoreError> {
-        let path = payload::field_path(&FilterField::DocId)?;
-        Ok(QdrantFilter::must([QdrantCondition::matches(
-            path,
-            QdrantMatch::Keyword(doc_id.to_string()),
-        )]))
-    }
 }
 
 impl VectorStore for RemoteStore {
@@ -359,27 +320,11 @@ impl VectorStore for RemoteStore {
         vectors: &[Vec<f32>],
         stage: &Stage,
     ) -> Result<(), StoreError> {
-        if chunks.len() != vectors.len() {
-            return Err(StoreError::Backend(format!(
-                "upsert: {} chunks but {} vectors",
-                chunks.len(),
-                vectors.len()
-            )));
-        }
-        let mut points = Vec::with_capacity(chunks.len());
-        for (chunk, vector) in chunks.iter().zip(vectors) {
-            self.check_dimension(vector)?;
-            let id = to_point_id(PointKey::for_chunk(&chunk.id)?);
-            points.push(PointStruct::new(
-                id,
-                vector.clone(),
-                Payload::from(chunk_payload(chunk)),
-            ));
-        }
-        let _writer = self.lock_writer();
-        while !points.is_empty() {
-            let rest = points.split_off(points.len().min(UPSERT_BATCH));
-            let batch = std::mem::replace(&mut points, rest);
+        let points = payload::upsert_points(chunks, vectors, self.dimension, |key, vector, p| {
+            PointStruct::new(to_point_id(key), vector, Payload::from(p))
+        })?;
+        let _writer = self.writer.hold();
+        for batch in payload::batches(points) {
             let name = self.collection.clone();
             // `wait`: the call returns once the server has applied and logged the batch.
             self.run(Some(stage), |c| async move {
@@ -398,8 +343,7 @@ impl VectorStore for RemoteStore {
         filter: Option<&Filter>,
         stage: &Stage,
     ) -> Result<Vec<ScoredChunk>, StoreError> {
-        self.check_dimension(vector)?;
-        if top_k == 0 {
+        if !payload::search_needed(vector, top_k, self.dimension)? {
             return Ok(Vec::new());
         }
         let mut query = QueryPointsBuilder::new(self.collection.clone())
@@ -430,39 +374,31 @@ impl VectorStore for RemoteStore {
     }
 
     fn existing(&self, ids: &[String], stage: &Stage) -> Result<HashSet<String>, StoreError> {
-        // Map back to the caller's spelling: the server prints UUIDs in canonical form.
-        let wanted: HashMap<PointKey, &String> = ids
-            .iter()
-            .filter_map(|id| PointKey::parse(id).map(|key| (key, id)))
-            .collect();
-        if wanted.is_empty() {
-            return Ok(HashSet::new());
-        }
-        let point_ids: Vec<PointId> = wanted.keys().map(|k| to_point_id(*k)).collect();
-        let name = self.collection.clone();
-        let response = self
-            .run(Some(stage), |c| async move {
-                c.get_points(
-                    GetPointsBuilder::new(name, point_ids)
-                        .with_payload(false)
-                        .with_vectors(false),
-                )
-                .await
-            })
-            .map_err(|e| self.fail("looking up ids", e))?;
-        Ok(response
-            .result
-            .iter()
-            .filter_map(|point| {
-                let key = PointKey::parse(&point_id_string(point.id.as_ref()).ok()?)?;
-                wanted.get(&key).map(|id| (*id).clone())
-            })
-            .collect())
+        payload::stored_ids(ids, |keys| {
+            let point_ids: Vec<PointId> = keys.into_iter().map(to_point_id).collect();
+            let name = self.collection.clone();
+            let response = self
+                .run(Some(stage), |c| async move {
+                    c.get_points(
+                        GetPointsBuilder::new(name, point_ids)
+                            .with_payload(false)
+                            .with_vectors(false),
+                    )
+                    .await
+                })
+                .map_err(|e| self.fail("looking up ids", e))?;
+            Ok(response
+                .result
+                .iter()
+                .filter_map(|point| PointKey::parse(&point_id_string(point.id.as_ref()).ok()?))
+                .collect())
+        })
     }
 
     fn delete_document(&self, doc_id: &str, stage: &Stage) -> Result<usize, StoreError> {
-        let filter = Self::doc_filter(doc_id)?;
-        let _writer = self.lock_writer();
+        let filter = to_qdrant_filter(&payload::document_filter(doc_id))?
+            .expect("a filter with a condition");
+        let _writer = self.writer.hold();
         let name = self.collection.clone();
         let count_filter = filter.clone();
         let removed = self
@@ -598,7 +534,7 @@ fn to_qdrant_filter(filter: &Filter) -> Result<Option<QdrantFilter>, StoreError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::retrieve::Condition;
+    use crate::retrieve::{Condition, FilterField};
 
     #[test]
     fn server_address_from_url() {

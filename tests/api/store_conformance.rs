@@ -477,6 +477,8 @@ fn data_persists_across_reopen_and_dimension_is_checked() {
             before,
             "{who}: same results after reopen"
         );
+        let hits = store.search(&vectors[4], 1, None, &stage()).unwrap();
+        assert_eq!(hits[0].chunk, chunks[4], "{who}: payload survives reopen");
         drop(store);
 
         let err = target
