@@ -19,10 +19,11 @@ use crate::generate::{ChatMessage, Flow, GenerateRequest, Sampling};
 use crate::pipeline::RagRequest;
 use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::{Chunk, VectorStore};
+use crate::telemetry::names::span;
 use crate::telemetry::{clock, span::Stage};
 
 fn stage() -> Stage {
-    Stage::root("bench")
+    Stage::root(span::BENCH)
 }
 
 /// p-th percentile (0..=100) of durations, in milliseconds, interpolated between the nearest

@@ -19,6 +19,7 @@ use super::cpu_bert::{self, CpuBert};
 use super::kernels::Precision;
 use super::{EmbedError, Embedder};
 use crate::telemetry::gpu::GpuTimer;
+use crate::telemetry::names::{attr, span};
 use crate::telemetry::span::Stage;
 
 /// The model's `max_seq_length` in sentence-transformers; the shipped tokenizer.json says 128.
@@ -165,23 +166,23 @@ impl BertEmbedder {
         if texts.is_empty() {
             return Ok(Vec::new());
         }
-        let tokenize = stage.child("tokenize");
+        let tokenize = stage.child(span::TOKENIZE);
         let encodings = self
             .tokenizer
             .encode_batch(texts.to_vec(), true)
             .map_err(|e| EmbedError::Tokenizer(e.to_string()))?;
-        tokenize.set(KeyValue::new("rag.batch.size", encodings.len() as i64));
+        tokenize.set(KeyValue::new(attr::BATCH_SIZE, encodings.len() as i64));
         match &self.forward {
             Forward::Candle(model) => {
                 let (ids, mask) = batch_tensors(&encodings, &self.device)?;
                 let (batch, seq) = ids.dims2()?;
                 tokenize.set(KeyValue::new(
-                    "rag.batch.padded_tokens",
+                    attr::BATCH_PADDED_TOKENS,
                     (batch * seq) as i64,
                 ));
                 tokenize.end();
 
-                let forward = stage.child("forward");
+                let forward = stage.child(span::FORWARD);
                 let gpu = GpuTimer::start(&self.device);
                 let hidden = model.forward(&ids, &ids.zeros_like()?, Some(&mask))?;
                 let pooled = mean_pool_normalised(&hidden, &mask)?;
@@ -200,10 +201,10 @@ impl BertEmbedder {
                     })
                     .collect();
                 let tokens: usize = sequences.iter().map(|s| s.len()).sum();
-                tokenize.set(KeyValue::new("rag.batch.padded_tokens", tokens as i64));
+                tokenize.set(KeyValue::new(attr::BATCH_PADDED_TOKENS, tokens as i64));
                 tokenize.end();
 
-                let forward = stage.child("forward");
+                let forward = stage.child(span::FORWARD);
                 let vectors = model.embed(&sequences)?;
                 forward.end();
                 Ok(vectors)
@@ -266,10 +267,10 @@ impl Embedder for BertEmbedder {
 
     fn embed(&self, texts: &[&str], stage: &Stage) -> Result<Vec<Vec<f32>>, EmbedError> {
         stage.set(KeyValue::new(
-            "gen_ai.embeddings.dimension.count",
+            attr::GEN_AI_EMBEDDINGS_DIMENSION_COUNT,
             self.dimension as i64,
         ));
-        stage.set(KeyValue::new("rag.inputs", texts.len() as i64));
+        stage.set(KeyValue::new(attr::INPUTS, texts.len() as i64));
         if texts.len() <= 1 {
             return self.embed_batch(texts, stage);
         }

@@ -14,6 +14,7 @@ use super::tokenizer::Utf8Stream;
 use super::{FinishReason, Flow, GenerateError, GenerateRequest, Generated, TokenTrace};
 use crate::telemetry::clock;
 use crate::telemetry::gpu::{self, GpuTimer};
+use crate::telemetry::names::{attr, event, span, StageKind};
 use crate::telemetry::span::Stage;
 
 /// One request's generation over a loaded model.
@@ -94,7 +95,7 @@ impl<'a> TextGeneration<'a> {
             return Ok(None);
         }
 
-        let prefill = self.stage.child("prefill");
+        let prefill = self.stage.child(StageKind::Prefill.span_prefix());
         let mut cache = on_stage(
             &prefill,
             KvCache::new(
@@ -111,8 +112,8 @@ impl<'a> TextGeneration<'a> {
         let done = clock::now();
         let took = done.saturating_duration_since(prefill.started());
         prefill.set_all([
-            KeyValue::new("gen_ai.usage.input_tokens", n_prompt as i64),
-            KeyValue::new("rag.prefill.tokens_per_second", per_second(n_prompt, took)),
+            KeyValue::new(attr::GEN_AI_USAGE_INPUT_TOKENS, n_prompt as i64),
+            KeyValue::new(attr::PREFILL_TOKENS_PER_SECOND, per_second(n_prompt, took)),
         ]);
         out.prefill = prefill.end_at(done);
         drop(turn);
@@ -130,7 +131,7 @@ impl<'a> TextGeneration<'a> {
     ) -> Result<(), GenerateError> {
         let (llama, req) = (self.llama, &self.req);
         let net = &llama.transformer;
-        let decode = self.stage.child("decode");
+        let decode = self.stage.child(StageKind::Decode.span_prefix());
         let gpu_every = if net.device.is_cpu() {
             0
         } else {
@@ -149,7 +150,8 @@ impl<'a> TextGeneration<'a> {
                 out.finish = FinishReason::Timeout;
                 break;
             }
-            let step = (req.token_trace == TokenTrace::Spans).then(|| decode.child("decode_step"));
+            let step =
+                (req.token_trace == TokenTrace::Spans).then(|| decode.child(span::DECODE_STEP));
             if let Some(&last) = out.tokens.last() {
                 let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&net.device));
                 let batch = on_stage(
@@ -165,7 +167,7 @@ impl<'a> TextGeneration<'a> {
                 batches.record(batch);
                 if let Some(iv) = timer.and_then(GpuTimer::finish) {
                     let host = step.as_ref().unwrap_or(&decode);
-                    let index = KeyValue::new("gen_ai.token.index", index as i64);
+                    let index = KeyValue::new(attr::GEN_AI_TOKEN_INDEX, index as i64);
                     gpu::emit(host, "decode_step", &iv, vec![index]);
                 }
             }
@@ -174,12 +176,12 @@ impl<'a> TextGeneration<'a> {
             out.first_token_at.get_or_insert(at);
             let attributes = || {
                 vec![
-                    KeyValue::new("gen_ai.token.index", index as i64),
-                    KeyValue::new("gen_ai.token.id", next as i64),
+                    KeyValue::new(attr::GEN_AI_TOKEN_INDEX, index as i64),
+                    KeyValue::new(attr::GEN_AI_TOKEN_ID, next as i64),
                 ]
             };
             match (req.token_trace, step) {
-                (TokenTrace::Events, _) => decode.event_at("token", at, attributes()),
+                (TokenTrace::Events, _) => decode.event_at(event::TOKEN, at, attributes()),
                 (TokenTrace::Spans, Some(step)) => {
                     step.set_all(attributes());
                     step.end_at(at);
@@ -220,17 +222,17 @@ impl<'a> TextGeneration<'a> {
         let took = done.saturating_duration_since(decode.started());
         if batches.steps > 0 {
             decode.set_all([
-                KeyValue::new("rag.decode.batch_size.max", batches.max as i64),
+                KeyValue::new(attr::DECODE_BATCH_SIZE_MAX, batches.max as i64),
                 KeyValue::new(
-                    "rag.decode.batch_size.mean",
+                    attr::DECODE_BATCH_SIZE_MEAN,
                     batches.total as f64 / batches.steps as f64,
                 ),
             ]);
         }
         // Client-visible rate: every token delivered after prefill, over the decode stage.
         decode.set_all([
-            KeyValue::new("gen_ai.usage.output_tokens", n_out as i64),
-            KeyValue::new("rag.decode.tokens_per_second", per_second(n_out, took)),
+            KeyValue::new(attr::GEN_AI_USAGE_OUTPUT_TOKENS, n_out as i64),
+            KeyValue::new(attr::DECODE_TOKENS_PER_SECOND, per_second(n_out, took)),
         ]);
         out.decode = decode.end_at(done);
         Ok(())

@@ -30,6 +30,7 @@ use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
 use super::{ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Sampling};
+use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
 
 #[cfg(test)]
@@ -196,7 +197,7 @@ impl Llama {
         let mut logits = Logits::Device(net.prefill(prompt, &mut cache, schedule)?);
         let t1 = Instant::now();
         let mut greedy = Sampler::new(&Sampling::default());
-        let decode = Stage::root("bench");
+        let decode = Stage::root(span::BENCH);
         let mut session = schedule.session(&decode);
         for _ in 0..tokens {
             let next = greedy.sample(&logits)?;

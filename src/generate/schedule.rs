@@ -29,6 +29,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::cpu_decode::{CpuDecoder, HostKv, SeqStep};
+use crate::telemetry::names::span;
 use crate::telemetry::profile;
 use crate::telemetry::span::Stage;
 
@@ -67,7 +68,7 @@ impl Scheduler {
         match self.prefill_turn.try_lock() {
             Ok(turn) => turn,
             Err(TryLockError::WouldBlock) => {
-                let wait = stage.child("prefill_queue");
+                let wait = stage.child(span::PREFILL_QUEUE);
                 let turn = self.prefill_turn.lock().unwrap_or_else(|p| p.into_inner());
                 wait.end();
                 turn
