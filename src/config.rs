@@ -15,6 +15,92 @@ use crate::generate::TokenTrace;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Every subcommand starts telemetry, so these are global: given before or after the
+    /// subcommand, and listed in every subcommand's help.
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
+}
+
+/// Telemetry settings of our own (see `telemetry`); the exporters read the standard `OTEL_*`
+/// variables themselves.
+#[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Telemetry")]
+pub struct TelemetryArgs {
+    /// Pyroscope server to send CPU profiles to (e.g. http://pyroscope:4040); unset = no
+    /// profiling.
+    #[arg(long, global = true, env = "RAGSCOPE_PYROSCOPE_URL")]
+    pub pyroscope_url: Option<String>,
+    /// The Pyroscope agents' own variable for the server, used when --pyroscope-url is unset.
+    #[arg(long, global = true, env = "PYROSCOPE_SERVER_ADDRESS")]
+    pub pyroscope_server_address: Option<String>,
+    /// CPU samples per second per thread while profiling.
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_PYROSCOPE_SAMPLE_RATE",
+        default_value_t = 100,
+        value_parser = blank_or::<u32>(100)
+    )]
+    pub pyroscope_sample_rate: u32,
+    /// How often the profiler uploads what it sampled (seconds).
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL",
+        default_value = "10",
+        value_parser = parse_seconds_or(Duration::from_secs(10))
+    )]
+    pub pyroscope_upload_interval: Duration,
+    /// Baggage members copied onto every span of a request as `baggage.<key>` attributes
+    /// (comma-separated, e.g. tenant,colour).
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_BAGGAGE_ATTRIBUTES",
+        value_delimiter = ','
+    )]
+    pub baggage_attributes: Vec<String>,
+    /// Export each pipeline stage under its own `service.name` (`ragscope-embed`, …) so trace
+    /// views colour stages apart: `true` or `1` turns it on.
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_STAGE_SERVICES",
+        default_value = "false",
+        value_parser = parse_switch,
+        action = clap::ArgAction::Set
+    )]
+    pub stage_services: bool,
+    /// Finished spans kept for `GET /debug/traces` (0 turns the buffer off).
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_TRACE_BUFFER",
+        default_value_t = crate::telemetry::buffer::DEFAULT_CAPACITY,
+        value_parser = blank_or::<usize>(crate::telemetry::buffer::DEFAULT_CAPACITY)
+    )]
+    pub trace_buffer: usize,
+}
+
+impl TelemetryArgs {
+    /// The Pyroscope server to profile to, if any.
+    pub fn pyroscope_server(&self) -> Option<&str> {
+        [&self.pyroscope_url, &self.pyroscope_server_address]
+            .into_iter()
+            .flatten()
+            .find(|url| !url.trim().is_empty())
+            .map(String::as_str)
+    }
+
+    /// The baggage members to copy onto spans, trimmed, blanks dropped.
+    pub fn baggage_keys(&self) -> Vec<String> {
+        self.baggage_attributes
+            .iter()
+            .map(|key| key.trim())
+            .filter(|key| !key.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -358,9 +444,320 @@ fn parse_seconds(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?} is not a positive number of seconds"))
 }
 
+// A variable set to blanks counts as unset (compose files pass empty values through), so the
+// telemetry settings take their default from a blank value instead of refusing it.
+
+/// [`parse_seconds`], with `default` for a blank value.
+fn parse_seconds_or(default: Duration) -> impl Fn(&str) -> Result<Duration, String> + Clone {
+    move |s| match s.trim() {
+        "" => Ok(default),
+        s => parse_seconds(s),
+    }
+}
+
+/// A number, with `default` for a blank value.
+fn blank_or<T>(default: T) -> impl Fn(&str) -> Result<T, String> + Clone
+where
+    T: std::str::FromStr + Clone,
+    T::Err: std::fmt::Display,
+{
+    move |s| match s.trim() {
+        "" => Ok(default.clone()),
+        s => s.parse().map_err(|e| format!("{s:?}: {e}")),
+    }
+}
+
+/// On for `true` or `1`, off for `false`, `0` or blank.
+fn parse_switch(s: &str) -> Result<bool, String> {
+    match s {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        s if s.trim().is_empty() => Ok(false),
+        s => Err(format!("{s:?}: give true, 1, false or 0")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
+    use std::collections::BTreeSet;
+    use std::path::Path;
+
+    /// The text of `source` outside `#[cfg(test)]` items. A small lexer: it knows comments,
+    /// strings, raw strings and char literals, so a brace inside one doesn't end an item.
+    fn outside_test_items(source: &str) -> String {
+        let s: Vec<char> = source.chars().collect();
+        let test_attr: Vec<char> = "#[cfg(test)]".chars().collect();
+        let find = |from: usize, what: &str| {
+            let what: Vec<char> = what.chars().collect();
+            (from..s.len())
+                .find(|&j| s[j..].starts_with(&what))
+                .map_or(s.len(), |j| j + what.len())
+        };
+        let mut kept = String::new();
+        let (mut i, mut depth) = (0, 0i64);
+        // While in a test item: the depth it began at, and whether its body opened.
+        let mut item: Option<(i64, bool)> = None;
+        while i < s.len() {
+            let (start, was_in_item) = (i, item.is_some());
+            let next = s.get(i + 1).copied();
+            let after_ident = i > 0 && (s[i - 1].is_alphanumeric() || s[i - 1] == '_');
+            match s[i] {
+                '/' if next == Some('/') => i = find(i, "\n"),
+                '/' if next == Some('*') => i = find(i + 2, "*/"),
+                '"' => {
+                    i += 1;
+                    while i < s.len() && s[i] != '"' {
+                        i += if s[i] == '\\' { 2 } else { 1 };
+                    }
+                    i += 1;
+                }
+                'r' if !after_ident && matches!(next, Some('"' | '#')) => {
+                    let hashes = s[i + 1..].iter().take_while(|&&c| c == '#').count();
+                    if s.get(i + 1 + hashes) == Some(&'"') {
+                        i = find(i + 2 + hashes, &format!("\"{}", "#".repeat(hashes)));
+                    } else {
+                        i += 1;
+                    }
+                }
+                '\'' if next == Some('\\') => i = find(i + 3, "'"),
+                '\'' if s.get(i + 2) == Some(&'\'') => i += 3,
+                '#' if item.is_none() && s[i..].starts_with(&test_attr) => {
+                    item = Some((depth, false));
+                    i += test_attr.len();
+                }
+                '{' => {
+                    depth += 1;
+                    i += 1;
+                    if let Some((_, opened)) = item.as_mut() {
+                        *opened = true;
+                    }
+                }
+                '}' => {
+                    depth -= 1;
+                    i += 1;
+                    if item.is_some_and(|(base, opened)| opened && depth == base) {
+                        item = None;
+                    }
+                }
+                ';' => {
+                    i += 1;
+                    if item.is_some_and(|(base, opened)| !opened && depth == base) {
+                        item = None;
+                    }
+                }
+                _ => i += 1,
+            }
+            if !was_in_item && item.is_none() {
+                kept.extend(&s[start..i.min(s.len())]);
+            }
+        }
+        assert!(item.is_none() && depth == 0, "unbalanced braces");
+        kept
+    }
+
+    /// The `RAGSCOPE_*` names `source` mentions (code, strings or comments) outside tests.
+    fn settings_named_in(source: &str) -> BTreeSet<String> {
+        let text = outside_test_items(source);
+        let mut names = BTreeSet::new();
+        for (at, _) in text.match_indices("RAGSCOPE_") {
+            let tail = &text[at + "RAGSCOPE_".len()..];
+            let len = tail
+                .find(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+                .unwrap_or(tail.len());
+            let name = tail[..len].trim_end_matches('_');
+            if !name.is_empty() {
+                names.insert(format!("RAGSCOPE_{name}"));
+            }
+        }
+        names
+    }
+
+    fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("source directory") {
+            let path = entry.expect("directory entry").path();
+            if path.is_dir() {
+                rust_files(&path, found);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                found.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn test_items_are_left_out_of_the_scan() {
+        let source = r##"
+            const A: &str = "RAGSCOPE_KEPT"; // and RAGSCOPE_ALSO_KEPT=1
+            #[cfg(test)]
+            fn helper() -> String {
+                std::env::var("RAGSCOPE_TEST_FN").unwrap()
+            }
+            /// `RAGSCOPE_*` is no name.
+            fn real() { let _ = "RAGSCOPE_AFTER"; }
+            #[cfg(test)]
+            use crate::names::RAGSCOPE_TEST_USE;
+            #[cfg(test)]
+            mod tests {
+                #[test]
+                fn t() { if true { let _ = ("{\"a\": ", '{', r#"}"#, "RAGSCOPE_TEST_MOD"); } }
+            }
+            const B: &str = "RAGSCOPE_LAST";
+        "##;
+        let names: Vec<String> = settings_named_in(source).into_iter().collect();
+        assert_eq!(
+            names,
+            [
+                "RAGSCOPE_AFTER",
+                "RAGSCOPE_ALSO_KEPT",
+                "RAGSCOPE_KEPT",
+                "RAGSCOPE_LAST"
+            ]
+        );
+    }
+
+    /// Every `RAGSCOPE_*` variable the code names outside tests is a flag: `serve --help`
+    /// lists the ones named outside this module (read or set elsewhere, so easy to miss) and
+    /// the telemetry ones; the others are in the help of the subcommand they belong to.
+    #[test]
+    fn serve_help_lists_every_setting_the_code_names() {
+        // At run time first: the cached target dir is shared between checkouts.
+        let root = std::env::var_os("CARGO_MANIFEST_DIR")
+            .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+        let src = root.join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let (mut here, mut elsewhere) = (BTreeSet::new(), BTreeSet::new());
+        for file in &files {
+            let source = std::fs::read_to_string(file).expect("source file");
+            let names = settings_named_in(&source);
+            if file == &src.join("config.rs") {
+                here.extend(names);
+            } else {
+                elsewhere.extend(names);
+            }
+        }
+        let telemetry = [
+            "RAGSCOPE_PYROSCOPE_URL",
+            "RAGSCOPE_PYROSCOPE_SAMPLE_RATE",
+            "RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL",
+            "RAGSCOPE_BAGGAGE_ATTRIBUTES",
+            "RAGSCOPE_STAGE_SERVICES",
+            "RAGSCOPE_TRACE_BUFFER",
+        ];
+        for name in telemetry {
+            assert!(here.contains(name), "the scan missed {name}");
+        }
+        let mut cli = Cli::command();
+        cli.build();
+        let help_of = |path: &[&str]| {
+            let mut cmd = cli.clone();
+            for name in path {
+                cmd = cmd.find_subcommand(name).expect("subcommand").clone();
+            }
+            cmd.render_long_help().to_string()
+        };
+        let lists = |help: &str, name: &str| {
+            help.contains(&format!("[env: {name}=")) || help.contains(&format!("[env: {name}]"))
+        };
+        let serve = help_of(&["serve"]);
+        let missing: Vec<&str> = elsewhere
+            .iter()
+            .map(String::as_str)
+            .chain(telemetry)
+            .filter(|name| !lists(&serve, name))
+            .collect();
+        assert!(missing.is_empty(), "not in `serve --help`: {missing:?}");
+        assert!(lists(&serve, "PYROSCOPE_SERVER_ADDRESS"), "{serve}");
+        let every_help: String = [
+            &["serve"][..],
+            &["ingest"],
+            &["query"],
+            &["eval"],
+            &["bench"],
+            &["attribute"],
+            &["models", "fetch"],
+            &["models", "verify"],
+        ]
+        .iter()
+        .map(|path| help_of(path))
+        .collect();
+        let unlisted: Vec<&String> = here.iter().filter(|n| !lists(&every_help, n)).collect();
+        assert!(unlisted.is_empty(), "in no subcommand's help: {unlisted:?}");
+    }
+
+    #[test]
+    fn telemetry_flags_go_before_or_after_the_subcommand() {
+        let telemetry = |argv: &[&str]| Cli::try_parse_from(argv).map(|c| c.telemetry);
+        let defaults = telemetry(&["ragscope", "serve"]).unwrap();
+        assert_eq!(defaults.trace_buffer, 4096);
+        assert_eq!(defaults.pyroscope_sample_rate, 100);
+        assert_eq!(defaults.pyroscope_upload_interval, Duration::from_secs(10));
+        assert!(!defaults.stage_services);
+        assert_eq!(defaults.pyroscope_server(), None);
+        assert!(defaults.baggage_keys().is_empty());
+        for argv in [
+            &[
+                "ragscope",
+                "--trace-buffer",
+                "7",
+                "--stage-services",
+                "1",
+                "serve",
+            ][..],
+            &[
+                "ragscope",
+                "serve",
+                "--trace-buffer",
+                "7",
+                "--stage-services",
+                "true",
+            ],
+        ] {
+            let t = telemetry(argv).unwrap();
+            assert_eq!(t.trace_buffer, 7, "{argv:?}");
+            assert!(t.stage_services, "{argv:?}");
+        }
+        let t = telemetry(&[
+            "ragscope",
+            "query",
+            "why?",
+            "--baggage-attributes",
+            "tenant, colour,,",
+            "--pyroscope-server-address",
+            "http://p:4040",
+            "--pyroscope-upload-interval",
+            "2.5",
+        ])
+        .unwrap();
+        assert_eq!(t.baggage_keys(), ["tenant", "colour"]);
+        assert_eq!(t.pyroscope_server(), Some("http://p:4040"));
+        assert_eq!(t.pyroscope_upload_interval, Duration::from_millis(2500));
+        let both = telemetry(&[
+            "ragscope",
+            "serve",
+            "--pyroscope-url",
+            "http://ours:4040",
+            "--pyroscope-server-address",
+            "http://theirs:4040",
+        ])
+        .unwrap();
+        assert_eq!(both.pyroscope_server(), Some("http://ours:4040"));
+        let err = telemetry(&["ragscope", "serve", "--stage-services", "yes"]).unwrap_err();
+        assert!(err.to_string().contains("give true, 1"), "{err}");
+    }
+
+    #[test]
+    fn blank_telemetry_values_mean_the_default() {
+        assert_eq!(blank_or(4096usize)(" ").unwrap(), 4096);
+        assert_eq!(blank_or(4096usize)(" 0 ").unwrap(), 0);
+        assert!(blank_or(4096usize)("many").is_err());
+        let interval = parse_seconds_or(Duration::from_secs(10));
+        assert_eq!(interval("").unwrap(), Duration::from_secs(10));
+        assert!(interval("0").is_err());
+        assert!(!parse_switch("").unwrap());
+        assert!(!parse_switch("0").unwrap());
+    }
 
     #[test]
     fn grpc_listen_is_an_address_or_off() {

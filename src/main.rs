@@ -16,7 +16,7 @@ fn main() -> Result<()> {
 
 async fn run() -> Result<()> {
     let args = Cli::parse();
-    let _telemetry = telemetry::init()?;
+    let _telemetry = telemetry::init(&args.telemetry)?;
     match args.command {
         Command::Serve(serve) => app::serve(serve, app::shutdown_signal()).await,
         Command::Ingest(ingest) => cli::ingest(ingest).await,

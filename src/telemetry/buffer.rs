@@ -1,7 +1,7 @@
-//! The server's own recent-trace buffer: the last `RAGSCOPE_TRACE_BUFFER` finished spans
-//! (default 4096, 0 turns it off), served as OTLP JSON at `GET /debug/traces` so
-//! `ragscope attribute --server URL` works without a collector. Recording a span here is one
-//! short lock and a push; the oldest spans fall off the end.
+//! The server's own recent-trace buffer: the last `--trace-buffer` finished spans
+//! (`RAGSCOPE_TRACE_BUFFER`, default 4096, 0 turns it off), served as OTLP JSON at
+//! `GET /debug/traces` so `ragscope attribute --server URL` works without a collector.
+//! Recording a span here is one short lock and a push; the oldest spans fall off the end.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -14,8 +14,8 @@ use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
 use opentelemetry_sdk::Resource;
 use serde_json::{json, Value as Json};
 
-const CAPACITY_ENV: &str = "RAGSCOPE_TRACE_BUFFER";
-const DEFAULT_CAPACITY: usize = 4096;
+/// Spans kept when [`configure`] was never called (unit and router tests).
+pub const DEFAULT_CAPACITY: usize = 4096;
 
 /// Finished spans, oldest first, each with the `service.name` it was exported under.
 pub struct TraceBuffer {
@@ -25,17 +25,19 @@ pub struct TraceBuffer {
 
 static RECENT: OnceLock<Option<Arc<TraceBuffer>>> = OnceLock::new();
 
+fn buffer_of(capacity: usize) -> Option<Arc<TraceBuffer>> {
+    (capacity > 0).then(|| Arc::new(TraceBuffer::new(capacity)))
+}
+
+/// Sizes the process's buffer (0 turns it off). Only the first size holds: `false` when the
+/// buffer already exists, because something asked for it before telemetry started.
+pub fn configure(capacity: usize) -> bool {
+    RECENT.set(buffer_of(capacity)).is_ok()
+}
+
 /// The process's buffer, unless it is turned off.
 pub fn recent() -> Option<Arc<TraceBuffer>> {
-    RECENT
-        .get_or_init(|| {
-            let capacity = std::env::var(CAPACITY_ENV)
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(DEFAULT_CAPACITY);
-            (capacity > 0).then(|| Arc::new(TraceBuffer::new(capacity)))
-        })
-        .clone()
+    RECENT.get_or_init(|| buffer_of(DEFAULT_CAPACITY)).clone()
 }
 
 /// A span processor feeding the buffer, for one tracer provider.

@@ -1,9 +1,10 @@
 //! Telemetry: the shared clock, stage spans, and the exporters behind them.
 //!
-//! [`init`] sets up logging and, when an OTLP endpoint is configured through the standard
-//! `OTEL_*` variables, a batch span exporter over gRPC or HTTP/protobuf. It returns a guard that
-//! flushes and shuts the providers down when dropped. Export runs on the SDK's own thread and
-//! never blocks a request; a dead collector costs dropped spans, not requests.
+//! [`init`] takes our own settings ([`TelemetryArgs`]) and sets up logging and, when an OTLP
+//! endpoint is configured through the standard `OTEL_*` variables, a batch span exporter over
+//! gRPC or HTTP/protobuf. It returns a guard that flushes and shuts the providers down when
+//! dropped. Export runs on the SDK's own thread and never blocks a request; a dead collector
+//! costs dropped spans, not requests.
 
 pub mod buffer;
 pub mod clock;
@@ -30,18 +31,20 @@ use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter};
 use opentelemetry_sdk::Resource;
 use tracing_subscriber::EnvFilter;
 
+use crate::config::TelemetryArgs;
 use export::{ExportQueue, ExportStats, QueueSettings};
 
 /// The default `service.name` when `OTEL_SERVICE_NAME` is unset.
 pub const SERVICE_NAME: &str = "ragscope";
 
-/// Baggage members copied as attributes onto every span of a request.
-const BAGGAGE_ATTRIBUTES_ENV: &str = "RAGSCOPE_BAGGAGE_ATTRIBUTES";
+/// Baggage members copied as attributes onto every span of a request (`--baggage-attributes`),
+/// set once by [`init`]; none before it.
+static BAGGAGE_KEYS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
 
 /// Flushes and shuts down the providers on drop.
 pub struct TelemetryGuard {
     tracer: Option<SdkTracerProvider>,
-    /// One provider per stage service (`RAGSCOPE_STAGE_SERVICES`), else empty.
+    /// One provider per stage service (`--stage-services`), else empty.
     stage_tracers: Vec<SdkTracerProvider>,
     meter: Option<SdkMeterProvider>,
     /// Stops the Pyroscope agent last, after the spans that point at its profiles.
@@ -141,16 +144,20 @@ fn protocol_for(signal: &str) -> Result<Protocol> {
 
 /// Sets up logs (to stderr, `RUST_LOG` filter) and span export. Call once, inside the tokio
 /// runtime (the gRPC exporter's channel lives on it).
-pub fn init() -> Result<TelemetryGuard> {
+pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
+    if !buffer::configure(args.trace_buffer) {
+        tracing::warn!("the recent-trace buffer existed before telemetry started; its size stays");
+    }
+    let _ = BAGGAGE_KEYS.set(args.baggage_keys());
     opentelemetry::global::set_text_map_propagator(w3c_propagator());
     let meter = meter_provider()?;
     let service = env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into());
-    let profiler = match profile::ProfileSettings::from_env(&service) {
+    let profiler = match profile::ProfileSettings::from_args(args, &service) {
         Some(settings) => Some(profile::start(&settings)?),
         None => None,
     };
@@ -177,13 +184,12 @@ pub fn init() -> Result<TelemetryGuard> {
     let protocol = protocol_for("TRACES")?;
     let provider = tracer_provider(otlp_span_exporter(protocol)?, resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
-    let stage_providers =
-        if env_nonempty("RAGSCOPE_STAGE_SERVICES").is_some_and(|v| v == "true" || v == "1") {
-            tracing::info!("each stage exported under its own service.name");
-            install_stage_services(|| otlp_span_exporter(protocol))?
-        } else {
-            Vec::new()
-        };
+    let stage_providers = if args.stage_services {
+        tracing::info!("each stage exported under its own service.name");
+        install_stage_services(|| otlp_span_exporter(protocol))?
+    } else {
+        Vec::new()
+    };
     tracing::info!(?protocol, "exporting spans over OTLP");
     Ok(TelemetryGuard {
         tracer: Some(provider),
@@ -374,20 +380,38 @@ pub fn inject_context(cx: &Context) -> Vec<(String, String)> {
     pairs
 }
 
-/// Baggage members named in `RAGSCOPE_BAGGAGE_ATTRIBUTES` (comma-separated), as attributes
-/// `baggage.<key>`, so one `colour=blue` header colours every span of the request.
+/// Baggage members named in `--baggage-attributes`, as attributes `baggage.<key>`, so one
+/// `colour=blue` header colours every span of the request.
 pub fn baggage_attributes(cx: &Context) -> Vec<KeyValue> {
-    let Some(wanted) = env_nonempty(BAGGAGE_ATTRIBUTES_ENV) else {
-        return Vec::new();
-    };
+    match BAGGAGE_KEYS.get() {
+        Some(keys) if !keys.is_empty() => copy_baggage(keys, cx),
+        _ => Vec::new(),
+    }
+}
+
+fn copy_baggage(keys: &[String], cx: &Context) -> Vec<KeyValue> {
     let baggage = cx.baggage();
-    wanted
-        .split(',')
-        .map(str::trim)
+    keys.iter()
         .filter_map(|key| {
             baggage
-                .get(key)
+                .get(key.as_str())
                 .map(|v| KeyValue::new(format!("baggage.{key}"), v.to_string()))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn baggage_copies_only_the_named_members() {
+        let cx = Context::new().with_baggage([
+            KeyValue::new("colour", "blue"),
+            KeyValue::new("tenant", "acme"),
+        ]);
+        let keys = ["colour".to_string(), "absent".to_string()];
+        let copied = copy_baggage(&keys, &cx);
+        assert_eq!(copied, vec![KeyValue::new("baggage.colour", "blue")]);
+    }
 }

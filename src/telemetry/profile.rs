@@ -20,6 +20,7 @@ use pyroscope::pyroscope::{PyroscopeAgentBuilder, PyroscopeAgentRunning};
 use pyroscope::{PyroscopeAgent, ThreadId};
 
 use super::span::Stage;
+use crate::config::TelemetryArgs;
 
 /// Where and how to profile.
 #[derive(Debug, Clone)]
@@ -33,22 +34,13 @@ pub struct ProfileSettings {
 }
 
 impl ProfileSettings {
-    /// From `RAGSCOPE_PYROSCOPE_URL` (or `PYROSCOPE_SERVER_ADDRESS`),
-    /// `RAGSCOPE_PYROSCOPE_SAMPLE_RATE` (default 100 Hz) and
-    /// `RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL` (seconds, default 10); `None` when no address is set.
-    pub fn from_env(application: &str) -> Option<ProfileSettings> {
-        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        let url = var("RAGSCOPE_PYROSCOPE_URL").or_else(|| var("PYROSCOPE_SERVER_ADDRESS"))?;
+    /// From the `--pyroscope-*` settings; `None` when no server is set.
+    pub fn from_args(args: &TelemetryArgs, application: &str) -> Option<ProfileSettings> {
         Some(ProfileSettings {
-            url,
+            url: args.pyroscope_server()?.to_string(),
             application: application.to_string(),
-            sample_rate: var("RAGSCOPE_PYROSCOPE_SAMPLE_RATE")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(100),
-            upload_interval: var("RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL")
-                .and_then(|v| v.parse::<f64>().ok())
-                .filter(|v| *v > 0.0)
-                .map_or(Duration::from_secs(10), Duration::from_secs_f64),
+            sample_rate: args.pyroscope_sample_rate,
+            upload_interval: args.pyroscope_upload_interval,
         })
     }
 }
