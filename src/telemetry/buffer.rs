@@ -7,6 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::telemetry::names::attr;
 use opentelemetry::trace::{SpanKind, Status};
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -105,7 +106,7 @@ pub fn otlp_json<'a>(spans: impl IntoIterator<Item = (&'a str, &'a SpanData)>) -
         .into_iter()
         .map(|(service, spans)| {
             json!({
-                "resource": {"attributes": [attribute(&KeyValue::new("service.name", service.to_string()))]},
+                "resource": {"attributes": [attribute(&KeyValue::new(attr::SERVICE_NAME, service.to_string()))]},
                 "scopeSpans": [{"scope": {"name": super::span::SCOPE}, "spans": spans}],
             })
         })

@@ -32,6 +32,7 @@ use opentelemetry_sdk::Resource;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::TelemetryArgs;
+use crate::telemetry::names::{attr, metric};
 use export::{ExportQueue, ExportStats, QueueSettings};
 
 /// The default `service.name` when `OTEL_SERVICE_NAME` is unset.
@@ -104,7 +105,10 @@ pub fn tracer_provider<E: SpanExporter + 'static>(
 pub fn resource() -> Resource {
     Resource::builder()
         .with_service_name(env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into()))
-        .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+        .with_attribute(KeyValue::new(
+            attr::SERVICE_VERSION,
+            env!("CARGO_PKG_VERSION"),
+        ))
         .build()
 }
 
@@ -222,7 +226,10 @@ pub fn install_stage_services<E: SpanExporter + 'static>(
     for service in names::STAGE_SERVICES {
         let resource = Resource::builder()
             .with_service_name(service)
-            .with_attribute(KeyValue::new("service.version", env!("CARGO_PKG_VERSION")))
+            .with_attribute(KeyValue::new(
+                attr::SERVICE_VERSION,
+                env!("CARGO_PKG_VERSION"),
+            ))
             .build();
         let provider = tracer_provider(make_exporter()?, resource);
         tracers.insert(service, provider.tracer(span::SCOPE));
@@ -275,23 +282,23 @@ pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
     let stats = export_stats();
     let _dropped = meter
-        .u64_observable_counter("ragscope.spans.dropped")
+        .u64_observable_counter(metric::SPANS_DROPPED)
         .with_unit("{span}")
         .with_description("Finished spans not exported: queue full or export failed")
         .with_callback(move |o| {
             use std::sync::atomic::Ordering::Relaxed;
             o.observe(
                 stats.dropped_queue_full.load(Relaxed),
-                &[KeyValue::new("reason", "queue_full")],
+                &[KeyValue::new(attr::REASON, "queue_full")],
             );
             o.observe(
                 stats.dropped_export_failed.load(Relaxed),
-                &[KeyValue::new("reason", "export_failed")],
+                &[KeyValue::new(attr::REASON, "export_failed")],
             );
         })
         .build();
     let _kv_bytes = meter
-        .u64_observable_gauge("ragscope.kv_cache.bytes")
+        .u64_observable_gauge(metric::KV_CACHE_BYTES)
         .with_unit("By")
         .with_description("KV-cache memory held by running generations")
         .with_callback(|o| {
@@ -304,7 +311,7 @@ pub(crate) fn register_process_gauges() {
         })
         .build();
     let _kv_tokens = meter
-        .u64_observable_gauge("ragscope.kv_cache.tokens")
+        .u64_observable_gauge(metric::KV_CACHE_TOKENS)
         .with_unit("{token}")
         .with_description("Token positions reserved in the KV caches of running generations")
         .with_callback(|o| {
@@ -317,7 +324,7 @@ pub(crate) fn register_process_gauges() {
         })
         .build();
     let _decode_batch = meter
-        .u64_observable_gauge("ragscope.decode.batch_size")
+        .u64_observable_gauge(metric::DECODE_BATCH_SIZE)
         .with_unit("{sequence}")
         .with_description("Requests in the latest batched decode step")
         .with_callback(|o| {
@@ -331,10 +338,13 @@ pub(crate) fn register_process_gauges() {
         .build();
     gpu::memory::register(&meter);
     let _build = meter
-        .u64_observable_gauge("ragscope.build.info")
+        .u64_observable_gauge(metric::BUILD_INFO)
         .with_description("Always 1; the labels say which build is running")
         .with_callback(|o| {
-            o.observe(1, &[KeyValue::new("version", env!("CARGO_PKG_VERSION"))]);
+            o.observe(
+                1,
+                &[KeyValue::new(attr::VERSION, env!("CARGO_PKG_VERSION"))],
+            );
         })
         .build();
 }

@@ -21,6 +21,7 @@ use pyroscope::{PyroscopeAgent, ThreadId};
 
 use super::span::Stage;
 use crate::config::TelemetryArgs;
+use crate::telemetry::names::attr;
 
 /// Where and how to profile.
 #[derive(Debug, Clone)]
@@ -136,7 +137,7 @@ pub fn target(stage: &Stage) -> Option<SpanTarget> {
         name: stage.name().to_string(),
     };
     stage.set(KeyValue::new(
-        "pyroscope.profile.id",
+        attr::PYROSCOPE_PROFILE_ID,
         target.span_id.clone(),
     ));
     Some(target)
