@@ -4,12 +4,9 @@
 //! spent on padding; attention per sequence at its own length; then mean pooling and L2
 //! normalisation. Candle's `BertModel` stays for other devices and as the reference in tests.
 //!
-//! Measured on 2 Zen 4 cores (all-MiniLM-L6-v2, the peer benchmark's 256 sentences and 50
-//! queries): batch 32 at 475 sentences/s in BF16 (217 in F32) against 79 for candle, in one
-//! process interleaved (`ragscope bench --embed-ab`); one query in 2.0 ms against 15 ms.
-//! `scripts/bench-peers` on an idle box: 494 sentences/s and 2.0 ms against PyTorch's 128 and
-//! 12.6 ms. BF16 vectors stay within cosine 0.99997 of candle's F32 model and 0.99998 of
-//! PyTorch's.
+//! BF16 vectors stay within cosine 0.999 of candle's F32 model (a test holds it to that);
+//! `ragscope bench --embed-ab` times the forwards against each other, and docs/PERFORMANCE.md
+//! has the figures against PyTorch.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

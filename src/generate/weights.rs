@@ -17,25 +17,10 @@ use super::GenerateError;
 /// How the projection matrices (attention and MLP) are held in memory. The token embedding,
 /// which doubles as the output head, stays as shipped (Q8_0).
 ///
-/// Measured on the 2-core dev box (AVX-512 VNNI, release build, default target CPU, idle):
-/// `ragscope bench --weight-formats`, a 598-token RAG prompt then 128 greedy tokens, medians of 3.
-///
-/// | format                   | prefill tok/s | decode tok/s (598→726 ctx) |
-/// |--------------------------|---------------|----------------------------|
-/// | Q4_1 as shipped          | 29            | 26                         |
-/// | Q8_0 everywhere          | 175           | 81                         |
-/// | F32 everywhere           | 375           | 41                         |
-/// | F32 prefill, Q8_0 decode | 417           | 90                         |
-///
-/// | F32 prefill, Q4_1 decode on [`CpuDecoder`] (the default, later) | 331-449 | 114-142 |
-///
-/// Other idle runs moved these by about ±10 % (F32 prefill up to 447, Q8_0 decode up to 91).
 /// Prefill is a GEMM and dense F32 wins; decode is one row per matmul and reads every weight,
 /// so the fewest bytes win: the file's own Q4_1 blocks through our kernels, without candle's
-/// per-op overhead. The default holds both (≈ 490 MB in all, fine for 135 M parameters).
-/// Decode used to be 56 tok/s in both Q8_0 formats before the `DecodeAttention` loops replaced
-/// candle's matmul/softmax/matmul for the single decode row (per-token cost at 20 / 600 / 1200
-/// positions of context went from 11.8 / 17.1 / 21.9 ms to 10.1 / 12.5 / 12.9 ms).
+/// per-op overhead. The default holds both (about 490 MB in all, fine for 135 M parameters).
+/// `ragscope bench --weight-formats` measures every format; docs/PERFORMANCE.md has the figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightFormat {
     /// The file's own quantisation (Q4_1): slow kernels, kept for comparison.

@@ -78,7 +78,7 @@ impl EdgeStore {
                 StoreError::Backend(format!("loading shard at {}{hint}: {e}", path.display()))
             })?;
             check_compatible(&shard, &path, dimension)?;
-            // Shards created before the optimizer settings changed get ours, so that
+            // An existing shard with other optimizer settings gets ours, so that
             // `build_index` means the same everywhere.
             let wanted = optimizers_config();
             // Bound first: the config read guard must be gone before the write below.

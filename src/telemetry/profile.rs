@@ -6,9 +6,9 @@
 //!
 //! The threads doing a stage's work are the model worker running it and the compute pool candle
 //! parallelises on (rayon's global pool), so both are labelled. Each label change makes the
-//! agent cut its sample buffer (~1 ms, FACTS.md), so labels change at stage granularity only.
+//! agent cut its sample buffer (about 1 ms), so labels change at stage granularity only.
 //! With more than one model worker, compute-pool samples of concurrent stages carry both
-//! stages' labels: per-span profiles are exact with one worker (the default).
+//! stages' labels: per-span profiles are exact with `--workers 1`.
 
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
