@@ -1,6 +1,8 @@
 //! The OpenAI-compatible endpoints: `/v1/chat/completions` (RAG over the last user turn, JSON
-//! or SSE chunks), `/v1/embeddings` (float or base64) and `/v1/models`. Unknown request fields
-//! are ignored, as OpenAI clients send many; known ones are checked and errors name them.
+//! or SSE chunks), `/v1/embeddings` (float or base64) and `/v1/models`. Every request field is
+//! either honoured, accepted and ignored because it cannot change the answer (`user`,
+//! `metadata`, …), or refused with a 400 naming it: a client must never believe that `stop`,
+//! `n` or `tools` was honoured when it was dropped.
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -12,7 +14,7 @@ use axum::{Extension, Json};
 use base64::Engine;
 use futures::{Stream, StreamExt};
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::ask::{self, AnswerEvent, Asked};
 use super::error::ApiError;
@@ -39,6 +41,87 @@ pub struct ChatBody {
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
     pub filter: Option<Value>,
+    /// Accepted and ignored: they label or route the request but cannot change the answer.
+    pub user: Option<String>,
+    pub metadata: Option<Map<String, Value>>,
+    pub store: Option<bool>,
+    pub service_tier: Option<String>,
+    /// Accepted; the last chunk carries `usage` whatever `include_usage` says.
+    pub stream_options: Option<StreamOptions>,
+    /// Everything else, refused by [`refuse_unhonoured`] with [`CHAT_UNSUPPORTED`].
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// An OpenAI field this server does not implement: its name, the values that ask for nothing
+/// (besides `null`, which always does) in words for the error, and the test for them.
+type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
+
+/// Chat fields that would change the answer; each is refused unless its value is neutral.
+const CHAT_UNSUPPORTED: &[Unsupported] = &[
+    ("stop", "null or empty", is_empty),
+    ("n", "1", |v| v.as_f64() == Some(1.0)),
+    ("logprobs", "false", |v| v.as_bool() == Some(false)),
+    ("top_logprobs", "0", is_zero),
+    ("presence_penalty", "0", is_zero),
+    ("frequency_penalty", "0", is_zero),
+    ("logit_bias", "empty", is_empty),
+    ("tools", "empty", is_empty),
+    ("tool_choice", "\"none\"", |v| *v == "none"),
+    ("functions", "empty", is_empty),
+    ("function_call", "\"none\"", |v| *v == "none"),
+    ("parallel_tool_calls", "null", |_| false),
+    ("response_format", "{\"type\": \"text\"}", |v| {
+        *v == json!({"type": "text"})
+    }),
+    ("modalities", "[\"text\"]", |v| *v == json!(["text"])),
+    ("audio", "null", |_| false),
+    ("prediction", "null", |_| false),
+    ("reasoning_effort", "null", |_| false),
+    ("web_search_options", "null", |_| false),
+];
+
+fn is_empty(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    }
+}
+
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+/// Refuses, naming it, the first field of `extra` (what the body's struct did not take): an
+/// unsupported field with a value that asks for something, or a field nobody knows.
+fn refuse_unhonoured(
+    extra: &Map<String, Value>,
+    unsupported: &[Unsupported],
+) -> Result<(), ApiError> {
+    for (name, value) in extra {
+        match unsupported.iter().find(|(n, _, _)| n == name) {
+            Some((_, _, neutral)) if value.is_null() || neutral(value) => {}
+            Some((_, neutral, _)) => {
+                return Err(ApiError::field(
+                    name,
+                    format!("not supported by this server; leave it out or send {neutral}"),
+                )
+                .with_code("unsupported_parameter"))
+            }
+            None => {
+                return Err(ApiError::field(name, "unknown field").with_code("unknown_parameter"))
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Deserialize)]
@@ -104,6 +187,7 @@ pub async fn chat_completions(
     headers: axum::http::HeaderMap,
     ValidJson(body): ValidJson<ChatBody>,
 ) -> Result<Response, ApiError> {
+    refuse_unhonoured(&body.extra, CHAT_UNSUPPORTED)?;
     let pipeline = state.pipeline()?;
     check_model(&pipeline, &body.model)?;
     if body.messages.is_empty() {
@@ -236,6 +320,11 @@ pub struct EmbeddingsBody {
     pub input: Value,
     pub encoding_format: Option<String>,
     pub dimensions: Option<usize>,
+    /// Accepted and ignored, as for chat.
+    pub user: Option<String>,
+    /// Everything else, refused by name.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 pub async fn embeddings(
@@ -244,6 +333,7 @@ pub async fn embeddings(
     headers: axum::http::HeaderMap,
     ValidJson(body): ValidJson<EmbeddingsBody>,
 ) -> Result<Json<Value>, ApiError> {
+    refuse_unhonoured(&body.extra, &[])?;
     let pipeline = state.pipeline()?;
     let model = pipeline.embedder.model_id().to_string();
     if body.model != model {
