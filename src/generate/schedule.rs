@@ -313,11 +313,20 @@ mod tests {
         .iter()
         .map(|q| model.chat_prompt(&[ChatMessage::new("user", *q)]).unwrap())
         .collect();
-        let max_tokens = [40, 24, 32];
+        // Each prefill lets every decoding request take one step per layer (30), so a request
+        // that prefilled first can be nearly done by the time the last one decodes. Past the
+        // natural end and long enough, all three are sure to decode side by side, with no
+        // prefill left, for dozens of steps.
+        let max_tokens = [96, 96, 96];
+        let greedy = |p, n| {
+            let mut req = request(p, n, Sampling::default());
+            req.ignore_eos = true;
+            run(model, req).0.tokens
+        };
         let alone: Vec<Vec<u32>> = prompts
             .iter()
             .zip(max_tokens)
-            .map(|(p, n)| run(model, request(p, n, Sampling::default())).0.tokens)
+            .map(|(p, n)| greedy(p, n))
             .collect();
         let start = std::sync::Barrier::new(prompts.len());
         let together: Vec<Vec<u32>> = std::thread::scope(|scope| {
@@ -328,7 +337,7 @@ mod tests {
                     let start = &start;
                     scope.spawn(move || {
                         start.wait();
-                        run(model, request(p, n, Sampling::default())).0.tokens
+                        greedy(p, n)
                     })
                 })
                 .collect();
