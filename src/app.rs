@@ -29,7 +29,7 @@ use crate::rerank::Reranker;
 use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::remote::RemoteStore;
 use crate::retrieve::VectorStore;
-use crate::telemetry::names::span;
+use crate::telemetry::names::StageKind;
 use crate::telemetry::span::Stage;
 use crate::worker::Workers;
 
@@ -205,7 +205,7 @@ pub fn ingest_corpus(
     let started = Instant::now();
     let mut chunks = 0;
     for (i, doc) in docs.iter().enumerate() {
-        let stage = Stage::root(span::INGEST_ROOT);
+        let stage = Stage::root(StageKind::Ingest.span_prefix());
         let outcome = ingest_document(
             doc,
             pipeline.embedder.as_ref(),

@@ -12,7 +12,7 @@ use crate::config::{IngestArgs, ModelArgs, QueryArgs};
 use crate::generate::tokenizer;
 use crate::ingest::{ingest_document, read_paths};
 use crate::models::{self, Manifest};
-use crate::telemetry::names::span;
+use crate::telemetry::names::StageKind;
 use crate::telemetry::span::Stage;
 
 pub fn fetch_models(args: &ModelArgs) -> Result<()> {
@@ -58,7 +58,7 @@ pub async fn ingest(args: IngestArgs) -> Result<()> {
         let docs = read_paths(&args.paths)?;
         let chunker = app::chunker(&args.store);
         for (i, doc) in docs.iter().enumerate() {
-            let stage = Stage::root(span::INGEST_ROOT);
+            let stage = Stage::root(StageKind::Ingest.span_prefix());
             let o = ingest_document(doc, embedder.as_ref(), store.as_ref(), chunker, &stage)
                 .with_context(|| format!("ingesting {}", doc.source))?;
             println!(

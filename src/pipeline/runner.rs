@@ -112,10 +112,6 @@ impl<'a> StageRunner<'a> {
         self.request
     }
 
-    pub fn faults(&self) -> &FaultPlan {
-        self.faults
-    }
-
     /// The durations so far.
     pub fn timings(&self) -> Timings {
         self.timings

@@ -223,7 +223,7 @@ pub fn install_stage_services<E: SpanExporter + 'static>(
 ) -> Result<Vec<SdkTracerProvider>> {
     let mut tracers = HashMap::new();
     let mut providers = Vec::new();
-    for service in names::STAGE_SERVICES {
+    for service in names::stage_services() {
         let resource = Resource::builder()
             .with_service_name(service)
             .with_attribute(KeyValue::new(

@@ -136,16 +136,16 @@ impl StageKind {
     }
 }
 
-/// Every per-stage service name, in pipeline order.
-pub const STAGE_SERVICES: [&str; 7] = [
-    "ragscope-queue",
-    "ragscope-embed",
-    "ragscope-retrieve",
-    "ragscope-rerank",
-    "ragscope-prompt",
-    "ragscope-generate",
-    "ragscope-respond",
-];
+/// Every per-stage service name once, in pipeline order.
+pub fn stage_services() -> Vec<&'static str> {
+    let mut services: Vec<&'static str> = Vec::new();
+    for service in StageKind::ALL.iter().filter_map(|k| k.service()) {
+        if !services.contains(&service) {
+            services.push(service);
+        }
+    }
+    services
+}
 
 /// `provider.name` of every model stage: the models run in this process.
 pub const PROVIDER: &str = "ragscope";
@@ -176,8 +176,6 @@ names! {
         DECODE_STEP = "decode_step",
         /// GPU work of a phase, `gpu {phase}` (CUDA builds).
         GPU = "gpu",
-        /// The root of corpus ingest at start-up and of `ragscope ingest`.
-        INGEST_ROOT = "ingest",
         /// The root of benchmark work.
         BENCH = "bench",
         /// The root of evaluation work.
@@ -327,11 +325,11 @@ mod tests {
     }
 
     #[test]
-    fn every_stage_service_is_listed() {
-        let derived: std::collections::BTreeSet<&str> =
-            StageKind::ALL.iter().filter_map(|k| k.service()).collect();
-        let listed: std::collections::BTreeSet<&str> = STAGE_SERVICES.into_iter().collect();
-        assert_eq!(derived, listed);
+    fn stream_and_respond_share_one_service() {
+        let services = stage_services();
+        assert_eq!(services.len(), 7, "{services:?}");
+        assert_eq!(services.last(), Some(&"ragscope-respond"));
+        assert_eq!(StageKind::Stream.service(), StageKind::Respond.service());
     }
 
     #[test]
