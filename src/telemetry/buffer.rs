@@ -5,8 +5,9 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
+use crate::telemetry::clock::unix_nanos;
 use crate::telemetry::names::attr;
 use opentelemetry::trace::{SpanKind, Status};
 use opentelemetry::{Context, KeyValue, Value};
@@ -63,6 +64,16 @@ impl TraceBuffer {
             spans.pop_front();
         }
         spans.push_back((service, span));
+    }
+
+    /// The spans of one trace, oldest finished first.
+    pub fn trace(&self, id: opentelemetry::trace::TraceId) -> Vec<SpanData> {
+        let spans = self.spans.lock().expect("trace buffer lock");
+        spans
+            .iter()
+            .filter(|(_, s)| s.span_context.trace_id() == id)
+            .map(|(_, s)| s.clone())
+            .collect()
     }
 
     pub fn clear(&self) {
@@ -131,12 +142,12 @@ fn span_json(s: &SpanData) -> Json {
         "parentSpanId": parent,
         "name": s.name,
         "kind": kind_number(&s.span_kind),
-        "startTimeUnixNano": nanos(s.start_time).to_string(),
-        "endTimeUnixNano": nanos(s.end_time).to_string(),
+        "startTimeUnixNano": unix_nanos(s.start_time).to_string(),
+        "endTimeUnixNano": unix_nanos(s.end_time).to_string(),
         "attributes": s.attributes.iter().map(attribute).collect::<Vec<_>>(),
         "events": s.events.iter().map(|e| json!({
             "name": e.name,
-            "timeUnixNano": nanos(e.timestamp).to_string(),
+            "timeUnixNano": unix_nanos(e.timestamp).to_string(),
             "attributes": e.attributes.iter().map(attribute).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "status": {"code": code, "message": message},
@@ -151,12 +162,6 @@ fn kind_number(kind: &SpanKind) -> u8 {
         SpanKind::Producer => 4,
         SpanKind::Consumer => 5,
     }
-}
-
-fn nanos(t: SystemTime) -> u128 {
-    t.duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-        .as_nanos()
 }
 
 /// One attribute in OTLP/JSON form (64-bit integers as strings, as the mapping says).
@@ -214,6 +219,7 @@ mod tests {
     use super::*;
     use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
     use opentelemetry_sdk::trace::{SpanEvents, SpanLinks};
+    use std::time::UNIX_EPOCH;
 
     fn span(trace: u128, id: u64, parent: u64, end_s: u64) -> SpanData {
         SpanData {

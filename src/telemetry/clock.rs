@@ -40,6 +40,24 @@ pub fn to_wall(t: Instant) -> SystemTime {
     }
 }
 
+/// Milliseconds from the clock's anchor to a wall time from [`to_wall`] (negative before it):
+/// one number line for every reading in the process, the unit of the stage-event stream. It
+/// inverts `to_wall` exactly, so spans read back from the trace buffer land on the same line.
+pub fn anchor_millis(wall: SystemTime) -> f64 {
+    let a = anchor();
+    match wall.duration_since(a.wall) {
+        Ok(after) => millis(after),
+        Err(before) => -millis(before.duration()),
+    }
+}
+
+/// Nanoseconds since the Unix epoch, the unit of OTLP timestamps.
+pub fn unix_nanos(wall: SystemTime) -> u128 {
+    wall.duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos()
+}
+
 /// Milliseconds as a float, the unit of every timing we report to clients.
 pub fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -56,6 +74,18 @@ mod tests {
         let b = now();
         let (wa, wb) = (to_wall(a), to_wall(b));
         assert_eq!(wb.duration_since(wa).unwrap(), b - a);
+    }
+
+    #[test]
+    fn anchor_millis_and_unix_nanos_agree_on_spacing() {
+        let a = now();
+        std::thread::sleep(Duration::from_millis(3));
+        let b = now();
+        let (wa, wb) = (to_wall(a), to_wall(b));
+        let ms = anchor_millis(wb) - anchor_millis(wa);
+        let ns = unix_nanos(wb) - unix_nanos(wa);
+        assert!((ms - millis(b - a)).abs() < 1e-6, "{ms}");
+        assert_eq!(ns, (b - a).as_nanos());
     }
 
     #[test]

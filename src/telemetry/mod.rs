@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod names;
 pub mod profile;
 pub mod span;
+pub mod stage_events;
 
 use std::collections::HashMap;
 use std::env;
@@ -104,12 +105,17 @@ pub fn tracer_provider<E: SpanExporter + 'static>(
 /// `service.name` from `OTEL_SERVICE_NAME` (default `ragscope`) plus `OTEL_RESOURCE_ATTRIBUTES`.
 pub fn resource() -> Resource {
     Resource::builder()
-        .with_service_name(env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into()))
+        .with_service_name(service_name())
         .with_attribute(KeyValue::new(
             attr::SERVICE_VERSION,
             env!("CARGO_PKG_VERSION"),
         ))
         .build()
+}
+
+/// The process's `service.name`: `OTEL_SERVICE_NAME`, default `ragscope`.
+pub fn service_name() -> String {
+    env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into())
 }
 
 fn env_nonempty(name: &str) -> Option<String> {
@@ -160,7 +166,7 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
     let _ = BAGGAGE_KEYS.set(args.baggage_keys());
     opentelemetry::global::set_text_map_propagator(w3c_propagator());
     let meter = meter_provider()?;
-    let service = env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into());
+    let service = service_name();
     let profiler = match profile::ProfileSettings::from_args(args, &service) {
         Some(settings) => Some(profile::start(&settings)?),
         None => None,
@@ -277,7 +283,8 @@ fn meter_provider() -> Result<SdkMeterProvider> {
     Ok(provider)
 }
 
-/// Gauges read at collection time: dropped spans, KV cache, GPU memory and build info.
+/// Gauges read at collection time: dropped spans and stage events, KV cache, GPU memory and
+/// build info.
 pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
     let stats = export_stats();
@@ -337,6 +344,7 @@ pub(crate) fn register_process_gauges() {
         })
         .build();
     gpu::memory::register(&meter);
+    stage_events::register(&meter);
     let _build = meter
         .u64_observable_gauge(metric::BUILD_INFO)
         .with_description("Always 1; the labels say which build is running")

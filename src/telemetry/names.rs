@@ -297,6 +297,7 @@ names! {
         FAULTS_INJECTED = "ragscope.faults.injected",
         QUEUE_DEPTH = "ragscope.queue.depth",
         SPANS_DROPPED = "ragscope.spans.dropped",
+        STAGE_EVENTS_DROPPED = "ragscope.stage_events.dropped",
         KV_CACHE_BYTES = "ragscope.kv_cache.bytes",
         KV_CACHE_TOKENS = "ragscope.kv_cache.tokens",
         DECODE_BATCH_SIZE = "ragscope.decode.batch_size",

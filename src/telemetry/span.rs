@@ -7,17 +7,22 @@
 //! duration a stage reports to the client (`timings`) is the same number its span carries.
 //! A [`Stage`] owns an OpenTelemetry [`Context`], so it can be moved to a model-worker thread and
 //! its children created there keep their parent.
+//!
+//! Every start, attribute change, event, failure and end also goes to the stage-event stream
+//! ([`stage_events`](super::stage_events)) when a client watches the trace; unwatched, that is
+//! one atomic load per call.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::trace::{SpanId, SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{Context, KeyValue};
 
 use super::clock;
 use super::names::{attr, StageKind, PROVIDER};
+use super::stage_events::{self, SpanFacts};
 
 /// The instrumentation scope every span of ours is created under.
 pub const SCOPE: &str = "ragscope";
@@ -35,6 +40,11 @@ pub struct Stage {
     /// Set once the span has ended; a shared stage (`Arc<Stage>`) may be ended by one holder
     /// while others still hold it.
     ended: AtomicBool,
+    /// The parent's span id (`INVALID` for none), for the stage-event stream.
+    parent: SpanId,
+    /// Whether this span began its trace in this process (no parent, or a remote one): its
+    /// end ends the trace's stage-event stream.
+    root: bool,
 }
 
 impl Stage {
@@ -64,6 +74,11 @@ impl Stage {
     ) -> Stage {
         let name = name.into();
         let service = stage_service(&name).or(parent_service);
+        let (parent_id, root) = {
+            let span = parent.span();
+            let sc = span.span_context();
+            (sc.span_id(), !sc.is_valid() || sc.is_remote())
+        };
         let builder = |tracer_name: Cow<'static, str>| {
             opentelemetry::trace::SpanBuilder::from_name(tracer_name)
                 .with_kind(kind.clone())
@@ -79,13 +94,28 @@ impl Stage {
                 parent.with_span(tracer.build_with_context(builder(name.clone()), parent))
             }
         };
-        Stage {
+        let stage = Stage {
             name,
             cx,
             started,
             inherited,
             service,
             ended: AtomicBool::new(false),
+            parent: parent_id,
+            root,
+        };
+        if stage_events::active() {
+            stage_events::span_started(&stage.cx, &stage.facts(), started, &stage.inherited);
+        }
+        stage
+    }
+
+    fn facts(&self) -> SpanFacts<'_> {
+        SpanFacts {
+            span: self.cx.span().span_context().span_id(),
+            parent: self.parent,
+            name: &self.name,
+            service: self.service,
         }
     }
 
@@ -109,11 +139,22 @@ impl Stage {
     }
 
     pub fn set(&self, kv: KeyValue) {
+        if stage_events::active() {
+            stage_events::span_changed(&self.cx, std::slice::from_ref(&kv), None);
+        }
         self.cx.span().set_attribute(kv);
     }
 
     pub fn set_all(&self, kvs: impl IntoIterator<Item = KeyValue>) {
         let span = self.cx.span();
+        if stage_events::active() {
+            let kvs: Vec<KeyValue> = kvs.into_iter().collect();
+            stage_events::span_changed(&self.cx, &kvs, None);
+            for kv in kvs {
+                span.set_attribute(kv);
+            }
+            return;
+        }
         for kv in kvs {
             span.set_attribute(kv);
         }
@@ -130,6 +171,10 @@ impl Stage {
         at: Instant,
         attributes: Vec<KeyValue>,
     ) {
+        let name: Cow<'static, str> = name.into();
+        if stage_events::active() {
+            stage_events::span_event(&self.cx, &name, at, &attributes);
+        }
         self.cx
             .span()
             .add_event_with_timestamp(name, clock::to_wall(at), attributes);
@@ -138,7 +183,16 @@ impl Stage {
     /// Marks the stage failed with the OpenTelemetry `error.type` convention.
     pub fn fail(&self, error_type: &'static str, message: impl Into<Cow<'static, str>>) {
         let span = self.cx.span();
-        span.set_attribute(KeyValue::new(attr::ERROR_TYPE, error_type));
+        let error_type = KeyValue::new(attr::ERROR_TYPE, error_type);
+        let message: Cow<'static, str> = message.into();
+        if stage_events::active() {
+            stage_events::span_changed(
+                &self.cx,
+                std::slice::from_ref(&error_type),
+                Some(message.as_ref()),
+            );
+        }
+        span.set_attribute(error_type);
         span.set_status(Status::error(message));
     }
 
@@ -189,7 +243,14 @@ impl Stage {
     fn finish(&self, at: Instant) -> Duration {
         let at = at.max(self.started);
         if !self.ended.swap(true, Ordering::AcqRel) {
+            // Read while the span still records; published once it is in the trace buffer.
+            let watched = stage_events::active()
+                .then(|| stage_events::watched(&self.cx))
+                .flatten();
             self.cx.span().end_with_timestamp(clock::to_wall(at));
+            if let Some(trace) = watched {
+                stage_events::span_ended(trace, &self.facts(), self.started, at, self.root);
+            }
         }
         at - self.started
     }
