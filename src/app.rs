@@ -294,6 +294,7 @@ pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> 
         readiness: Arc::new(Readiness::default()),
         request_timeout,
         faults: Arc::default(),
+        ui: Arc::default(),
     };
     let _ = state.pipeline.set(Arc::new(pipeline));
     state.readiness.set_ready();
@@ -315,6 +316,7 @@ pub async fn serve(
         readiness: Arc::new(Readiness::default()),
         request_timeout: args.server.request_timeout,
         faults: Arc::new(crate::fault::Faults::from_args(&args.faults)?),
+        ui: Arc::new(crate::api::page::UiLinks::from_args(&args.ui)),
     };
     let loading = state.clone();
     let max_body_bytes = args.server.max_body_bytes;

@@ -251,6 +251,26 @@ pub struct ServeArgs {
     pub pipeline: PipelineArgs,
     #[command(flatten)]
     pub faults: FaultArgs,
+    #[command(flatten)]
+    pub ui: UiArgs,
+}
+
+/// Links out of the waterfall page (`GET /`) to the same trace and profile in other tools.
+/// Each is a base URL, given the tool's usual path, or a template with `{trace_id}`,
+/// `{span_id}`, `{service}`, `{from}` and `{until}` (Unix seconds) filled in by the page.
+#[derive(Debug, Clone, Default, Args)]
+pub struct UiArgs {
+    /// Jaeger's UI, e.g. http://localhost:16686 (the page links to /trace/{trace_id}).
+    #[arg(long, env = "RAGSCOPE_UI_JAEGER_URL")]
+    pub ui_jaeger_url: Option<String>,
+    /// Tempo, e.g. http://localhost:3200 (links to /api/traces/{trace_id}), or a Grafana
+    /// Explore URL template with {trace_id}.
+    #[arg(long, env = "RAGSCOPE_UI_TEMPO_URL")]
+    pub ui_tempo_url: Option<String>,
+    /// Pyroscope's UI, e.g. http://localhost:4040 (links to the CPU profile of one span:
+    /// service_name and span_id labels, around the trace's time).
+    #[arg(long, env = "RAGSCOPE_UI_PYROSCOPE_URL")]
+    pub ui_pyroscope_url: Option<String>,
 }
 
 /// Fault and latency injection (see `fault`): all off unless `--faults true`.

@@ -4,7 +4,8 @@
 //! - [`config`]: every setting, from flags and `RAGSCOPE_*` variables (`OTEL_*` in [`telemetry`]).
 //! - [`app`]: loading the stages, assembling the pipeline, serving until shutdown.
 //! - [`api`]: the HTTP surface (RAG query, OpenAI-compatible chat and embeddings, documents) and
-//!   the gRPC one (`proto/ragscope.proto`: Query, Ingest, Embed, Rerank, health).
+//!   the gRPC one (`proto/ragscope.proto`: Query, Ingest, Embed, Rerank, health), and the
+//!   waterfall page at `/`.
 //! - [`worker`]: the model-worker threads and their bounded queue (backpressure → 429).
 //! - [`pipeline`]: one RAG request, top to bottom: embed → retrieve → rerank → prompt → generate,
 //!   each stage run by the one stage runner.
@@ -12,7 +13,7 @@
 //! - [`ingest`]: documents → text → chunks → vectors in the store; the bundled corpus.
 //! - [`models`]: the model manifest, fetching and verifying weights.
 //! - [`telemetry`]: the shared clock, the registry of stage, span, attribute and metric names,
-//!   stage spans, exporters.
+//!   stage spans, the stage-event stream, exporters.
 //! - [`fault`]: fault and latency injection (off unless configured), for experiments.
 //! - [`attribute`]: where the latency went, per stage, from recorded traces.
 //! - [`device`]: the one place that picks CPU or CUDA.

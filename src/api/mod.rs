@@ -10,6 +10,7 @@ pub mod error;
 pub mod grpc;
 pub mod json;
 pub mod openai;
+pub mod page;
 pub mod rag;
 
 use std::pin::Pin;
@@ -43,6 +44,8 @@ pub struct AppState {
     pub request_timeout: Duration,
     /// Fault injection settings and the current plan (off by default).
     pub faults: Arc<crate::fault::Faults>,
+    /// Where the waterfall page links out to (Jaeger, Tempo, Pyroscope).
+    pub ui: Arc<page::UiLinks>,
 }
 
 /// What `/ready` and the gRPC health service report while the server starts.
@@ -109,6 +112,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus_metrics))
+        // The waterfall page and the stage-event stream; untraced like the other debug views.
+        .merge(page::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(

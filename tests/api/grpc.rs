@@ -391,6 +391,7 @@ async fn health_reports_serving_only_once_the_pipeline_is_ready() {
         readiness: Arc::new(ragscope::api::Readiness::default()),
         request_timeout: Duration::from_secs(30),
         faults: Arc::default(),
+        ui: Arc::default(),
     };
     let app = crate::helpers::serve_state(state.clone(), 1 << 20, None).await;
     for service in ["", "ragscope.v1.Rag"] {

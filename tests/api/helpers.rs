@@ -158,6 +158,7 @@ async fn serve(
 ) -> TestApp {
     let mut state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
     state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
+    state.ui = Arc::new(ragscope::api::page::UiLinks::from_args(&args.ui));
     serve_state(state, args.server.max_body_bytes, tmp).await
 }
 
