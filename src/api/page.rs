@@ -198,7 +198,7 @@ async fn stage_stream(State(state): State<AppState>, query: Params) -> Result<Re
         let now_ms = clock::anchor_millis(clock::to_wall(clock::now()));
         yield sse("subscribed", &json!({"type": "subscribed", "trace_id": trace.to_string(), "now_ms": now_ms}));
         loop {
-            match tokio::time::timeout(idle, subscription.next()).await {
+            match tokio::time::timeout(idle, subscription.recv()).await {
                 Ok(Some(event)) => {
                     let last = matches!(event, StageEvent::TraceEnd { .. });
                     yield sse(event.kind(), &event);

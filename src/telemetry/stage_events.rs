@@ -163,7 +163,7 @@ pub fn subscribe(trace: TraceId) -> Result<Subscription, TooManySubscribers> {
 
 impl Subscription {
     /// The next event; `None` never comes while subscribed (the sender lives in the registry).
-    pub async fn next(&mut self) -> Option<StageEvent> {
+    pub async fn recv(&mut self) -> Option<StageEvent> {
         self.rx.recv().await
     }
 
@@ -482,7 +482,7 @@ mod tests {
         span_ended(trace, &facts(1), now, now, true);
         let mut ends = 0;
         let last = loop {
-            match slow.next().await.unwrap() {
+            match slow.recv().await.unwrap() {
                 StageEvent::SpanEnd { .. } => ends += 1,
                 other => break other,
             }
@@ -515,7 +515,7 @@ mod tests {
             now + Duration::from_millis(5),
             false,
         );
-        match sub.next().await.unwrap() {
+        match sub.recv().await.unwrap() {
             StageEvent::SpanEnd {
                 trace_id,
                 duration_ms,

@@ -218,10 +218,13 @@ async fn the_stage_stream_carries_every_span_of_the_watched_request() {
         .find(|r| r["trace_id"] == trace.as_str())
         .expect("the watched request is listed");
     assert_eq!(listed["status"], 200);
-    assert!(listed["faults"]
-        .as_array()
-        .unwrap()
-        .contains(&json!("rag.fault.delay_ms=5")));
+    let faults = listed["faults"].as_array().unwrap();
+    assert!(
+        faults
+            .iter()
+            .any(|f| f.as_str().unwrap().starts_with("rag.fault.delay_ms=5")),
+        "{faults:?}"
+    );
     let retrieval_ms = span_ms(by_prefix("retrieval"));
     assert!((listed["stages"]["retrieval"].as_f64().unwrap() - retrieval_ms).abs() < 1e-3);
     let stats = recent["stages"].as_array().unwrap();
