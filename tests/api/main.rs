@@ -11,6 +11,7 @@ mod grpc;
 mod helpers;
 mod metrics;
 mod openai;
+mod prefix_cache;
 mod profile;
 mod qdrant_wire;
 mod query;
