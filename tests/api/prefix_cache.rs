@@ -6,6 +6,7 @@ use ragscope::api::grpc::proto::QueryRequest;
 use serde_json::{json, Value};
 
 use crate::helpers::{spawn_app, spawn_app_with, TestApp};
+use crate::stages::{attr, last_trace, record_spans, span};
 
 const BLOCK: u64 = 16;
 
@@ -17,6 +18,7 @@ fn cached(usage: &Value) -> u64 {
 
 async fn chat(app: &TestApp) -> Value {
     let body = json!({
+        "model": "SmolLM2-135M-Instruct",
         "messages": [{"role": "user", "content": "What is the capital of Zorbia?"}],
         "max_tokens": 8,
     });
@@ -25,27 +27,18 @@ async fn chat(app: &TestApp) -> Value {
     body
 }
 
-/// The last trace's spans whose name starts with `prefix`, and an int attribute of the first.
+/// An int attribute of the last trace's first span named `prefix…`.
 async fn last_trace_int(app: &TestApp, prefix: &str, key: &str) -> Option<i64> {
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    let (_, traces) = app.get("/debug/traces?limit=1").await;
-    let spans = traces["resourceSpans"][0]["scopeSpans"][0]["spans"]
-        .as_array()
-        .unwrap()
-        .clone();
-    let span = spans
-        .iter()
-        .find(|s| s["name"].as_str().unwrap().starts_with(prefix))?;
-    let value = span["attributes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|a| a["key"] == key)?;
-    value["value"]["intValue"].as_str()?.parse().ok()
+    let spans = last_trace(app).await;
+    attr(span(&spans, prefix), key)?["intValue"]
+        .as_str()?
+        .parse()
+        .ok()
 }
 
 #[tokio::test]
 async fn a_repeated_question_reads_its_prompt_from_the_prefix_cache() {
+    record_spans();
     let app = spawn_app().await;
     app.ingest_fixtures().await;
     let first = chat(&app).await;
