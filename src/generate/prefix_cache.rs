@@ -13,6 +13,11 @@
 //! touches a prefix's blocks last to first, so a block always leaves before its ancestors and
 //! nothing cached is ever unreachable. Blocks are shared (`Arc`), so a request copies its hit
 //! outside the lock while another request inserts or evicts.
+//!
+//! Blocks live in host memory whichever cache store the request has: the CPU decoder's host
+//! buffers (the CPU default) or candle tensors (the other formats, and a GPU, where a hit
+//! crosses to the device in one copy per layer). Both stores are tested on the CPU; the GPU
+//! runs the same candle ops but has not been run with a hit on a GPU.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
