@@ -56,7 +56,8 @@ pub fn load_models(args: &ModelArgs) -> Result<Models> {
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
     let gen_dir = models::resolve(&args.gen_model, &args.models_dir, &[], args.fetch_models)?;
     let generator = load_generator(&gen_dir, &device, args.max_context)
-        .with_context(|| format!("loading generator from {}", gen_dir.display()))?;
+        .with_context(|| format!("loading generator from {}", gen_dir.display()))?
+        .with_prefix_cache(args.prefix_cache_mb);
     let reranker: Option<Arc<dyn Reranker>> = match args.reranker.as_str() {
         "none" => None,
         "fusion" => Some(Arc::new(FusionReranker::default())),

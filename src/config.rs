@@ -161,6 +161,9 @@ pub struct ModelArgs {
     /// Upper bound on prompt + generated tokens per request.
     #[arg(long, env = "RAGSCOPE_MAX_CONTEXT", default_value_t = 2048)]
     pub max_context: usize,
+    /// MiB of prompt-prefix keys and values kept for later prompts to start from (LRU; 0: off).
+    #[arg(long, env = "RAGSCOPE_PREFIX_CACHE_MB", default_value_t = crate::generate::PREFIX_CACHE_DEFAULT_MB)]
+    pub prefix_cache_mb: usize,
     /// Fetch missing models on start.
     #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
     pub fetch_models: bool,

@@ -58,7 +58,11 @@ pub async fn run(args: BenchArgs) -> Result<()> {
 
 fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let rounds = args.rounds.max(1);
-    let pipeline = app::load_with_corpus(&args.models, &args.store, &args.server, &args.pipeline)?;
+    // Every round prefills the same prompt: with prefix reuse on, all but the first would copy
+    // it from the cache. The bench measures whole prefills, comparable across runs and peers.
+    let mut models = args.models.clone();
+    models.prefix_cache_mb = 0;
+    let pipeline = app::load_with_corpus(&models, &args.store, &args.server, &args.pipeline)?;
     let questions = crate::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)
         .unwrap_or_else(|_| vec!["How do I undo the last commit?".to_string(); 10]);
     println!(
@@ -66,6 +70,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         rounds,
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
+    println!("prefix cache off: every prefill computes its whole prompt");
     println!("{:<44} {:>12}", "measurement", "value");
 
     // Embedding: one query at a time, and batches of 32 passages.

@@ -39,6 +39,7 @@ impl<'a> TextGeneration<'a> {
             tokens: Vec::with_capacity(req.max_tokens),
             finish: FinishReason::Length,
             prompt_tokens: req.prompt.len(),
+            cached_tokens: 0,
             prefill: Default::default(),
             decode: Default::default(),
             first_token_at: None,
@@ -83,7 +84,7 @@ impl<'a> TextGeneration<'a> {
     }
 
     /// Waits for the prefill turn, then prefills the prompt into a new KV cache (the `prefill`
-    /// stage). Returns the cache and the last position's logits, or `None` when the deadline
+    /// stage), from the longest prefix the prefix cache holds. Returns the cache and the last position's logits, or `None` when the deadline
     /// passed during the wait.
     fn prefill(&self, out: &mut Generated) -> Result<Option<(KvCache, Logits)>, GenerateError> {
         let (llama, req) = (self.llama, &self.req);
@@ -106,15 +107,24 @@ impl<'a> TextGeneration<'a> {
             ),
         )?;
         let gpu = GpuTimer::start(&net.device);
-        let prefilled = net.prefill(req.prompt, &mut cache, &llama.schedule);
-        let logits = Logits::Device(on_stage(&prefill, prefilled)?);
+        let prefilled = llama.prefill(req.prompt, &mut cache);
+        let (logits, cached) = on_stage(&prefill, prefilled)?;
+        let logits = Logits::Device(logits);
         gpu.finish_into(&prefill, "prefill");
         let done = clock::now();
         let took = done.saturating_duration_since(prefill.started());
+        let computed = n_prompt - cached;
         prefill.set_all([
             KeyValue::new(attr::GEN_AI_USAGE_INPUT_TOKENS, n_prompt as i64),
-            KeyValue::new(attr::PREFILL_TOKENS_PER_SECOND, per_second(n_prompt, took)),
+            KeyValue::new(attr::PREFILL_CACHED_TOKENS, cached as i64),
+            KeyValue::new(attr::PREFILL_COMPUTED_TOKENS, computed as i64),
+            KeyValue::new(attr::PREFILL_TOKENS_PER_SECOND, per_second(computed, took)),
         ]);
+        self.stage.set(KeyValue::new(
+            attr::GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+            cached as i64,
+        ));
+        out.cached_tokens = cached;
         out.prefill = prefill.end_at(done);
         drop(turn);
         Ok(Some((cache, logits)))

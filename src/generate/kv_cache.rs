@@ -16,6 +16,8 @@ pub(super) struct KvCache {
     pub store: KvStore,
     pub len: usize,
     pub capacity: usize,
+    n_kv_head: usize,
+    head_dim: usize,
     /// Bytes counted in the KV-cache gauges while this cache lives.
     bytes: u64,
     on_gpu: bool,
@@ -61,9 +63,77 @@ impl KvCache {
             store,
             len: 0,
             capacity,
+            n_kv_head: cfg.n_kv_head,
+            head_dim: cfg.head_dim,
             bytes,
             on_gpu,
         })
+    }
+
+    /// Layer `li`'s keys and values at positions `start..start + n`, each `(n_kv_head, n,
+    /// head_dim)` in a flat host buffer (how the prefix cache takes a prompt's blocks).
+    pub fn read_span(
+        &self,
+        li: usize,
+        start: usize,
+        n: usize,
+    ) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+        self.check_span(start, n)?;
+        let (nkv, hd, cap) = (self.n_kv_head, self.head_dim, self.capacity);
+        match &self.store {
+            KvStore::Host(kv) => {
+                let dims = (nkv, cap, hd);
+                Ok((
+                    read_rows(&kv.k[li], dims, start, n),
+                    read_rows(&kv.v[li], dims, start, n),
+                ))
+            }
+            KvStore::Tensors { k, v } => {
+                let read = |t: &Tensor| t.narrow(1, start, n)?.flatten_all()?.to_vec1::<f32>();
+                Ok((read(&k[li])?, read(&v[li])?))
+            }
+        }
+    }
+
+    /// Writes layer `li`'s keys and values for positions `start..start + n`, laid out as
+    /// [`KvCache::read_span`] returns them (how a prefix-cache hit enters a request's cache).
+    pub fn write_span(
+        &mut self,
+        li: usize,
+        start: usize,
+        n: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> candle_core::Result<()> {
+        self.check_span(start, n)?;
+        let (nkv, hd, cap) = (self.n_kv_head, self.head_dim, self.capacity);
+        if keys.len() != nkv * n * hd || values.len() != keys.len() {
+            candle_core::bail!("{} keys for {n} positions", keys.len());
+        }
+        match &mut self.store {
+            KvStore::Host(kv) => {
+                write_rows(&mut kv.k[li], keys, (cap, hd), start, n);
+                write_rows(&mut kv.v[li], values, (cap, hd), start, n);
+            }
+            KvStore::Tensors { k, v } => {
+                for (t, src) in [(&k[li], keys), (&v[li], values)] {
+                    let src = Tensor::from_slice(src, (nkv, n, hd), t.device())?;
+                    t.slice_set(&src, 1, start)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_span(&self, start: usize, n: usize) -> candle_core::Result<()> {
+        if start + n > self.capacity {
+            candle_core::bail!(
+                "positions {start}..{} of a cache of {}",
+                start + n,
+                self.capacity
+            );
+        }
+        Ok(())
     }
 
     fn account(bytes: u64, tokens: u64, on_gpu: bool, add: bool) {
@@ -100,11 +170,8 @@ pub(super) fn write_host(
     cap: usize,
     pos: usize,
 ) -> candle_core::Result<()> {
-    let (nkv, t, hd) = x.dims3()?;
-    let data = x.flatten_all()?.to_vec1::<f32>()?;
-    for (g, rows) in data.chunks_exact(t * hd).enumerate().take(nkv) {
-        buf[(g * cap + pos) * hd..][..t * hd].copy_from_slice(rows);
-    }
+    let (_, t, hd) = x.dims3()?;
+    write_rows(buf, &x.flatten_all()?.to_vec1::<f32>()?, (cap, hd), pos, t);
     Ok(())
 }
 
@@ -115,9 +182,29 @@ pub(super) fn read_host(
     (nkv, cap, hd): (usize, usize, usize),
     len: usize,
 ) -> candle_core::Result<Tensor> {
-    let mut data = Vec::with_capacity(nkv * len * hd);
-    for g in 0..nkv {
-        data.extend_from_slice(&buf[g * cap * hd..][..len * hd]);
-    }
+    let data = read_rows(buf, (nkv, cap, hd), 0, len);
     Tensor::from_vec(data, (nkv, len, hd), &Device::Cpu)
+}
+
+/// Positions `start..start + n` of a host cache `(n_kv_head, cap, head_dim)`, as
+/// `(n_kv_head, n, head_dim)`.
+fn read_rows(
+    buf: &[f32],
+    (nkv, cap, hd): (usize, usize, usize),
+    start: usize,
+    n: usize,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(nkv * n * hd);
+    for g in 0..nkv {
+        out.extend_from_slice(&buf[(g * cap + start) * hd..][..n * hd]);
+    }
+    out
+}
+
+/// Writes `rows` `(n_kv_head, n, head_dim)` at positions `pos..pos + n` of a host cache
+/// `(n_kv_head, cap, head_dim)`.
+fn write_rows(buf: &mut [f32], rows: &[f32], (cap, hd): (usize, usize), pos: usize, n: usize) {
+    for (g, head) in rows.chunks_exact(n * hd).enumerate() {
+        buf[(g * cap + pos) * hd..][..n * hd].copy_from_slice(head);
+    }
 }

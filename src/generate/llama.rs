@@ -8,7 +8,8 @@
 //! [`kv_cache`](super::kv_cache), [`forward`](super::forward) (the candle forward, RoPE, masks,
 //! CPU decode attention), [`sampler`](super::sampler), [`template`](super::template) (ChatML),
 //! [`generation`](super::generation) (the per-request loop) and [`schedule`](super::schedule)
-//! (prefill turns, the compute lock, batched decode). On a GPU the same forward runs on candle's
+//! (prefill turns, the compute lock, batched decode), and [`prefix_cache`](super::prefix_cache)
+//! (prompt prefixes whose keys and values a new prefill starts from). On a GPU the same forward runs on candle's
 //! CUDA ops, with weights in [`WeightFormat::F16PrefillQ8Decode`] and the KV cache allocated on
 //! the device; CUDA events time prefill and sampled decode steps
 //! ([`gpu`](crate::telemetry::gpu)).
@@ -24,6 +25,7 @@ use super::cpu_decode::CpuDecoder;
 use super::forward::{self, Transformer};
 use super::generation::TextGeneration;
 use super::kv_cache::KvCache;
+use super::prefix_cache::PrefixCache;
 use super::sampler::{Logits, Sampler};
 use super::schedule::Scheduler;
 use super::template::ChatTemplate;
@@ -58,6 +60,8 @@ pub struct Llama {
     pub(super) eos: Vec<u32>,
     /// How requests share the cores: prefill turns, the compute lock, batched decode steps.
     pub(super) schedule: Scheduler,
+    /// Keys and values of recent prompt prefixes (off until [`Llama::with_prefix_cache`]).
+    pub(super) prefix: PrefixCache,
 }
 
 impl Llama {
@@ -142,6 +146,7 @@ impl Llama {
         let newline = encode(&content_tokenizer, "\n")?;
         let token_bytes = TokenBytes::new(&tokenizer);
         let schedule = Scheduler::new(weights.decoder.clone());
+        let prefix = PrefixCache::new(&cfg, 0);
         Ok(Llama {
             format,
             transformer: Transformer {
@@ -161,7 +166,34 @@ impl Llama {
             newline,
             eos,
             schedule,
+            prefix,
         })
+    }
+
+    /// Keeps up to `mb` MiB of prompt-prefix keys and values for later prompts to start from
+    /// (0: none). Loading leaves it off, so benchmarks that repeat a prompt measure whole
+    /// prefills; the server turns it on (`--prefix-cache-mb`).
+    pub fn with_prefix_cache(mut self, mb: usize) -> Llama {
+        self.prefix = PrefixCache::new(&self.transformer.cfg, mb as u64 * (1 << 20));
+        self
+    }
+
+    /// Prefills `prompt` into the empty `cache`: positions covered by the longest cached prefix
+    /// are copied in, the rest computed, then the prompt's whole blocks cached. Returns the last
+    /// position's logits and the number of positions that came from the cache.
+    pub(super) fn prefill(
+        &self,
+        prompt: &[u32],
+        cache: &mut KvCache,
+    ) -> candle_core::Result<(candle_core::Tensor, usize)> {
+        let hit = self.prefix.lookup(prompt);
+        self.prefix.restore(&hit, cache)?;
+        let cached = hit.tokens();
+        drop(hit);
+        let net = &self.transformer;
+        let logits = net.prefill(&prompt[cached..], cache, &self.schedule)?;
+        self.prefix.insert(prompt, cache)?;
+        Ok((logits, cached))
     }
 
     /// The weight format this instance was loaded with.

@@ -1,7 +1,7 @@
 //! Answer generation: the generator trait, sampling settings and what a generation returns.
 //!
-//! A generation prefills the whole prompt once, then decodes one token per step against a KV
-//! cache owned by that request. The implementation records `prefill` and `decode` child stages
+//! A generation prefills the prompt once (from the longest cached prefix on), then decodes one
+//! token per step against a KV cache owned by that request. The implementation records `prefill` and `decode` child stages
 //! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
 //! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts).
 
@@ -11,6 +11,7 @@ mod generation;
 pub mod kernels;
 mod kv_cache;
 pub mod llama;
+mod prefix_cache;
 mod sampler;
 mod schedule;
 mod template;
@@ -24,6 +25,8 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::telemetry::span::Stage;
+
+pub use prefix_cache::DEFAULT_MB as PREFIX_CACHE_DEFAULT_MB;
 
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -120,6 +123,8 @@ pub struct Generated {
     pub tokens: Vec<u32>,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache, not computed.
+    pub cached_tokens: usize,
     pub prefill: Duration,
     pub decode: Duration,
     /// When the first token was produced, on the shared clock.

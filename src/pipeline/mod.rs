@@ -13,7 +13,9 @@ use std::sync::Arc;
 use opentelemetry::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
-pub use request::{Event, PipelineError, RagAnswer, RagRequest, Source, Timings, Usage};
+pub use request::{
+    Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source, Timings, Usage,
+};
 pub use runner::{StageRunner, StageSpec};
 
 use crate::config::PipelineArgs;
@@ -294,6 +296,9 @@ impl Pipeline {
                 prompt_tokens: generated.prompt_tokens,
                 completion_tokens: generated.tokens.len(),
                 total_tokens: generated.prompt_tokens + generated.tokens.len(),
+                prompt_tokens_details: PromptTokensDetails {
+                    cached_tokens: generated.cached_tokens,
+                },
             },
             timings,
             finish_reason: generated.finish,

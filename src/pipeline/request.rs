@@ -83,6 +83,14 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// As OpenAI spells it, which benchmark clients read.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
 }
 
 /// Milliseconds per stage, equal to the durations of the stage spans.

@@ -47,6 +47,29 @@ pub static KV_CACHE: KvCacheUsage = KvCacheUsage {
     tokens: std::sync::atomic::AtomicU64::new(0),
 };
 
+/// The prefix caches' counts, read by the `ragscope.prefix_cache.*` instruments.
+#[derive(Debug, Default)]
+pub struct PrefixCacheUsage {
+    /// Prefills that looked for a cached prefix.
+    pub lookups: std::sync::atomic::AtomicU64,
+    /// Lookups that found one.
+    pub hits: std::sync::atomic::AtomicU64,
+    /// Prompt positions copied from the cache instead of computed.
+    pub hit_tokens: std::sync::atomic::AtomicU64,
+    /// Blocks evicted to stay within the budget.
+    pub evictions: std::sync::atomic::AtomicU64,
+    /// Bytes of blocks held.
+    pub bytes: std::sync::atomic::AtomicU64,
+}
+
+pub static PREFIX_CACHE: PrefixCacheUsage = PrefixCacheUsage {
+    lookups: std::sync::atomic::AtomicU64::new(0),
+    hits: std::sync::atomic::AtomicU64::new(0),
+    hit_tokens: std::sync::atomic::AtomicU64::new(0),
+    evictions: std::sync::atomic::AtomicU64::new(0),
+    bytes: std::sync::atomic::AtomicU64::new(0),
+};
+
 /// Sequences per batched decode step, read by the `ragscope.decode.batch_size` gauge.
 #[derive(Debug, Default)]
 pub struct DecodeBatches {

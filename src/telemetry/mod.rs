@@ -283,8 +283,8 @@ fn meter_provider() -> Result<SdkMeterProvider> {
     Ok(provider)
 }
 
-/// Gauges read at collection time: dropped spans and stage events, KV cache, GPU memory and
-/// build info.
+/// Gauges read at collection time: dropped spans and stage events, KV cache, prefix cache, GPU
+/// memory and build info.
 pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
     let stats = export_stats();
@@ -338,6 +338,55 @@ pub(crate) fn register_process_gauges() {
             o.observe(
                 metrics::DECODE_BATCH
                     .last
+                    .load(std::sync::atomic::Ordering::Relaxed),
+                &[],
+            )
+        })
+        .build();
+    let prefix = &metrics::PREFIX_CACHE;
+    for (name, unit, description, count) in [
+        (
+            metric::PREFIX_CACHE_LOOKUPS,
+            "{lookup}",
+            "Prefills that looked for a cached prompt prefix",
+            &prefix.lookups,
+        ),
+        (
+            metric::PREFIX_CACHE_HITS,
+            "{lookup}",
+            "Prefix-cache lookups that found a cached prefix",
+            &prefix.hits,
+        ),
+        (
+            metric::PREFIX_CACHE_HIT_TOKENS,
+            "{token}",
+            "Prompt tokens copied from the prefix cache instead of computed",
+            &prefix.hit_tokens,
+        ),
+        (
+            metric::PREFIX_CACHE_EVICTIONS,
+            "{block}",
+            "Prefix-cache blocks evicted to stay within --prefix-cache-mb",
+            &prefix.evictions,
+        ),
+    ] {
+        let _counter = meter
+            .u64_observable_counter(name)
+            .with_unit(unit)
+            .with_description(description)
+            .with_callback(move |o| {
+                o.observe(count.load(std::sync::atomic::Ordering::Relaxed), &[])
+            })
+            .build();
+    }
+    let _prefix_bytes = meter
+        .u64_observable_gauge(metric::PREFIX_CACHE_BYTES)
+        .with_unit("By")
+        .with_description("Memory held by the prefix cache's blocks")
+        .with_callback(|o| {
+            o.observe(
+                metrics::PREFIX_CACHE
+                    .bytes
                     .load(std::sync::atomic::Ordering::Relaxed),
                 &[],
             )

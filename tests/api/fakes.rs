@@ -179,6 +179,7 @@ impl Generator for FakeGenerator {
             tokens,
             finish,
             prompt_tokens: req.prompt.len(),
+            cached_tokens: 0,
             prefill: prefill_took,
             decode: decode.end(),
             first_token_at: first,

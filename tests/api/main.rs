@@ -12,6 +12,7 @@ mod helpers;
 mod metrics;
 mod openai;
 mod page;
+mod prefix_cache;
 mod profile;
 mod qdrant_wire;
 mod query;

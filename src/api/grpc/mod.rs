@@ -287,6 +287,7 @@ fn done(a: &RagAnswer) -> Done {
             prompt_tokens: a.usage.prompt_tokens as u32,
             completion_tokens: a.usage.completion_tokens as u32,
             total_tokens: a.usage.total_tokens as u32,
+            cached_tokens: a.usage.prompt_tokens_details.cached_tokens as u32,
         }),
         timings: Some(Timings {
             queue_ms: t.queue_ms,

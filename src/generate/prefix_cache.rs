@@ -1,0 +1,571 @@
+//! Prefix KV reuse (what vLLM calls automatic prefix caching): the keys and values of recently
+//! prefilled prompts, kept in blocks of [`BLOCK_TOKENS`] tokens, so a prompt that starts the
+//! same way (the fixed system head of every RAG prompt, a repeated question, a chat whose history
+//! is the previous turn's prompt) copies those positions into its own KV cache and prefills only
+//! the rest ([`super::llama::Llama`]'s prefill).
+//!
+//! A block's key is a hash chained over every token before it and its own, so one key names a
+//! whole prefix at its positions. Each block also keeps its tokens and its parent's key, and a
+//! lookup walks from the first block checking both, so a hash collision reads as a miss, never
+//! as someone else's keys and values. Only positions the prefill computed are cached (not decoded
+//! ones): decode steps compute with other weights and kernels, and a hit must give the logits a
+//! cold prefill would. Bounded in bytes, least recently used block first; a lookup or insert
+//! touches a prefix's blocks last to first, so a block always leaves before its ancestors and
+//! nothing cached is ever unreachable. Blocks are shared (`Arc`), so a request copies its hit
+//! outside the lock while another request inserts or evicts.
+//!
+//! Blocks live in host memory whichever cache store the request has: the CPU decoder's host
+//! buffers (the CPU default) or candle tensors (the other formats, and a GPU, where a hit
+//! crosses to the device in one copy per layer). Both stores are tested on the CPU; the GPU
+//! runs the same candle ops but has not been run with a hit on a GPU.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use super::kv_cache::KvCache;
+use super::weights::Config;
+use crate::telemetry::metrics::PREFIX_CACHE;
+
+/// Tokens per block: the granularity of a hit. Small enough that a repeated prompt recomputes
+/// at most 16 positions; large enough that a 600-token prompt is ~40 map entries.
+pub(super) const BLOCK_TOKENS: usize = 16;
+
+/// The default budget, in MiB: ~5,800 positions of SmolLM2-135M (45 KiB each in F32), about
+/// nine default RAG prompts, less than the model's own prefill weights.
+pub const DEFAULT_MB: usize = 256;
+
+/// One cached block of a prefix.
+struct Block {
+    /// The previous block's key (`None` for a prompt's first block).
+    parent: Option<u64>,
+    tokens: [u32; BLOCK_TOKENS],
+    /// Per layer: keys, then values, each `(n_kv_head, BLOCK_TOKENS, head_dim)`.
+    kv: Arc<[f32]>,
+    /// Position in the LRU order (larger: used more recently).
+    tick: u64,
+}
+
+#[derive(Default)]
+struct Blocks {
+    by_key: HashMap<u64, Block>,
+    /// tick → key, oldest first.
+    lru: BTreeMap<u64, u64>,
+    next_tick: u64,
+    bytes: u64,
+}
+
+/// A lookup's result: the cached blocks of the prompt's longest cached prefix, in order.
+pub(super) struct Hit {
+    blocks: Vec<Arc<[f32]>>,
+}
+
+impl Hit {
+    /// Prompt positions the hit covers.
+    pub fn tokens(&self) -> usize {
+        self.blocks.len() * BLOCK_TOKENS
+    }
+}
+
+/// Counts since the cache was made (the process-wide sums feed the `ragscope.prefix_cache.*`
+/// metrics).
+#[derive(Debug, Default)]
+pub(super) struct Counts {
+    pub lookups: AtomicU64,
+    pub hits: AtomicU64,
+    pub hit_tokens: AtomicU64,
+    pub evictions: AtomicU64,
+}
+
+/// One model's prefix cache, shared by all its requests.
+pub(super) struct PrefixCache {
+    budget: u64,
+    n_layer: usize,
+    n_kv_head: usize,
+    head_dim: usize,
+    blocks: Mutex<Blocks>,
+    pub counts: Counts,
+}
+
+impl PrefixCache {
+    /// A cache of at most `budget` bytes of blocks for a model shaped `cfg` (0: off).
+    pub fn new(cfg: &Config, budget: u64) -> PrefixCache {
+        PrefixCache {
+            budget,
+            n_layer: cfg.n_layer,
+            n_kv_head: cfg.n_kv_head,
+            head_dim: cfg.head_dim,
+            blocks: Mutex::default(),
+            counts: Counts::default(),
+        }
+    }
+
+    /// Floats of one layer's keys (or values) in one block.
+    fn half_layer(&self) -> usize {
+        self.n_kv_head * BLOCK_TOKENS * self.head_dim
+    }
+
+    fn block_bytes(&self) -> u64 {
+        (self.n_layer * 2 * self.half_layer() * std::mem::size_of::<f32>()) as u64
+    }
+
+    /// Whether a block fits the budget at all.
+    pub fn enabled(&self) -> bool {
+        self.budget >= self.block_bytes()
+    }
+
+    /// Bytes of blocks held now (the process-wide sum is the `ragscope.prefix_cache.bytes` gauge).
+    #[cfg(test)]
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Blocks> {
+        // Nothing panics while the lock is held; a poisoned cache is still consistent.
+        self.blocks.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The longest cached block-aligned prefix of `prompt` that leaves at least one token to
+    /// compute (a prefill must produce the last position's logits).
+    pub fn lookup(&self, prompt: &[u32]) -> Hit {
+        let mut hit = Hit { blocks: Vec::new() };
+        if !self.enabled() {
+            return hit;
+        }
+        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
+        let keys = chain_keys(&prompt[..usable * BLOCK_TOKENS]);
+        let mut blocks = self.lock();
+        let matched = blocks.matching(&prompt[..usable * BLOCK_TOKENS], &keys);
+        blocks.touch(&keys[..matched]);
+        hit.blocks = keys[..matched]
+            .iter()
+            .map(|k| blocks.by_key[k].kv.clone())
+            .collect();
+        drop(blocks);
+        self.count(&self.counts.lookups, &PREFIX_CACHE.lookups, 1);
+        if matched > 0 {
+            self.count(&self.counts.hits, &PREFIX_CACHE.hits, 1);
+            let n = hit.tokens() as u64;
+            self.count(&self.counts.hit_tokens, &PREFIX_CACHE.hit_tokens, n);
+        }
+        hit
+    }
+
+    fn count(&self, own: &AtomicU64, global: &AtomicU64, n: u64) {
+        own.fetch_add(n, Relaxed);
+        global.fetch_add(n, Relaxed);
+    }
+
+    /// Copies `hit` into positions `0..hit.tokens()` of the empty `cache`.
+    pub fn restore(&self, hit: &Hit, cache: &mut KvCache) -> candle_core::Result<()> {
+        let n = hit.tokens();
+        if n == 0 {
+            return Ok(());
+        }
+        if cache.len != 0 || n > cache.capacity {
+            candle_core::bail!(
+                "a prefix of {n} into a cache holding {} of {}",
+                cache.len,
+                cache.capacity
+            );
+        }
+        let (nkv, hd, half) = (self.n_kv_head, self.head_dim, self.half_layer());
+        let row = BLOCK_TOKENS * hd;
+        let mut k = vec![0f32; nkv * n * hd];
+        let mut v = vec![0f32; nkv * n * hd];
+        for li in 0..self.n_layer {
+            for (b, block) in hit.blocks.iter().enumerate() {
+                let layer = &block[li * 2 * half..(li + 1) * 2 * half];
+                let (bk, bv) = layer.split_at(half);
+                for g in 0..nkv {
+                    let at = (g * n + b * BLOCK_TOKENS) * hd;
+                    k[at..at + row].copy_from_slice(&bk[g * row..(g + 1) * row]);
+                    v[at..at + row].copy_from_slice(&bv[g * row..(g + 1) * row]);
+                }
+            }
+            cache.write_span(li, 0, n, &k, &v)?;
+        }
+        cache.len = n;
+        Ok(())
+    }
+
+    /// Caches the full blocks of `prompt` that `cache` holds (prefilled) and the cache does not
+    /// have yet, evicting the least recently used blocks to stay within the budget.
+    pub fn insert(&self, prompt: &[u32], cache: &KvCache) -> candle_core::Result<()> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        let full = prompt.len().min(cache.len) / BLOCK_TOKENS;
+        let prompt = &prompt[..full * BLOCK_TOKENS];
+        let keys = chain_keys(prompt);
+        let have = self.lock().matching(prompt, &keys);
+        if have == full {
+            return Ok(());
+        }
+        // Copy the new blocks out of the request's cache without holding the lock.
+        let (nkv, hd, half) = (self.n_kv_head, self.head_dim, self.half_layer());
+        let (start, n) = (have * BLOCK_TOKENS, (full - have) * BLOCK_TOKENS);
+        let row = BLOCK_TOKENS * hd;
+        let mut new: Vec<Vec<f32>> = (have..full)
+            .map(|_| Vec::with_capacity(self.n_layer * 2 * half))
+            .collect();
+        for li in 0..self.n_layer {
+            let (k, v) = cache.read_span(li, start, n)?;
+            for (b, block) in new.iter_mut().enumerate() {
+                for src in [&k, &v] {
+                    for g in 0..nkv {
+                        let at = (g * n + b * BLOCK_TOKENS) * hd;
+                        block.extend_from_slice(&src[at..at + row]);
+                    }
+                }
+            }
+        }
+
+        let bytes = self.block_bytes();
+        let mut blocks = self.lock();
+        // Another request may have cached some of them meanwhile, or evicted the blocks ours
+        // would hang from (then ours would be unreachable: keep none).
+        let now = blocks.matching(prompt, &keys);
+        if now < have {
+            return Ok(());
+        }
+        // The prefix so far becomes the most recently used, so eviction takes other blocks
+        // first; reaching one of these means the budget holds nothing else.
+        blocks.touch(&keys[..now]);
+        let keep_from = blocks.next_tick - now as u64;
+        let (mut cached, mut evicted) = (now, 0);
+        for (i, kv) in (have..full).zip(new) {
+            if i < now {
+                continue;
+            }
+            if !blocks.make_room(bytes, self.budget, keep_from, &mut evicted) {
+                break;
+            }
+            let tick = blocks.tick();
+            let block = Block {
+                parent: i.checked_sub(1).map(|p| keys[p]),
+                tokens: prompt[i * BLOCK_TOKENS..][..BLOCK_TOKENS]
+                    .try_into()
+                    .expect("one block of tokens"),
+                kv: kv.into(),
+                tick,
+            };
+            blocks.lru.insert(tick, keys[i]);
+            blocks.by_key.insert(keys[i], block);
+            blocks.bytes += bytes;
+            PREFIX_CACHE.bytes.fetch_add(bytes, Relaxed);
+            cached = i + 1;
+        }
+        blocks.touch(&keys[..cached]);
+        drop(blocks);
+        self.count(&self.counts.evictions, &PREFIX_CACHE.evictions, evicted);
+        Ok(())
+    }
+}
+
+impl Drop for PrefixCache {
+    fn drop(&mut self) {
+        PREFIX_CACHE.bytes.fetch_sub(self.lock().bytes, Relaxed);
+    }
+}
+
+impl Blocks {
+    /// How many leading blocks of `prompt` (keyed `keys`) are cached, each checked against its
+    /// parent and its tokens.
+    fn matching(&self, prompt: &[u32], keys: &[u64]) -> usize {
+        let mut parent = None;
+        for (i, (key, tokens)) in keys
+            .iter()
+            .zip(prompt.chunks_exact(BLOCK_TOKENS))
+            .enumerate()
+        {
+            match self.by_key.get(key) {
+                Some(b) if b.parent == parent && b.tokens[..] == *tokens => parent = Some(*key),
+                _ => return i,
+            }
+        }
+        keys.len()
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.next_tick += 1;
+        self.next_tick
+    }
+
+    /// Marks a cached prefix used, last block first, so each block is more recent than every
+    /// block after it.
+    fn touch(&mut self, keys: &[u64]) {
+        for key in keys.iter().rev() {
+            let tick = self.tick();
+            let block = self.by_key.get_mut(key).expect("touched blocks are cached");
+            self.lru.remove(&block.tick);
+            block.tick = tick;
+            self.lru.insert(tick, *key);
+        }
+    }
+
+    /// Evicts least recently used blocks until `bytes` more fit the budget; `false` when they
+    /// cannot (the budget is smaller, or only blocks used since tick `keep_from` are left).
+    fn make_room(&mut self, bytes: u64, budget: u64, keep_from: u64, evicted: &mut u64) -> bool {
+        while self.bytes + bytes > budget {
+            let Some((&tick, &key)) = self.lru.first_key_value() else {
+                return false;
+            };
+            if tick > keep_from {
+                return false;
+            }
+            self.lru.remove(&tick);
+            self.by_key.remove(&key);
+            self.bytes -= bytes;
+            PREFIX_CACHE.bytes.fetch_sub(bytes, Relaxed);
+            *evicted += 1;
+        }
+        true
+    }
+}
+
+/// The key of every block of `prompt` (whole blocks only): each hashes its parent's key and
+/// its own tokens, so it stands for the whole prefix up to its end.
+fn chain_keys(prompt: &[u32]) -> Vec<u64> {
+    let mut parent = 0u64;
+    prompt
+        .chunks_exact(BLOCK_TOKENS)
+        .map(|tokens| {
+            // SipHash with fixed keys: the same key in every run and on every thread.
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            parent.hash(&mut h);
+            tokens.hash(&mut h);
+            parent = h.finish();
+            parent
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::generate::llama::{Llama, WeightFormat};
+    use crate::generate::testing::{
+        long_prompt, max_abs_diff, model, rag_messages, request, run, test_model_path,
+        zorbia_prompt, MAX_CONTEXT,
+    };
+    use crate::generate::{ChatMessage, Generator, Sampling};
+
+    /// A tiny model shape: 2 layers, 2 kv heads of 4 dims.
+    fn tiny() -> Config {
+        Config {
+            n_layer: 2,
+            n_head: 2,
+            n_kv_head: 2,
+            head_dim: 4,
+            ffn: 8,
+            rms_eps: 1e-5,
+            rope_base: 10000.0,
+            context_length: 256,
+        }
+    }
+
+    /// A host cache holding `len` positions whose values name their layer, position and lane.
+    fn filled(cfg: &Config, len: usize, salt: f32) -> KvCache {
+        let mut cache = KvCache::new(cfg, 128, &Device::Cpu, true).unwrap();
+        let n = cfg.n_kv_head * len * cfg.head_dim;
+        for li in 0..cfg.n_layer {
+            let k: Vec<f32> = (0..n).map(|i| salt + (li * 100_000 + i) as f32).collect();
+            let v: Vec<f32> = k.iter().map(|x| -x).collect();
+            cache.write_span(li, 0, len, &k, &v).unwrap();
+        }
+        cache.len = len;
+        cache
+    }
+
+    fn prompt(len: usize, first: u32) -> Vec<u32> {
+        (0..len as u32).map(|i| first + i).collect()
+    }
+
+    #[test]
+    fn lookup_finds_the_longest_cached_block_prefix_and_leaves_a_token_to_compute() {
+        let cfg = tiny();
+        let cache = PrefixCache::new(&cfg, 1 << 20);
+        let a = prompt(40, 1000);
+        let source = filled(&cfg, 40, 0.5);
+        assert_eq!(cache.lookup(&a).tokens(), 0);
+        cache.insert(&a, &source).unwrap();
+        assert_eq!(cache.bytes(), 2 * cache.block_bytes(), "two whole blocks");
+
+        let hit = cache.lookup(&a);
+        assert_eq!(hit.tokens(), 32);
+        // A prompt of exactly two blocks reuses one: its last token must still be computed.
+        assert_eq!(cache.lookup(&a[..32]).tokens(), 16);
+        assert_eq!(cache.lookup(&a[..33]).tokens(), 32);
+        let mut b = a.clone();
+        b[20] = 7;
+        assert_eq!(cache.lookup(&b).tokens(), 16, "differs in the second block");
+        b[3] = 7;
+        assert_eq!(cache.lookup(&b).tokens(), 0, "differs in the first block");
+        assert_eq!(cache.counts.lookups.load(Relaxed), 6);
+        assert_eq!(cache.counts.hits.load(Relaxed), 4);
+        assert_eq!(cache.counts.hit_tokens.load(Relaxed), 32 + 16 + 32 + 16);
+
+        // The hit restores exactly the source's keys and values.
+        let mut fresh = KvCache::new(&cfg, 128, &Device::Cpu, true).unwrap();
+        cache.restore(&hit, &mut fresh).unwrap();
+        assert_eq!(fresh.len, 32);
+        for li in 0..cfg.n_layer {
+            assert_eq!(
+                fresh.read_span(li, 0, 32).unwrap(),
+                source.read_span(li, 0, 32).unwrap()
+            );
+        }
+        // Into tensors too (the store of the formats that decode on candle's ops).
+        let mut tensors = KvCache::new(&cfg, 128, &Device::Cpu, false).unwrap();
+        cache.restore(&hit, &mut tensors).unwrap();
+        assert_eq!(
+            tensors.read_span(1, 0, 32).unwrap(),
+            source.read_span(1, 0, 32).unwrap()
+        );
+        // Only an empty cache takes a prefix.
+        assert!(cache.restore(&hit, &mut tensors).is_err());
+    }
+
+    #[test]
+    fn the_byte_budget_holds_by_evicting_least_recently_used_blocks() {
+        let cfg = tiny();
+        let probe = PrefixCache::new(&cfg, 0);
+        assert!(!probe.enabled());
+        probe
+            .insert(&prompt(40, 0), &filled(&cfg, 40, 0.0))
+            .unwrap();
+        assert_eq!(
+            (probe.bytes(), probe.lookup(&prompt(40, 0)).tokens()),
+            (0, 0)
+        );
+        assert_eq!(
+            probe.counts.lookups.load(Relaxed),
+            0,
+            "off: not even looked up"
+        );
+
+        let block = probe.block_bytes();
+        let cache = PrefixCache::new(&cfg, 3 * block);
+        let (a, b, c) = (prompt(33, 0), prompt(33, 5000), prompt(90, 9000));
+        cache.insert(&a, &filled(&cfg, 33, 0.0)).unwrap();
+        cache.insert(&b, &filled(&cfg, 33, 1.0)).unwrap();
+        // Four blocks for a budget of three: a's last block (the least recently used, and a
+        // leaf) went.
+        assert_eq!(cache.counts.evictions.load(Relaxed), 1);
+        assert_eq!(cache.bytes(), 3 * block);
+        assert_eq!(cache.lookup(&a).tokens(), 16);
+        assert_eq!(cache.lookup(&b).tokens(), 32);
+        // A prompt longer than the whole budget keeps its first three blocks.
+        cache.insert(&c, &filled(&cfg, 90, 2.0)).unwrap();
+        assert!(cache.bytes() <= 3 * block);
+        assert_eq!(cache.lookup(&c).tokens(), 48);
+        assert_eq!(
+            (cache.lookup(&a).tokens(), cache.lookup(&b).tokens()),
+            (0, 0)
+        );
+        assert_eq!(cache.counts.evictions.load(Relaxed), 4);
+        // Re-inserting what is cached changes nothing.
+        cache.insert(&c, &filled(&cfg, 90, 2.0)).unwrap();
+        assert_eq!(cache.counts.evictions.load(Relaxed), 4);
+    }
+
+    /// The default model with a prefix cache of its own.
+    fn cached(format: WeightFormat) -> Llama {
+        let tokenizer = model().expect("model").tokenizer().clone();
+        let path = test_model_path();
+        Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)
+            .expect("load")
+            .with_prefix_cache(64)
+    }
+
+    /// Greedy tokens and the cached-token count of one generation.
+    fn greedy(model: &Llama, prompt: &[u32], n: usize) -> (Vec<u32>, usize) {
+        let (out, _) = run(model, request(prompt, n, Sampling::default()));
+        (out.tokens, out.cached_tokens)
+    }
+
+    fn blocks_of(n: usize) -> usize {
+        n / BLOCK_TOKENS * BLOCK_TOKENS
+    }
+
+    /// The same greedy tokens with and without a hit, on the CPU default (keys and values in
+    /// host buffers, decoded by the CPU decoder): a repeated ~600-token prompt (two prefill
+    /// chunks cold, one after the hit), a new question under the same system turn, and the
+    /// next turn of a chat, each against a model without a prefix cache.
+    #[test]
+    fn greedy_tokens_are_the_same_with_and_without_a_prefix_hit() {
+        let Some(plain) = model() else { return };
+        let ours = cached(WeightFormat::default());
+        let n = 24;
+
+        let long = long_prompt(plain);
+        let (expected, _) = greedy(plain, &long, n);
+        assert_eq!(greedy(&ours, &long, n), (expected.clone(), 0), "cold");
+        assert_eq!(
+            greedy(&ours, &long, n),
+            (expected, blocks_of(long.len() - 1)),
+            "repeated"
+        );
+
+        let mut messages = rag_messages();
+        let first = ours.chat_prompt(&messages).unwrap();
+        messages[1].content = "Passage 1: Quenta is the capital of Zorbia.\n\nQuestion: \
+                               What is the capital of Zorbia?"
+            .into();
+        let second = ours.chat_prompt(&messages).unwrap();
+        let (answer, _) = greedy(&ours, &first, n);
+        let shared = first
+            .iter()
+            .zip(&second)
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert!(
+            shared >= BLOCK_TOKENS,
+            "the system turn is a block: {shared}"
+        );
+        let (tokens, hit) = greedy(&ours, &second, n);
+        assert_eq!(hit, blocks_of(shared), "the system head");
+        assert_eq!(tokens, greedy(plain, &second, n).0);
+
+        // The next turn: the first turn's prompt and answer are the history.
+        let mut turns = rag_messages();
+        turns.push(ChatMessage::new(
+            "assistant",
+            plain.tokenizer().decode(&answer, true).unwrap(),
+        ));
+        turns.push(ChatMessage::new("user", "Was it seen from space?"));
+        let next = ours.chat_prompt(&turns).unwrap();
+        let shared = first.iter().zip(&next).take_while(|(a, b)| a == b).count();
+        let (tokens, hit) = greedy(&ours, &next, n);
+        assert_eq!(hit, blocks_of(shared.min(first.len())));
+        assert!(hit + BLOCK_TOKENS > first.len(), "{hit} of {}", first.len());
+        assert_eq!(tokens, greedy(plain, &next, n).0);
+    }
+
+    /// The same on the formats whose keys and values are candle tensors (decode on candle's
+    /// ops): a hit's last-position logits agree with a cold prefill's, and the greedy tokens
+    /// are the same.
+    #[test]
+    fn a_hit_gives_the_cold_logits_on_the_tensor_cache_too() {
+        let Some(plain) = model() else { return };
+        let ours = cached(WeightFormat::F32PrefillQ8Decode);
+        let prompt = zorbia_prompt(plain);
+        let net = &ours.transformer;
+        let (cold_tokens, none) = greedy(&ours, &prompt, 16);
+        let (warm_tokens, hit) = greedy(&ours, &prompt, 16);
+        assert_eq!((none, hit), (0, blocks_of(prompt.len() - 1)));
+        assert_eq!(cold_tokens, warm_tokens);
+
+        let fresh = || KvCache::new(&net.cfg, prompt.len(), &net.device, false).unwrap();
+        let cold = net.prefill(&prompt, &mut fresh(), &ours.schedule).unwrap();
+        let (warm, hit) = ours.prefill(&prompt, &mut fresh()).unwrap();
+        assert_eq!(hit, blocks_of(prompt.len() - 1));
+        let diff = max_abs_diff(&cold, &warm);
+        eprintln!("|Δlogit| cold vs hit: {diff}");
+        assert!(diff < 1e-3, "{diff}");
+    }
+}
