@@ -266,7 +266,10 @@ impl CpuDecoder {
 
     /// Attention of each sequence's query heads (in `sc.qkv`) over its cache up to and
     /// including its position, into `sc.y`. Work items are (sequence, position range): long
-    /// contexts of a small batch are split over the threads, as flash-decoding does.
+    /// contexts are split into fixed chunks spread over the threads, as flash-decoding does.
+    /// The chunks depend on the context length alone, never on the batch or the thread count,
+    /// so a sequence's logits are bit-identical whatever it is batched with: greedy tokens do
+    /// not change when another request joins the step.
     fn attend(&self, seqs: &[SeqStep<'_>], layer: usize, sc: &mut Scratch) {
         let Dims {
             n_head: nh,
@@ -274,19 +277,16 @@ impl CpuDecoder {
             head_dim: hd,
             ..
         } = self.dims;
-        let threads = candle_core::utils::get_num_threads().max(1);
-        let b = seqs.len();
         let qkv_width = (nh + 2 * nkv) * hd;
         let items = &mut sc.items;
         items.clear();
         for (i, s) in seqs.iter().enumerate() {
             let len = s.pos + 1;
-            let ranges = if b < threads && len >= PARALLEL_ATTENTION_MIN_LEN {
-                threads
+            let chunk = if len >= PARALLEL_ATTENTION_MIN_LEN {
+                ATTENTION_CHUNK
             } else {
-                1
+                len
             };
-            let chunk = len.div_ceil(ranges);
             for start in (0..len).step_by(chunk) {
                 items.push((i, start..len.min(start + chunk)));
             }
@@ -332,6 +332,9 @@ impl CpuDecoder {
 
 /// Below this many positions one thread is faster than waking the others.
 pub(super) const PARALLEL_ATTENTION_MIN_LEN: usize = 128;
+/// Positions per attention work item from [`PARALLEL_ATTENTION_MIN_LEN`] on: small enough to
+/// balance one long context over the threads, large enough that merging the items is cheap.
+const ATTENTION_CHUNK: usize = 64;
 
 /// Softmax-weighted values of one position range, not yet normalised.
 #[derive(Default)]
