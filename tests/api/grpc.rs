@@ -391,6 +391,8 @@ async fn health_reports_serving_only_once_the_pipeline_is_ready() {
         readiness: Arc::new(ragscope::api::Readiness::default()),
         request_timeout: Duration::from_secs(30),
         faults: Arc::default(),
+        auth: Arc::default(),
+        shutdown_grace: Duration::from_secs(30),
     };
     let app = crate::helpers::serve_state(state.clone(), 1 << 20, None).await;
     for service in ["", "ragscope.v1.Rag"] {

@@ -158,6 +158,8 @@ async fn serve(
 ) -> TestApp {
     let mut state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
     state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
+    state.auth = Arc::new(ragscope::api::auth::ApiKeys::from_args(&args.auth).expect("key flags"));
+    state.shutdown_grace = args.server.shutdown_grace();
     serve_state(state, args.server.max_body_bytes, tmp).await
 }
 
