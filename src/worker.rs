@@ -112,8 +112,18 @@ struct Ledger {
 const EWMA_WEIGHT: f64 = 0.2;
 
 impl Ledger {
+    /// The expected service time of a `kind` job, seconds. Before one has finished (a cold
+    /// start) the longest-running job of that kind bounds it from below, so a burst at start-up
+    /// is not admitted as if jobs took no time.
     fn service_of(&self, kind: JobKind) -> f64 {
-        self.service[kind.index()].unwrap_or(0.0)
+        self.service[kind.index()].unwrap_or_else(|| {
+            let now = Instant::now();
+            self.running
+                .iter()
+                .filter(|&&(_, k, _)| k == kind)
+                .map(|&(_, _, started)| now.saturating_duration_since(started).as_secs_f64())
+                .fold(0.0, f64::max)
+        })
     }
 
     fn record(&mut self, kind: JobKind, took: Duration) {
@@ -526,6 +536,25 @@ mod tests {
         assert_eq!(first_free, 0.0);
         l.record(JobKind::Query, Duration::from_secs(2));
         assert!((l.service_of(JobKind::Query) - 1.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn before_any_measurement_a_running_job_bounds_the_service_time_from_below() {
+        let now = Instant::now();
+        let started = now - Duration::from_secs(3);
+        let mut l = Ledger {
+            service: [None; JobKind::COUNT],
+            queued: VecDeque::from([(1, JobKind::Query)]),
+            running: vec![(0, JobKind::Query, started)],
+            next_id: 2,
+        };
+        assert!(l.service_of(JobKind::Query) >= 3.0);
+        assert_eq!(l.service_of(JobKind::Embed), 0.0);
+        // One worker: the running job's remaining time is unknown (0), the queued one ~3 s.
+        let (wait, _) = l.predicted_wait(1, now);
+        assert!(wait >= 3.0, "{wait}");
+        l.record(JobKind::Query, Duration::from_secs(1));
+        assert_eq!(l.service_of(JobKind::Query), 1.0);
     }
 
     #[tokio::test]
