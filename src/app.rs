@@ -7,7 +7,7 @@ use std::future::Future;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tokio::net::TcpListener;
@@ -160,7 +160,8 @@ pub fn load_pipeline(
         store: store_handle,
         reranker,
         generator,
-        workers: Workers::new(server.workers, server.queue_capacity),
+        workers: Workers::new(server.workers, server.queue_capacity)
+            .with_max_wait(server.max_queue_wait()),
         defaults: pipeline.clone(),
         chunker: chunker(store),
         query_cache: crate::embed::cache::QueryCache::new(pipeline.query_cache),
@@ -263,8 +264,11 @@ impl Listeners {
     }
 }
 
-/// Serves `state` over HTTP and gRPC until `shutdown` resolves; then both stop taking new
-/// requests and drain the ones in flight (streams included).
+/// Serves `state` over HTTP and gRPC until `shutdown` resolves, then drains: new requests get
+/// 503 (`/ready` and the gRPC health service say not ready) while the ones in flight, streams
+/// included, finish, for up to `state.shutdown_grace`; then both servers stop. Whatever is
+/// still running after the grace is cut off unanswered, so nothing is acknowledged that was not
+/// done (an ingest answers only once its documents are durable).
 pub async fn run(
     listeners: Listeners,
     state: AppState,
@@ -273,19 +277,54 @@ pub async fn run(
 ) -> std::io::Result<()> {
     use futures::FutureExt;
     use std::future::IntoFuture;
-    let shutdown = shutdown.boxed().shared();
+    let (readiness, grace) = (state.readiness.clone(), state.shutdown_grace);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stop = async move {
+        let mut rx = stop_rx;
+        let _ = rx.wait_for(|stopped| *stopped).await;
+    }
+    .boxed()
+    .shared();
+    let drain = async move {
+        shutdown.await;
+        readiness.start_draining();
+        tracing::info!(
+            in_flight = readiness.in_flight(),
+            grace_s = grace.as_secs_f64(),
+            "shutting down: refusing new requests, draining the ones in flight"
+        );
+        let drained = tokio::time::timeout(grace, readiness.idle()).await.is_ok();
+        if !drained {
+            tracing::warn!(
+                in_flight = readiness.in_flight(),
+                "shutdown grace period over with requests still in flight; stopping anyway"
+            );
+        }
+        let _ = stop_tx.send(true);
+        drained
+    };
     let http = axum::serve(listeners.http, api::router(state.clone(), max_body_bytes))
-        .with_graceful_shutdown(shutdown.clone())
+        .with_graceful_shutdown(stop.clone())
         .into_future();
     let grpc = async move {
         match listeners.grpc {
-            Some(listener) => api::grpc::serve(listener, state, max_body_bytes, shutdown)
+            Some(listener) => api::grpc::serve(listener, state, max_body_bytes, stop)
                 .await
                 .map_err(std::io::Error::other),
             None => Ok(()),
         }
     };
-    tokio::try_join!(http, grpc).map(|_| ())
+    let serving = async { tokio::try_join!(http, grpc).map(|_| ()) };
+    tokio::pin!(serving);
+    tokio::select! {
+        result = &mut serving => result,
+        drained = drain => {
+            // Drained, the connections left are idle and close at once (a moment for the last
+            // bytes to leave); past the grace, the stragglers are cut.
+            let linger = if drained { Duration::from_secs(2) } else { Duration::from_millis(100) };
+            tokio::time::timeout(linger, serving).await.unwrap_or(Ok(()))
+        }
+    }
 }
 
 /// State for a server whose pipeline is already loaded (tests, benchmarks).
@@ -296,6 +335,8 @@ pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> 
         request_timeout,
         faults: Arc::default(),
         ui: Arc::default(),
+        auth: Arc::default(),
+        shutdown_grace: Duration::from_secs(30),
     };
     let _ = state.pipeline.set(Arc::new(pipeline));
     state.readiness.set_ready();
@@ -307,17 +348,21 @@ pub async fn serve(
     args: ServeArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    let auth = Arc::new(api::auth::ApiKeys::from_args(&args.auth)?);
     let listeners = Listeners::bind(&args.server).await?;
     tracing::info!("listening on http://{}", listeners.http.local_addr()?);
     if let Some(grpc) = &listeners.grpc {
         tracing::info!("gRPC API on {}", grpc.local_addr()?);
     }
+    warn_if_open(&listeners, &auth)?;
     let state = AppState {
         pipeline: Arc::new(OnceLock::new()),
         readiness: Arc::new(Readiness::default()),
         request_timeout: args.server.request_timeout,
         faults: Arc::new(crate::fault::Faults::from_args(&args.faults)?),
         ui: Arc::new(crate::api::page::UiLinks::from_args(&args.ui)),
+        auth,
+        shutdown_grace: args.server.shutdown_grace(),
     };
     let loading = state.clone();
     let max_body_bytes = args.server.max_body_bytes;
@@ -344,7 +389,33 @@ pub async fn serve(
             }
         }
     });
+    let loaded = state.pipeline.clone();
     run(listeners, state, max_body_bytes, shutdown).await?;
+    // The process exits next: a job still on a model worker after the grace period is abandoned
+    // unanswered, not joined (dropping the workers would wait for it).
+    if let Some(pipeline) = loaded.get() {
+        std::mem::forget(pipeline.clone());
+    }
+    Ok(())
+}
+
+/// Without API keys the server trusts whoever reaches it: fine on loopback, loud elsewhere.
+fn warn_if_open(listeners: &Listeners, auth: &api::auth::ApiKeys) -> std::io::Result<()> {
+    if auth.is_on() {
+        tracing::info!("API keys required (Authorization: Bearer)");
+        return Ok(());
+    }
+    let mut exposed = vec![listeners.http.local_addr()?];
+    if let Some(grpc) = &listeners.grpc {
+        exposed.push(grpc.local_addr()?);
+    }
+    for addr in exposed.iter().filter(|a| !a.ip().is_loopback()) {
+        tracing::warn!(
+            "!!! {addr} is not a loopback address and no API key is set: anyone who can reach it \
+             can query, ingest, delete every document and read recent traces. Set --api-key / \
+             RAGSCOPE_API_KEYS (see README, Security) !!!"
+        );
+    }
     Ok(())
 }
 
@@ -368,5 +439,4 @@ pub async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-    tracing::info!("shutting down: draining in-flight requests");
 }

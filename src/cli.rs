@@ -86,9 +86,11 @@ pub async fn query(args: QueryArgs) -> Result<()> {
         "stream": !args.json,
     });
     let url = format!("{}/v1/rag/query", args.url.trim_end_matches('/'));
-    let response = client
-        .post(&url)
-        .json(&body)
+    let mut request = client.post(&url).json(&body);
+    if let Some(key) = &args.api_key {
+        request = request.bearer_auth(key);
+    }
+    let response = request
         .send()
         .await
         .with_context(|| format!("POST {url}"))?;

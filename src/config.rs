@@ -240,6 +240,58 @@ pub struct ServerArgs {
     /// Corpus ingested on first start: git-doc (Debian's Git manuals) or none.
     #[arg(long, env = "RAGSCOPE_CORPUS", default_value = "git-doc")]
     pub corpus: String,
+    /// Longest a request may be expected to wait for a model worker (milliseconds, predicted
+    /// from measured service times); a request that would wait longer is refused with 429 and
+    /// Retry-After before any work. 0: only the queue capacity and the request timeout bound it.
+    #[arg(long, env = "RAGSCOPE_MAX_QUEUE_WAIT_MS", default_value_t = 10_000)]
+    pub max_queue_wait_ms: u64,
+    /// On SIGTERM or Ctrl-C: seconds to let requests in flight (streams included) finish while
+    /// new ones get 503, before the server exits anyway.
+    #[arg(long, env = "RAGSCOPE_SHUTDOWN_GRACE_S", default_value_t = 30)]
+    pub shutdown_grace_s: u64,
+}
+
+impl ServerArgs {
+    pub fn max_queue_wait(&self) -> Duration {
+        Duration::from_millis(self.max_queue_wait_ms)
+    }
+
+    pub fn shutdown_grace(&self) -> Duration {
+        Duration::from_secs(self.shutdown_grace_s)
+    }
+}
+
+/// API keys (see `api::auth`): off unless at least one is given. Each key is `SECRET` (user
+/// scope: queries, chat, embeddings, rerank) or `admin:SECRET` (also document writes and
+/// deletes, `/admin/*`, `/debug/*`).
+#[derive(Clone, Default, Args)]
+pub struct AuthArgs {
+    /// An API key clients send as `Authorization: Bearer <key>`; `admin:KEY` gives it the admin
+    /// scope. Repeatable; the variable takes a comma-separated list.
+    #[arg(
+        long = "api-key",
+        env = "RAGSCOPE_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub api_keys: Vec<String>,
+    /// A file of API keys, one per line in the same syntax (`#` comments and blank lines
+    /// skipped).
+    #[arg(long, env = "RAGSCOPE_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+}
+
+/// Keys are secrets: a debug print shows how many there are, never what they are.
+impl std::fmt::Debug for AuthArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthArgs")
+            .field(
+                "api_keys",
+                &format_args!("[{} redacted]", self.api_keys.len()),
+            )
+            .field("api_key_file", &self.api_key_file)
+            .finish()
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -256,6 +308,8 @@ pub struct ServeArgs {
     pub faults: FaultArgs,
     #[command(flatten)]
     pub ui: UiArgs,
+    #[command(flatten)]
+    pub auth: AuthArgs,
 }
 
 /// Links out of the waterfall page (`GET /`) to the same trace and profile in other tools.
@@ -311,6 +365,9 @@ pub struct QueryArgs {
     /// Server to ask.
     #[arg(long, env = "RAGSCOPE_URL", default_value = "http://127.0.0.1:8080")]
     pub url: String,
+    /// API key sent as `Authorization: Bearer <key>` (when the server has keys).
+    #[arg(long, env = "RAGSCOPE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
     #[arg(long)]
     pub top_k: Option<usize>,
     #[arg(long)]
@@ -780,6 +837,27 @@ mod tests {
         assert!(interval("0").is_err());
         assert!(!parse_switch("").unwrap());
         assert!(!parse_switch("0").unwrap());
+    }
+
+    #[test]
+    fn api_keys_repeat_split_on_commas_and_stay_out_of_debug_output() {
+        let argv = [
+            "ragscope",
+            "serve",
+            "--api-key",
+            "k1,admin:zq9-secret",
+            "--api-key",
+            "k3",
+        ];
+        let Command::Serve(serve) = Cli::try_parse_from(argv).unwrap().command else {
+            unreachable!()
+        };
+        assert_eq!(serve.auth.api_keys, ["k1", "admin:zq9-secret", "k3"]);
+        let printed = format!("{serve:?}");
+        assert!(
+            !printed.contains("zq9-secret") && printed.contains("3 redacted"),
+            "{printed}"
+        );
     }
 
     #[test]

@@ -8,10 +8,13 @@ use ragscope::{app, cli, device, telemetry};
 fn main() -> Result<()> {
     // Before any thread exists, so every thread allocates from the one tuned heap.
     device::keep_freed_memory();
-    tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?
-        .block_on(run())
+        .build()?;
+    let result = runtime.block_on(run());
+    // A blocking task still running (a corpus ingest cut short by shutdown) must not hold the exit.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
 }
 
 async fn run() -> Result<()> {

@@ -1,33 +1,201 @@
-//! Model-worker threads fed by one bounded queue.
+//! Model-worker threads fed by one bounded queue, with admission by time.
 //!
 //! Model compute never runs on the async runtime's threads: a job is queued here and run by a
-//! dedicated thread. The queue has a fixed capacity; a full queue is refused at once (the API
-//! answers 429 with Retry-After) rather than letting latency grow without bound. Each job's wait
-//! is recorded as a `queue` stage under the span that submitted it.
-//! How a running model then shares the cores between requests is `generate::schedule`'s policy.
+//! dedicated thread. Before a job is queued, its wait is predicted from measured service times
+//! (an EWMA per [`JobKind`]) and the jobs ahead of it; a job whose predicted wait is above the
+//! configured maximum, or that could not finish before its deadline, is refused at once (the
+//! API answers 429 with a `Retry-After` from the same prediction), as is any job beyond the
+//! queue's capacity. So an admitted request waits about as long as the limit at most, and a
+//! refused one costs nothing: no embedding or tokenisation has run. Each job's wait is a
+//! `queue` stage under the span that submitted it. How a running model then shares the cores
+//! between requests is `generate::schedule`'s policy.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 
+use crate::telemetry::clock::{self, millis};
 use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, metric, StageKind};
 use crate::telemetry::span::Stage;
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// The queue was full; retry later.
+/// What a job does, for the service-time estimate it is admitted by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QueueFull;
+pub enum JobKind {
+    /// A whole RAG request (embed → … → generate).
+    Query,
+    Embed,
+    Rerank,
+    Ingest,
+}
+
+impl JobKind {
+    const COUNT: usize = 4;
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Why a job was not admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The queue holds `--queue-capacity` jobs already.
+    QueueFull,
+    /// The predicted wait is above `--max-queue-wait-ms`.
+    MaxWait,
+    /// The predicted wait plus the job's own service time would pass its deadline.
+    Deadline,
+}
+
+impl Refusal {
+    /// The `reason` label of the rejection counter and the error's `code`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::QueueFull => "queue_full",
+            Refusal::MaxWait => "queue_wait",
+            Refusal::Deadline => "deadline",
+        }
+    }
+}
+
+/// A job refused at admission, with what the client should be told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refused {
+    pub reason: Refusal,
+    /// The wait predicted for the job.
+    pub wait: Duration,
+    /// What the job was allowed to wait.
+    pub allowed: Duration,
+    /// When the queue is expected to have room for it (whole seconds, at least 1).
+    pub retry_after_s: u64,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (wait, allowed) = (millis(self.wait), millis(self.allowed));
+        match self.reason {
+            Refusal::QueueFull => write!(f, "the server is at capacity: the model queue is full"),
+            Refusal::MaxWait => write!(
+                f,
+                "the server is at capacity: the expected wait for a model worker ({wait:.0} ms) is above this server's limit ({allowed:.0} ms)"
+            ),
+            Refusal::Deadline => write!(
+                f,
+                "the server is at capacity: the expected wait for a model worker ({wait:.0} ms) and the usual service time would pass this request's deadline"
+            ),
+        }?;
+        write!(f, "; retry after {} s", self.retry_after_s)
+    }
+}
+
+/// What the admission decision knows: measured service times and the jobs ahead.
+struct Ledger {
+    /// EWMA of measured service times, seconds, per [`JobKind`]; `None` until one was measured.
+    service: [Option<f64>; JobKind::COUNT],
+    /// Queued jobs in arrival order.
+    queued: VecDeque<(u64, JobKind)>,
+    /// Jobs running now, with their start.
+    running: Vec<(u64, JobKind, Instant)>,
+    next_id: u64,
+}
+
+/// Weight of the newest measurement in the service-time EWMA: about the last ten jobs count.
+const EWMA_WEIGHT: f64 = 0.2;
+
+impl Ledger {
+    /// The expected service time of a `kind` job, seconds. Before one has finished (a cold
+    /// start) the longest-running job of that kind bounds it from below, so a burst at start-up
+    /// is not admitted as if jobs took no time.
+    fn service_of(&self, kind: JobKind) -> f64 {
+        self.service[kind.index()].unwrap_or_else(|| {
+            let now = Instant::now();
+            self.running
+                .iter()
+                .filter(|&&(_, k, _)| k == kind)
+                .map(|&(_, _, started)| now.saturating_duration_since(started).as_secs_f64())
+                .fold(0.0, f64::max)
+        })
+    }
+
+    fn record(&mut self, kind: JobKind, took: Duration) {
+        let x = took.as_secs_f64();
+        let slot = &mut self.service[kind.index()];
+        *slot = Some(slot.map_or(x, |m| m + EWMA_WEIGHT * (x - m)));
+    }
+
+    /// When a job submitted now would start, in seconds from now: the running jobs' expected
+    /// remaining times and the queued jobs' service times handed to `workers` in FIFO order
+    /// (list scheduling), then the earliest worker free after them. Also returns when the
+    /// first worker frees up (what a full queue waits for).
+    fn predicted_wait(&self, workers: usize, now: Instant) -> (f64, f64) {
+        let mut free: Vec<f64> = self
+            .running
+            .iter()
+            .map(|&(_, kind, started)| {
+                let elapsed = now.saturating_duration_since(started).as_secs_f64();
+                (self.service_of(kind) - elapsed).max(0.0)
+            })
+            .collect();
+        free.resize(workers.max(free.len()), 0.0);
+        let earliest = |free: &[f64]| {
+            free.iter()
+                .enumerate()
+                .min_by(|a, b| a.1.total_cmp(b.1))
+                .map_or((0, 0.0), |(i, &t)| (i, t))
+        };
+        let first_free = earliest(&free).1;
+        for &(_, kind) in &self.queued {
+            let (i, t) = earliest(&free);
+            free[i] = t + self.service_of(kind);
+        }
+        (earliest(&free).1, first_free)
+    }
+
+    fn remove_queued(&mut self, id: u64) -> Option<JobKind> {
+        let at = self.queued.iter().position(|&(i, _)| i == id)?;
+        self.queued.remove(at).map(|(_, kind)| kind)
+    }
+}
+
+/// How long a job may wait and until when it must be done.
+#[derive(Debug, Clone, Copy)]
+pub struct Admission {
+    pub kind: JobKind,
+    /// The request's deadline, when it has one.
+    pub deadline: Option<Instant>,
+}
+
+impl Admission {
+    pub fn new(kind: JobKind) -> Admission {
+        Admission {
+            kind,
+            deadline: None,
+        }
+    }
+
+    pub fn by(mut self, deadline: Instant) -> Admission {
+        self.deadline = Some(deadline);
+        self
+    }
+}
 
 pub struct Workers {
     tx: Mutex<Option<SyncSender<Job>>>,
     depth: Arc<AtomicUsize>,
     capacity: usize,
+    workers: usize,
+    /// `--max-queue-wait-ms`; `None`: only the capacity and deadlines bound the wait.
+    max_wait: Option<Duration>,
+    ledger: Arc<Mutex<Ledger>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -45,19 +213,46 @@ impl Workers {
             })
             .collect();
         let depth = Arc::new(AtomicUsize::new(0));
+        let ledger = Arc::new(Mutex::new(Ledger {
+            service: [None; JobKind::COUNT],
+            queued: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+        }));
         let observed = depth.clone();
-        let _gauge = opentelemetry::global::meter(crate::telemetry::span::SCOPE)
+        let meter = opentelemetry::global::meter(crate::telemetry::span::SCOPE);
+        let _gauge = meter
             .u64_observable_gauge(metric::QUEUE_DEPTH)
             .with_unit("{request}")
             .with_description("Requests waiting for a model worker")
             .with_callback(move |o| o.observe(observed.load(Ordering::Relaxed) as u64, &[]))
             .build();
+        let (observed, workers) = (ledger.clone(), threads.max(1));
+        let _gauge = meter
+            .f64_observable_gauge(metric::QUEUE_EXPECTED_WAIT)
+            .with_unit("s")
+            .with_description("Predicted wait for a model worker of a request arriving now")
+            .with_callback(move |o| {
+                if let Ok(l) = observed.lock() {
+                    o.observe(l.predicted_wait(workers, Instant::now()).0, &[]);
+                }
+            })
+            .build();
         Workers {
             tx: Mutex::new(Some(tx)),
             depth,
             capacity,
+            workers,
+            max_wait: None,
+            ledger,
             threads: Mutex::new(handles),
         }
+    }
+
+    /// Refuses jobs whose predicted wait is above `max_wait` (zero: no limit but the capacity).
+    pub fn with_max_wait(mut self, max_wait: Duration) -> Workers {
+        self.max_wait = Some(max_wait).filter(|d| !d.is_zero());
+        self
     }
 
     /// Jobs waiting for a worker right now.
@@ -69,25 +264,61 @@ impl Workers {
         self.capacity
     }
 
-    /// Queues `work`; the receiver yields its result. A `queue` child of `parent` spans the
-    /// wait. If the receiver is dropped before a worker picks the job up, the job is skipped.
-    pub fn submit<T, F>(&self, parent: &Stage, work: F) -> Result<oneshot::Receiver<T>, QueueFull>
+    /// The predicted wait of a job submitted now, and the measured service time per kind
+    /// (`/ready` shows them).
+    pub fn outlook(&self) -> serde_json::Value {
+        let l = self.ledger.lock().expect("worker ledger lock");
+        let service = |k: JobKind| l.service[k.index()].map(|s| (s * 1e3).round());
+        serde_json::json!({
+            "expected_wait_ms": (l.predicted_wait(self.workers, Instant::now()).0 * 1e3).round(),
+            "max_wait_ms": self.max_wait.map(|d| d.as_millis() as u64),
+            "service_ms": {
+                "query": service(JobKind::Query),
+                "embed": service(JobKind::Embed),
+                "rerank": service(JobKind::Rerank),
+                "ingest": service(JobKind::Ingest),
+            },
+        })
+    }
+
+    /// Queues `work` if `admission` allows; the receiver yields its result. A `queue` child of
+    /// `parent` spans the wait. If the receiver is dropped before a worker picks the job up, the
+    /// job is skipped.
+    pub fn submit<T, F>(
+        &self,
+        admission: Admission,
+        parent: &Stage,
+        work: F,
+    ) -> Result<oneshot::Receiver<T>, Refused>
     where
         T: Send + 'static,
         F: FnOnce() -> T + Send + 'static,
     {
+        let kind = admission.kind;
+        let (id, expected) = self.admit(admission).inspect_err(|r| {
+            metrics()
+                .admission_rejected
+                .add(1, &[KeyValue::new(attr::REASON, r.reason.as_str())]);
+        })?;
         let (done_tx, done_rx) = oneshot::channel();
         let queue = parent.child(StageKind::Queue.span_prefix());
         let waiting = self.depth.fetch_add(1, Ordering::Relaxed);
-        queue.set(KeyValue::new(attr::QUEUE_DEPTH_AT_ENTRY, waiting as i64));
+        queue.set_all([
+            KeyValue::new(attr::QUEUE_DEPTH_AT_ENTRY, waiting as i64),
+            KeyValue::new(attr::QUEUE_EXPECTED_WAIT_MS, millis(expected)),
+        ]);
         let depth = self.depth.clone();
+        let ledger = self.ledger.clone();
         let job: Job = Box::new(move || {
             depth.fetch_sub(1, Ordering::Relaxed);
             metrics().stage(StageKind::Queue, queue.end());
+            let mut running = Running::start(ledger, id, kind);
             if done_tx.is_closed() {
+                // A skipped job measures nothing about the service time.
                 return;
             }
             let _ = done_tx.send(work());
+            running.measured = true;
         });
         let sent = match self.tx.lock().expect("worker queue lock").as_ref() {
             Some(tx) => tx.try_send(job),
@@ -97,11 +328,60 @@ impl Workers {
             Ok(()) => Ok(done_rx),
             Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
                 self.depth.fetch_sub(1, Ordering::Relaxed);
-                // The queue span of a refused job ends at once and says why.
+                let mut l = self.ledger.lock().expect("worker ledger lock");
+                l.remove_queued(id);
+                let retry_after_s = retry_after(l.predicted_wait(self.workers, Instant::now()).1);
+                drop(l);
+                // The queue span of a refused job ends at once.
                 drop(job);
-                Err(QueueFull)
+                let refused = Refused {
+                    reason: Refusal::QueueFull,
+                    wait: Duration::ZERO,
+                    allowed: Duration::ZERO,
+                    retry_after_s,
+                };
+                metrics()
+                    .admission_rejected
+                    .add(1, &[KeyValue::new(attr::REASON, refused.reason.as_str())]);
+                Err(refused)
             }
         }
+    }
+
+    /// Decides on a job arriving now and, when it is admitted, enters it in the ledger; returns
+    /// its ledger id and predicted wait.
+    fn admit(&self, admission: Admission) -> Result<(u64, Duration), Refused> {
+        let now = clock::now();
+        let mut l = self.ledger.lock().expect("worker ledger lock");
+        let (wait, first_free) = l.predicted_wait(self.workers, now);
+        let own = l.service_of(admission.kind);
+        let refuse = |reason, allowed: f64| Refused {
+            reason,
+            wait: Duration::from_secs_f64(wait),
+            allowed: Duration::from_secs_f64(allowed.max(0.0)),
+            retry_after_s: retry_after(wait - allowed.max(0.0)),
+        };
+        if self.depth() >= self.capacity.max(1) {
+            return Err(Refused {
+                retry_after_s: retry_after(first_free),
+                ..refuse(Refusal::QueueFull, 0.0)
+            });
+        }
+        if let Some(max) = self.max_wait {
+            if wait > max.as_secs_f64() {
+                return Err(refuse(Refusal::MaxWait, max.as_secs_f64()));
+            }
+        }
+        if let Some(deadline) = admission.deadline {
+            let left = deadline.saturating_duration_since(now).as_secs_f64();
+            if wait + own > left {
+                return Err(refuse(Refusal::Deadline, left - own));
+            }
+        }
+        let id = l.next_id;
+        l.next_id += 1;
+        l.queued.push_back((id, admission.kind));
+        Ok((id, Duration::from_secs_f64(wait)))
     }
 
     /// Stops taking jobs and waits for the queued ones to finish.
@@ -111,6 +391,49 @@ impl Workers {
             let _ = handle.join();
         }
     }
+}
+
+/// A job on a worker, in the ledger's running list until dropped (a panicking job too); its
+/// duration feeds the service-time estimate once it has finished normally.
+struct Running {
+    ledger: Arc<Mutex<Ledger>>,
+    id: u64,
+    kind: JobKind,
+    started: Instant,
+    measured: bool,
+}
+
+impl Running {
+    fn start(ledger: Arc<Mutex<Ledger>>, id: u64, kind: JobKind) -> Running {
+        let started = Instant::now();
+        if let Ok(mut l) = ledger.lock() {
+            l.remove_queued(id);
+            l.running.push((id, kind, started));
+        }
+        Running {
+            ledger,
+            id,
+            kind,
+            started,
+            measured: false,
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.ledger.lock() {
+            l.running.retain(|&(i, ..)| i != self.id);
+            if self.measured {
+                l.record(self.kind, self.started.elapsed());
+            }
+        }
+    }
+}
+
+/// Whole seconds until `wait` has passed, at least 1 (what `Retry-After` says).
+fn retry_after(wait: f64) -> u64 {
+    (wait.max(0.0).ceil() as u64).clamp(1, 3600)
 }
 
 impl Drop for Workers {
@@ -144,12 +467,18 @@ mod tests {
         Stage::root("t")
     }
 
+    fn any() -> Admission {
+        Admission::new(JobKind::Embed)
+    }
+
     #[tokio::test]
     async fn runs_jobs_off_the_caller_thread() {
         let w = Workers::new(1, 4);
         let caller = std::thread::current().id();
         let rx = w
-            .submit(&root(), move || std::thread::current().id() != caller)
+            .submit(any(), &root(), move || {
+                std::thread::current().id() != caller
+            })
             .unwrap();
         assert!(rx.await.unwrap());
     }
@@ -159,25 +488,117 @@ mod tests {
         let w = Workers::new(1, 1);
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let busy = w
-            .submit(&root(), move || release_rx.recv().unwrap())
+            .submit(any(), &root(), move || release_rx.recv().unwrap())
             .unwrap();
         // Wait until the worker has taken the blocking job off the queue.
         while w.depth() > 0 {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let queued = w.submit(&root(), || 1).unwrap();
-        assert_eq!(w.submit(&root(), || 2).unwrap_err(), QueueFull);
+        let queued = w.submit(any(), &root(), || 1).unwrap();
+        assert_eq!(
+            w.submit(any(), &root(), || 2).unwrap_err().reason,
+            Refusal::QueueFull
+        );
         release_tx.send(()).unwrap();
         busy.await.unwrap();
         assert_eq!(queued.await.unwrap(), 1);
-        assert_eq!(w.submit(&root(), || 3).unwrap().await.unwrap(), 3);
+        assert_eq!(w.submit(any(), &root(), || 3).unwrap().await.unwrap(), 3);
     }
 
     #[tokio::test]
     async fn a_panicking_job_leaves_the_worker_alive() {
         let w = Workers::new(1, 2);
-        let rx = w.submit(&root(), || -> u8 { panic!("boom") }).unwrap();
+        let rx = w
+            .submit(any(), &root(), || -> u8 { panic!("boom") })
+            .unwrap();
         assert!(rx.await.is_err());
-        assert_eq!(w.submit(&root(), || 7).unwrap().await.unwrap(), 7);
+        assert_eq!(w.submit(any(), &root(), || 7).unwrap().await.unwrap(), 7);
+    }
+
+    #[test]
+    fn the_predicted_wait_hands_the_queue_to_the_first_free_worker() {
+        let now = Instant::now();
+        let mut l = Ledger {
+            service: [None; JobKind::COUNT],
+            queued: VecDeque::new(),
+            running: vec![(0, JobKind::Query, now)],
+            next_id: 1,
+        };
+        l.record(JobKind::Query, Duration::from_secs(1));
+        // One worker busy for 1 s more, one idle: a job now starts at once.
+        assert_eq!(l.predicted_wait(2, now), (0.0, 0.0));
+        for id in 1..=3 {
+            l.queued.push_back((id, JobKind::Query));
+        }
+        // The three queued jobs start at 0, 1 and 1 s; the fourth at 2 s.
+        let (wait, first_free) = l.predicted_wait(2, now);
+        assert!((wait - 2.0).abs() < 1e-9, "{wait}");
+        assert_eq!(first_free, 0.0);
+        l.record(JobKind::Query, Duration::from_secs(2));
+        assert!((l.service_of(JobKind::Query) - 1.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn before_any_measurement_a_running_job_bounds_the_service_time_from_below() {
+        let now = Instant::now();
+        let started = now - Duration::from_secs(3);
+        let mut l = Ledger {
+            service: [None; JobKind::COUNT],
+            queued: VecDeque::from([(1, JobKind::Query)]),
+            running: vec![(0, JobKind::Query, started)],
+            next_id: 2,
+        };
+        assert!(l.service_of(JobKind::Query) >= 3.0);
+        assert_eq!(l.service_of(JobKind::Embed), 0.0);
+        // One worker: the running job's remaining time is unknown (0), the queued one ~3 s.
+        let (wait, _) = l.predicted_wait(1, now);
+        assert!(wait >= 3.0, "{wait}");
+        l.record(JobKind::Query, Duration::from_secs(1));
+        assert_eq!(l.service_of(JobKind::Query), 1.0);
+    }
+
+    #[tokio::test]
+    async fn a_job_that_would_wait_too_long_or_miss_its_deadline_is_refused() {
+        let w = Workers::new(1, 16).with_max_wait(Duration::from_millis(100));
+        let query = Admission::new(JobKind::Query);
+        // Teach the estimate: a query takes about 300 ms.
+        w.submit(query, &root(), || {
+            std::thread::sleep(Duration::from_millis(300))
+        })
+        .unwrap()
+        .await
+        .unwrap();
+        // Idle, but 300 ms of service cannot finish inside a 50 ms deadline.
+        let soon = query.by(Instant::now() + Duration::from_millis(50));
+        let refused = w.submit(soon, &root(), || ()).unwrap_err();
+        assert_eq!(refused.reason, Refusal::Deadline);
+        assert!(refused.to_string().contains("deadline"), "{refused}");
+        // Busy for ~300 ms more: above the 100 ms limit.
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let busy = w
+            .submit(query, &root(), move || release_rx.recv().unwrap())
+            .unwrap();
+        while w.depth() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let refused = w.submit(query, &root(), || ()).unwrap_err();
+        assert_eq!(refused.reason, Refusal::MaxWait);
+        assert!(refused.wait > Duration::from_millis(100), "{refused:?}");
+        assert_eq!(refused.retry_after_s, 1);
+        release_tx.send(()).unwrap();
+        busy.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_panicking_job_leaves_the_ledger_clean() {
+        let w = Workers::new(1, 2);
+        let rx = w
+            .submit(any(), &root(), || -> u8 { panic!("boom") })
+            .unwrap();
+        assert!(rx.await.is_err());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let l = w.ledger.lock().unwrap();
+        assert!(l.running.is_empty() && l.queued.is_empty());
+        assert_eq!(l.service[JobKind::Embed.index()], None);
     }
 }

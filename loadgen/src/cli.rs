@@ -57,6 +57,11 @@ pub struct Target {
     /// Base URL of the server.
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     pub url: String,
+    /// API key sent as `Authorization: Bearer <key>` (a server started with `--api-key`).
+    /// Never written to the outputs.
+    #[arg(long, env = "RAGSCOPE_API_KEY", hide_env_values = true)]
+    #[serde(skip)]
+    pub api_key: Option<String>,
     /// The streaming API to drive.
     #[arg(long, value_enum, default_value = "rag")]
     pub endpoint: Endpoint,

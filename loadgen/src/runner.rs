@@ -214,7 +214,15 @@ impl Runner {
             top_k: target.top_k,
             rerank_top_n: target.rerank_top_n,
         };
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(key) = &target.api_key {
+            let mut bearer = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+                .map_err(|_| anyhow::anyhow!("--api-key: must be printable ASCII"))?;
+            bearer.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, bearer);
+        }
         let http = reqwest::Client::builder()
+            .default_headers(headers)
             .pool_max_idle_per_host(target.max_in_flight)
             .connect_timeout(Duration::from_secs(10))
             .build()?;

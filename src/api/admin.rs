@@ -7,11 +7,12 @@ use std::sync::Arc;
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use opentelemetry::KeyValue;
 use serde::Deserialize;
 use serde_json::json;
 
+use super::auth::{Caller, Scope};
 use super::error::ApiError;
 use super::AppState;
 use crate::fault::{FaultPlan, HEADER};
@@ -52,8 +53,12 @@ pub fn request_faults(
 }
 
 /// `GET /admin/faults`: the server's current plan.
-pub async fn get_faults(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
+pub async fn get_faults(
+    State(state): State<AppState>,
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = authorize(&state, caller, &headers) {
         return e.into_response();
     }
     Json(state.faults.current().as_ref()).into_response()
@@ -62,10 +67,11 @@ pub async fn get_faults(State(state): State<AppState>, headers: HeaderMap) -> Re
 /// `PUT /admin/faults`: replaces the plan every request runs (the body is the plan).
 pub async fn put_faults(
     State(state): State<AppState>,
+    caller: Option<Extension<Caller>>,
     headers: HeaderMap,
     body: String,
 ) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
+    if let Err(e) = authorize(&state, caller, &headers) {
         return e.into_response();
     }
     match FaultPlan::parse(&body) {
@@ -79,8 +85,12 @@ pub async fn put_faults(
 }
 
 /// `DELETE /admin/faults`: stops injecting.
-pub async fn clear_faults(State(state): State<AppState>, headers: HeaderMap) -> Response {
-    if let Err(e) = authorize(&state, &headers) {
+pub async fn clear_faults(
+    State(state): State<AppState>,
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = authorize(&state, caller, &headers) {
         return e.into_response();
     }
     state.faults.replace(FaultPlan::default());
@@ -88,7 +98,13 @@ pub async fn clear_faults(State(state): State<AppState>, headers: HeaderMap) -> 
     StatusCode::NO_CONTENT.into_response()
 }
 
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+/// The fault admin token, or (with API keys on, which the auth layer checked already) an admin
+/// API key: the one `Authorization` header cannot carry both.
+fn authorize(
+    state: &AppState,
+    caller: Option<Extension<Caller>>,
+    headers: &HeaderMap,
+) -> Result<(), ApiError> {
     let Some(token) = state
         .faults
         .admin_token
@@ -102,6 +118,9 @@ fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
         )
         .with_code("not_found"));
     };
+    if caller.is_some_and(|Extension(c)| c == Caller(Scope::Admin)) {
+        return Ok(());
+    }
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

@@ -68,6 +68,35 @@ impl ApiError {
         .with_code("not_ready")
     }
 
+    /// A request that arrived after shutdown began (`SIGTERM`): the server finishes what it
+    /// has and takes nothing new.
+    pub fn draining() -> ApiError {
+        ApiError {
+            retry_after_s: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "the server is shutting down and takes no new requests; retry on another replica",
+            )
+            .with_code("shutting_down")
+        }
+    }
+
+    /// 401: no API key, or one this server does not know (OpenAI's shape and code).
+    pub fn unauthenticated(message: &str) -> ApiError {
+        ApiError {
+            param: Some("authorization".into()),
+            ..ApiError::new(StatusCode::UNAUTHORIZED, "invalid_request_error", message)
+                .with_code("invalid_api_key")
+        }
+    }
+
+    /// 403: a valid API key without the admin scope the route needs.
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::FORBIDDEN, "permission_error", message)
+            .with_code("insufficient_scope")
+    }
+
     /// The JSON body, also used for SSE `error` events.
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {
@@ -95,10 +124,10 @@ impl From<PipelineError> for ApiError {
     fn from(e: PipelineError) -> ApiError {
         let message = e.to_string();
         match e {
-            PipelineError::QueueFull => ApiError {
-                retry_after_s: Some(1),
+            PipelineError::Overloaded(r) => ApiError {
+                retry_after_s: Some(r.retry_after_s),
                 ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
-                    .with_code("queue_full")
+                    .with_code(r.reason.as_str())
             },
             PipelineError::Timeout(_) => {
                 ApiError::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message)
@@ -138,6 +167,8 @@ impl ApiError {
             StatusCode::TOO_MANY_REQUESTS => Code::ResourceExhausted,
             StatusCode::SERVICE_UNAVAILABLE => Code::Unavailable,
             StatusCode::GATEWAY_TIMEOUT => Code::DeadlineExceeded,
+            StatusCode::UNAUTHORIZED => Code::Unauthenticated,
+            StatusCode::FORBIDDEN => Code::PermissionDenied,
             _ => Code::Internal,
         }
     }
@@ -169,6 +200,8 @@ impl From<PipelineError> for tonic::Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::worker::{Refusal, Refused};
+    use std::time::Duration;
     use tonic::Code;
 
     fn grpc(e: PipelineError) -> tonic::Status {
@@ -177,13 +210,24 @@ mod tests {
 
     #[test]
     fn pipeline_errors_map_to_grpc_codes_through_the_http_classification() {
-        let full = grpc(PipelineError::QueueFull);
+        let full = grpc(PipelineError::Overloaded(Refused {
+            reason: Refusal::MaxWait,
+            wait: Duration::from_millis(7500),
+            allowed: Duration::from_millis(5000),
+            retry_after_s: 3,
+        }));
         assert_eq!(full.code(), Code::ResourceExhausted);
         assert_eq!(
             full.metadata().get(GRPC_ERROR_CODE_KEY).unwrap(),
-            "queue_full"
+            "queue_wait"
         );
-        assert_eq!(full.metadata().get("retry-after").unwrap(), "1");
+        assert_eq!(full.metadata().get("retry-after").unwrap(), "3");
+        assert!(
+            full.message()
+                .contains("(7500 ms) is above this server's limit (5000 ms)"),
+            "{}",
+            full.message()
+        );
         assert_eq!(
             grpc(PipelineError::Timeout(5.0)).code(),
             Code::DeadlineExceeded
@@ -212,5 +256,15 @@ mod tests {
         assert_eq!(status.message(), "top_k: must be between 1 and 100");
         let status: tonic::Status = ApiError::not_ready().into();
         assert_eq!(status.code(), Code::Unavailable);
+        let status: tonic::Status = ApiError::unauthenticated("authorization: missing").into();
+        assert_eq!(status.code(), Code::Unauthenticated);
+        let status: tonic::Status = ApiError::forbidden("admin only").into();
+        assert_eq!(status.code(), Code::PermissionDenied);
+        let status: tonic::Status = ApiError::draining().into();
+        assert_eq!(status.code(), Code::Unavailable);
+        assert_eq!(
+            status.metadata().get(GRPC_ERROR_CODE_KEY).unwrap(),
+            "shutting_down"
+        );
     }
 }

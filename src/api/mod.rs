@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod ask;
+pub mod auth;
 pub mod documents;
 pub mod error;
 pub mod grpc;
@@ -46,6 +47,10 @@ pub struct AppState {
     pub faults: Arc<crate::fault::Faults>,
     /// Where the waterfall page links out to (Jaeger, Tempo, Pyroscope).
     pub ui: Arc<page::UiLinks>,
+    /// API keys; none configured: every route is open.
+    pub auth: Arc<auth::ApiKeys>,
+    /// How long a shutdown lets the requests in flight finish.
+    pub shutdown_grace: Duration,
 }
 
 /// What `/ready` and the gRPC health service report while the server starts.
@@ -55,8 +60,14 @@ pub struct Readiness {
     pub corpus_done: std::sync::atomic::AtomicUsize,
     pub ready: std::sync::atomic::AtomicBool,
     pub failed: std::sync::Mutex<Option<String>>,
-    /// Woken when `ready` or `failed` is set, so the health service need not poll.
+    /// Woken when `ready`, `failed` or `draining` is set, so the health service need not poll.
     pub changed: tokio::sync::Notify,
+    /// Shutdown began: new requests get 503 and `/ready` says so, while those in flight finish.
+    pub draining: std::sync::atomic::AtomicBool,
+    /// HTTP requests and gRPC calls being served, until their last byte (what a shutdown waits for).
+    pub in_flight: std::sync::atomic::AtomicUsize,
+    /// Woken when `in_flight` drops to zero.
+    idle: tokio::sync::Notify,
 }
 
 impl Readiness {
@@ -79,6 +90,33 @@ impl Readiness {
     pub fn has_failed(&self) -> bool {
         self.failed.lock().expect("readiness lock").is_some()
     }
+
+    /// Stops admitting: from now on new requests are refused with 503.
+    pub fn start_draining(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Resolves once no request is in flight.
+    pub async fn idle(&self) {
+        loop {
+            // Registered before the check, so a request ending in between still wakes it.
+            let woken = self.idle.notified();
+            if self.in_flight() == 0 {
+                return;
+            }
+            woken.await;
+        }
+    }
 }
 
 impl AppState {
@@ -88,6 +126,7 @@ impl AppState {
 }
 
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
+    let (draining, keyed) = (state.clone(), state.clone());
     Router::new()
         .route("/v1/rag/query", post(rag::query))
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -96,7 +135,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/v1/rerank", post(rag::rerank))
         .route("/v1/documents", post(documents::create))
         .route("/v1/documents/{id}", delete(documents::remove))
-        .route_layer(middleware::from_fn(trace_request))
+        .route_layer(middleware::from_fn_with_state(state.clone(), trace_request))
         // Experiment controls are not traced either: they are not part of the system under test.
         .route(
             "/admin/faults",
@@ -115,11 +154,33 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // The waterfall page and the stage-event stream; untraced like the other debug views.
         .merge(page::routes())
         .fallback(not_found)
+        // Outermost first: refused while shutting down, then the API key, then the route.
+        .layer(middleware::from_fn_with_state(keyed, auth::require_key))
+        .layer(middleware::from_fn_with_state(
+            draining,
+            refuse_while_draining,
+        ))
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             panic_response,
         ))
         .with_state(state)
+}
+
+/// Once shutdown began, every route but the probes and the scrape answers 503.
+async fn refuse_while_draining(
+    State(state): State<AppState>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let open = auth::scope_for(req.method(), req.uri().path()).is_none();
+    if state.readiness.is_draining() && !open {
+        crate::telemetry::metrics::metrics()
+            .admission_rejected
+            .add(1, &[KeyValue::new(attr::REASON, "draining")]);
+        return ApiError::draining().into_response();
+    }
+    next.run(req).await
 }
 
 async fn health() -> Json<serde_json::Value> {
@@ -130,6 +191,10 @@ async fn ready(State(state): State<AppState>) -> Response {
     use std::sync::atomic::Ordering::Relaxed;
     let r = &state.readiness;
     let corpus = json!({"documents_total": r.corpus_total.load(Relaxed), "documents_done": r.corpus_done.load(Relaxed)});
+    if r.is_draining() {
+        let body = json!({"status": "draining", "in_flight": r.in_flight()});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
     if let Some(failure) = r.failed.lock().expect("readiness lock").clone() {
         let body = json!({"status": "failed", "error": failure, "corpus": corpus});
         return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
@@ -148,7 +213,11 @@ async fn ready(State(state): State<AppState>) -> Response {
         },
         "store": store,
         "corpus": corpus,
-        "queue": {"depth": pipeline.workers.depth(), "capacity": pipeline.workers.capacity()},
+        "queue": {
+            "depth": pipeline.workers.depth(),
+            "capacity": pipeline.workers.capacity(),
+            "admission": pipeline.workers.outlook(),
+        },
     }))
     .into_response()
 }
@@ -211,7 +280,7 @@ pub fn respond_json<T: serde::Serialize>(
     response
 }
 
-async fn trace_request(mut req: Request, next: Next) -> Response {
+async fn trace_request(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
     let parent = crate::telemetry::extract_context(req.headers());
     let route = req
         .extensions()
@@ -234,7 +303,7 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
         KeyValue::new(attr::URL_PATH, req.uri().path().to_string()),
     ]);
     req.extensions_mut().insert(stage.clone());
-    let in_flight = InFlight::start();
+    let in_flight = InFlight::start(state.readiness.clone());
     let mut response = next.run(req).await;
     let status = response.status();
     stage.set(KeyValue::new(
@@ -268,15 +337,19 @@ async fn trace_request(mut req: Request, next: Next) -> Response {
     Response::from_parts(parts, Body::from_stream(guarded))
 }
 
-/// Counts a request in the in-flight gauge until dropped (HTTP and gRPC).
-pub(crate) struct InFlight;
+/// Counts a request in the in-flight gauge and in its server's count (what a shutdown drains)
+/// until dropped (HTTP and gRPC).
+pub(crate) struct InFlight(Arc<Readiness>);
 
 impl InFlight {
-    pub(crate) fn start() -> InFlight {
+    pub(crate) fn start(readiness: Arc<Readiness>) -> InFlight {
         crate::telemetry::metrics::metrics()
             .requests_in_flight
             .add(1, &[]);
-        InFlight
+        readiness
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(readiness)
     }
 }
 
@@ -285,6 +358,13 @@ impl Drop for InFlight {
         crate::telemetry::metrics::metrics()
             .requests_in_flight
             .add(-1, &[]);
+        let before = self
+            .0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if before == 1 {
+            self.0.idle.notify_waiters();
+        }
     }
 }
 

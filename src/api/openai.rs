@@ -389,9 +389,10 @@ pub async fn embeddings(
         }
     };
     ask::check_embed_inputs("input", &texts)?;
-    let tokens = ask::embed_tokens(&pipeline, &texts);
     let faults = super::admin::request_faults(&state, &headers, &stage)?;
-    let vectors = pipeline.embed(texts, faults, &stage).await?;
+    // Counted after admission: a refused request costs no tokenisation.
+    let vectors = pipeline.embed(texts.clone(), faults, &stage).await?;
+    let tokens = ask::embed_tokens(&pipeline, &texts);
     let data: Vec<Value> = vectors
         .iter()
         .enumerate()

@@ -32,7 +32,7 @@ use crate::telemetry::clock::{self, millis};
 use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
-use crate::worker::Workers;
+use crate::worker::{Admission, JobKind, Workers};
 
 /// Everything a request needs, shared by all requests.
 pub struct Pipeline {
@@ -64,9 +64,10 @@ impl Pipeline {
     > {
         let this = self.clone();
         let stage = request.clone();
-        let rx = self
-            .workers
-            .submit(request, move || this.answer(&req, &stage, events.as_ref()))?;
+        let admission = Admission::new(JobKind::Query).by(req.deadline);
+        let rx = self.workers.submit(admission, request, move || {
+            this.answer(&req, &stage, events.as_ref())
+        })?;
         Ok(async move { rx.await.map_err(|_| PipelineError::WorkerGone)? })
     }
 
@@ -315,7 +316,7 @@ impl Pipeline {
     ) -> Result<Vec<Vec<f32>>, PipelineError> {
         let this = self.clone();
         let stage = request.clone();
-        self.run_on_worker(request, move || {
+        self.run_on_worker(JobKind::Embed, request, move || {
             let mut run = StageRunner::new(&stage, &faults);
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
             let spec = StageSpec::model(StageKind::Embed, this.embedder.model_id());
@@ -335,7 +336,7 @@ impl Pipeline {
     ) -> Result<Vec<f32>, PipelineError> {
         let this = self.clone();
         let stage = request.clone();
-        self.run_on_worker(request, move || {
+        self.run_on_worker(JobKind::Rerank, request, move || {
             let mut run = StageRunner::new(&stage, &faults);
             let texts: Vec<&str> = passages.iter().map(String::as_str).collect();
             let spec = StageSpec::model(StageKind::Embed, this.embedder.model_id());
@@ -388,7 +389,7 @@ impl Pipeline {
     ) -> Result<Vec<IngestOutcome>, PipelineError> {
         let this = self.clone();
         let stage = request.clone();
-        self.run_on_worker(request, move || {
+        self.run_on_worker(JobKind::Ingest, request, move || {
             let mut run = StageRunner::new(&stage, &faults);
             docs.iter()
                 .map(|doc| {
@@ -411,10 +412,11 @@ impl Pipeline {
 
     async fn run_on_worker<T: Send + 'static>(
         &self,
+        kind: JobKind,
         request: &Stage,
         work: impl FnOnce() -> Result<T, PipelineError> + Send + 'static,
     ) -> Result<T, PipelineError> {
-        let rx = self.workers.submit(request, work)?;
+        let rx = self.workers.submit(Admission::new(kind), request, work)?;
         rx.await.map_err(|_| PipelineError::WorkerGone)?
     }
 }

@@ -17,7 +17,7 @@ use crate::rerank::RerankError;
 use crate::retrieve::{Filter, ScoredChunk, StoreError};
 use crate::telemetry::clock;
 use crate::telemetry::names::StageKind;
-use crate::worker::QueueFull;
+use crate::worker::Refused;
 
 #[derive(Debug, Clone)]
 pub struct RagRequest {
@@ -147,8 +147,9 @@ pub enum Event {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineError {
-    #[error("the server is at capacity; retry shortly")]
-    QueueFull,
+    /// Refused at admission, before any work (a full queue, or a wait too long).
+    #[error("{0}")]
+    Overloaded(Refused),
     #[error("the request timed out after {0:.0} ms")]
     Timeout(f64),
     #[error("the model worker stopped before answering")]
@@ -167,9 +168,9 @@ pub enum PipelineError {
     Injected(#[from] Injected),
 }
 
-impl From<QueueFull> for PipelineError {
-    fn from(_: QueueFull) -> Self {
-        PipelineError::QueueFull
+impl From<Refused> for PipelineError {
+    fn from(r: Refused) -> Self {
+        PipelineError::Overloaded(r)
     }
 }
 
@@ -177,7 +178,7 @@ impl PipelineError {
     /// The `error.type` recorded on the failing span.
     pub fn kind(&self) -> &'static str {
         match self {
-            PipelineError::QueueFull => "queue_full",
+            PipelineError::Overloaded(r) => r.reason.as_str(),
             PipelineError::Timeout(_) => "timeout",
             PipelineError::WorkerGone => "worker_gone",
             PipelineError::Embed(_) => "embed",

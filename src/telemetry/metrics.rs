@@ -33,6 +33,10 @@ pub struct Metrics {
     pub cache_requests: Counter<u64>,
     /// Injected faults by `rag.stage` and `kind` (delay, cpu_burn, error, token_delay).
     pub faults_injected: Counter<u64>,
+    /// Requests refused at admission, by `reason` (queue_full, queue_wait, deadline, draining).
+    pub admission_rejected: Counter<u64>,
+    /// Requests refused by API-key checks, by `reason` (missing, invalid, scope).
+    pub auth_rejected: Counter<u64>,
 }
 
 /// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
@@ -134,6 +138,16 @@ impl Metrics {
                 .u64_counter(metric::FAULTS_INJECTED)
                 .with_unit("{fault}")
                 .with_description("Faults injected on purpose (only with --faults true)")
+                .build(),
+            admission_rejected: meter
+                .u64_counter(metric::ADMISSION_REJECTED)
+                .with_unit("{request}")
+                .with_description("Requests refused before any work, by reason")
+                .build(),
+            auth_rejected: meter
+                .u64_counter(metric::AUTH_REJECTED)
+                .with_unit("{request}")
+                .with_description("Requests refused for a missing, unknown or under-scoped API key")
                 .build(),
         }
     }

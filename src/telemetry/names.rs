@@ -210,6 +210,7 @@ names! {
         QUERY_TEXT = "rag.query.text",
         ANSWER_TEXT = "rag.answer.text",
         QUEUE_DEPTH_AT_ENTRY = "rag.queue.depth_at_entry",
+        QUEUE_EXPECTED_WAIT_MS = "rag.queue.expected_wait_ms",
         STREAM_EVENTS = "rag.stream.events",
         // GenAI.
         GEN_AI_OPERATION_NAME = "gen_ai.operation.name",
@@ -315,6 +316,9 @@ names! {
         GPU_MEMORY_TOTAL = "ragscope.gpu.memory.total",
         GPU_KV_CACHE_BYTES = "ragscope.gpu.kv_cache.bytes",
         BUILD_INFO = "ragscope.build.info",
+        QUEUE_EXPECTED_WAIT = "ragscope.queue.expected_wait",
+        ADMISSION_REJECTED = "ragscope.admission.rejected",
+        AUTH_REJECTED = "ragscope.auth.rejected",
     }
 }
 

@@ -392,6 +392,8 @@ async fn health_reports_serving_only_once_the_pipeline_is_ready() {
         request_timeout: Duration::from_secs(30),
         faults: Arc::default(),
         ui: Arc::default(),
+        auth: Arc::default(),
+        shutdown_grace: Duration::from_secs(30),
     };
     let app = crate::helpers::serve_state(state.clone(), 1 << 20, None).await;
     for service in ["", "ragscope.v1.Rag"] {

@@ -159,6 +159,8 @@ async fn serve(
     let mut state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
     state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
     state.ui = Arc::new(ragscope::api::page::UiLinks::from_args(&args.ui));
+    state.auth = Arc::new(ragscope::api::auth::ApiKeys::from_args(&args.auth).expect("key flags"));
+    state.shutdown_grace = args.server.shutdown_grace();
     serve_state(state, args.server.max_body_bytes, tmp).await
 }
 

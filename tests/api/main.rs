@@ -1,6 +1,7 @@
 //! Integration tests: the real server on port 0 with the real models and the embedded store.
 
 mod attribution;
+mod auth;
 mod catalogue;
 mod coverage;
 mod documents;
@@ -11,6 +12,7 @@ mod grpc;
 mod helpers;
 mod metrics;
 mod openai;
+mod overload;
 mod page;
 mod prefix_cache;
 mod profile;

@@ -51,6 +51,7 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
     report_readiness(state.readiness.clone(), reporter.clone()).await;
+    report_draining(state.readiness.clone(), reporter.clone());
     let shutdown = async move {
         shutdown.await;
         stop_reporting(reporter).await;
@@ -60,12 +61,15 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the descriptors generated at build time are valid");
+    let readiness = state.readiness.clone();
+    let interceptor = super::auth::grpc_interceptor(state.auth.clone(), readiness.clone());
     let rag = RagServer::new(RagService { state })
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(max_message_bytes);
+    let rag = tonic::service::interceptor::InterceptedService::new(rag, interceptor);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .layer(trace::TraceLayer)
+        .layer(trace::TraceLayer { readiness })
         .add_service(rag)
         .add_service(health)
         .add_service(reflection)
@@ -91,6 +95,20 @@ async fn report_readiness(readiness: Arc<Readiness>, reporter: HealthReporter) {
                 return;
             }
             if readiness.has_failed() {
+                return;
+            }
+            changed.await;
+        }
+    });
+}
+
+/// NOT_SERVING as soon as shutdown begins, while calls in flight drain.
+fn report_draining(readiness: Arc<Readiness>, reporter: HealthReporter) {
+    tokio::spawn(async move {
+        loop {
+            let changed = readiness.changed.notified();
+            if readiness.is_draining() {
+                set_health(&reporter, ServingStatus::NotServing).await;
                 return;
             }
             changed.await;
@@ -174,6 +192,8 @@ impl Rag for RagService {
         request: Request<IngestRequest>,
     ) -> Result<Response<IngestResponse>, Status> {
         let stage = request_stage(&request);
+        let caller = request.extensions().get::<super::auth::Caller>();
+        self.state.auth.require_admin(caller)?;
         let pipeline = self.state.pipeline()?;
         let faults = self.faults(&request, &stage)?;
         let bodies = request
@@ -216,8 +236,9 @@ impl Rag for RagService {
         let faults = self.faults(&request, &stage)?;
         let texts = request.into_inner().inputs;
         ask::check_embed_inputs("inputs", &texts)?;
+        // Counted after admission: a refused request costs no tokenisation.
+        let vectors = pipeline.embed(texts.clone(), faults, &stage).await?;
         let tokens = ask::embed_tokens(&pipeline, &texts);
-        let vectors = pipeline.embed(texts, faults, &stage).await?;
         Ok(Response::new(EmbedResponse {
             model: pipeline.embedder.model_id().to_string(),
             embeddings: vectors

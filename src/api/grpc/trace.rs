@@ -16,7 +16,7 @@ use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use tower::{Layer, Service};
 
-use crate::api::{InFlight, RequestStage};
+use crate::api::{InFlight, Readiness, RequestStage};
 use crate::telemetry::names::attr;
 use crate::telemetry::span::Stage;
 
@@ -34,21 +34,28 @@ const SERVER_FAULTS: [tonic::Code; 6] = [
     tonic::Code::DataLoss,
 ];
 
-/// Wraps the gRPC router so every call is traced.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct TraceLayer;
+/// Wraps the gRPC router so every call is traced, and counted in the server's in-flight
+/// requests (what a shutdown waits for).
+#[derive(Clone, Default)]
+pub struct TraceLayer {
+    pub readiness: Arc<Readiness>,
+}
 
 impl<S> Layer<S> for TraceLayer {
     type Service = Traced<S>;
 
     fn layer(&self, inner: S) -> Traced<S> {
-        Traced { inner }
+        Traced {
+            inner,
+            readiness: self.readiness.clone(),
+        }
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Traced<S> {
     inner: S,
+    readiness: Arc<Readiness>,
 }
 
 impl<S, B, ResBody> Service<Request<B>> for Traced<S>
@@ -67,7 +74,7 @@ where
     }
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
-        let call = Call::start(&mut req);
+        let call = Call::start(&mut req, &self.readiness);
         let response = self.inner.call(req);
         Box::pin(async move {
             let mut response = response.await?;
@@ -95,7 +102,7 @@ struct Call {
 
 impl Call {
     /// Starts the span of a call to `/{service}/{method}` and leaves it in the request.
-    fn start<B>(req: &mut Request<B>) -> Option<Call> {
+    fn start<B>(req: &mut Request<B>, readiness: &Arc<Readiness>) -> Option<Call> {
         let (service, method) = req.uri().path().strip_prefix('/')?.split_once('/')?;
         if UNTRACED.iter().any(|s| service.starts_with(s)) {
             return None;
@@ -123,7 +130,7 @@ impl Call {
             request_id,
             attributes,
             status: None,
-            _in_flight: InFlight::start(),
+            _in_flight: InFlight::start(readiness.clone()),
         })
     }
 
