@@ -187,8 +187,12 @@ fn parse(spec: &str) -> Result<([u8; 32], Scope), String> {
 /// The scope a route needs, or `None` for the open ones (probes and the scrape).
 pub fn scope_for(method: &Method, path: &str) -> Option<Scope> {
     match path {
-        "/health" | "/ready" | "/metrics" => None,
-        p if p.starts_with("/admin/") || p.starts_with("/debug/") => Some(Scope::Admin),
+        // The page and its assets hold no data; what it shows comes through the routes below.
+        "/health" | "/ready" | "/metrics" | "/" | "/ui" | "/ui/app.js" | "/ui/style.css" => None,
+        // Recent traces are debug data whichever route serves them.
+        p if p.starts_with("/admin/") || p.starts_with("/debug/") || p.starts_with("/ui/traces") => {
+            Some(Scope::Admin)
+        }
         "/v1/documents" if method == Method::POST => Some(Scope::Admin),
         p if p.starts_with("/v1/documents/") => Some(Scope::Admin),
         _ => Some(Scope::User),
@@ -302,6 +306,10 @@ mod tests {
         assert_eq!(scope_for(&delete, "/v1/documents/a"), Some(Scope::Admin));
         assert_eq!(scope_for(&get, "/debug/traces"), Some(Scope::Admin));
         assert_eq!(scope_for(&get, "/admin/faults"), Some(Scope::Admin));
+        assert_eq!(scope_for(&get, "/"), None);
+        assert_eq!(scope_for(&get, "/ui/app.js"), None);
+        assert_eq!(scope_for(&get, "/ui/config"), Some(Scope::User));
+        assert_eq!(scope_for(&get, "/ui/traces/0af7651916cd43dd8448eb211c80319c"), Some(Scope::Admin));
         assert_eq!(scope_for(&get, "/nowhere"), Some(Scope::User));
     }
 }

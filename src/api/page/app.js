@@ -305,7 +305,8 @@ function hex(bytes) {
   return [...b].map((x) => x.toString(16).padStart(2, "0")).join("");
 }
 
-// Opens the trace's stage stream; resolves true once the server has subscribed us.
+// Opens the trace's stage stream; resolves true once the server has subscribed us. Read with
+// fetch rather than EventSource, which cannot send the API key.
 function subscribe(trace) {
   return new Promise((resolve) => {
     let settled = false;
@@ -315,30 +316,65 @@ function subscribe(trace) {
         resolve(ok);
       }
     };
-    const es = new EventSource(`/debug/stages?trace_id=${trace.id}`);
-    trace.source = es;
+    const ctl = new AbortController();
+    trace.source = { close: () => ctl.abort() };
     const stop = () => {
-      es.close();
+      ctl.abort();
       trace.resolveEnd();
     };
     setTimeout(() => settle(false), 4000);
-    es.addEventListener("subscribed", (m) => {
-      trace.clock = { now: JSON.parse(m.data).now_ms, at: performance.now() };
-      settle(true);
-    });
-    for (const kind of ["span_start", "span_update", "span_event", "span_end"]) {
-      es.addEventListener(kind, (m) => trace.apply(JSON.parse(m.data)));
-    }
-    es.addEventListener("trace_end", (m) => {
-      trace.apply(JSON.parse(m.data));
-      stop();
-    });
-    es.addEventListener("timeout", stop);
-    es.onerror = () => {
-      stop();
-      settle(false);
-    };
+    const spanEvents = ["span_start", "span_update", "span_event", "span_end"];
+    api(`/debug/stages?trace_id=${trace.id}`, { signal: ctl.signal })
+      .then(async (r) => {
+        if (!r.ok) throw new Error(`HTTP ${r.status}`);
+        await readSse(r.body, (name, data) => {
+          if (name === "subscribed") {
+            trace.clock = { now: data.now_ms, at: performance.now() };
+            settle(true);
+          } else if (spanEvents.includes(name)) trace.apply(data);
+          else if (name === "trace_end") {
+            trace.apply(data);
+            stop();
+          } else if (name === "timeout") stop();
+        });
+        stop();
+      })
+      .catch(() => {
+        stop();
+        settle(false);
+      });
   });
+}
+
+// ---------------------------------------------------------------- API keys
+
+// With API keys on (README "Security"), every call but the probes needs `Authorization`; the
+// page asks once for a key (an admin key also shows traces) and keeps it in this browser.
+const KEY_STORE = "ragscope.apiKey";
+const declined = new Set();
+
+function keyHeader() {
+  const key = localStorage.getItem(KEY_STORE);
+  return key ? { authorization: `Bearer ${key}` } : {};
+}
+
+function askForKey(status) {
+  if (declined.has(status)) return false;
+  const question = status === 401 ? "This server needs an API key:" : "This needs an admin API key (traces, stage events):";
+  const key = (window.prompt(question, "") || "").trim();
+  if (!key) {
+    declined.add(status);
+    return false;
+  }
+  localStorage.setItem(KEY_STORE, key);
+  return true;
+}
+
+// fetch with the stored key, asking for one (and retrying once) when the server refuses.
+async function api(url, opts = {}) {
+  const send = () => fetch(url, { ...opts, headers: { ...(opts.headers || {}), ...keyHeader() } });
+  const r = await send();
+  return (r.status === 401 || r.status === 403) && askForKey(r.status) ? send() : r;
 }
 
 // Reads an SSE response body, calling `on(event, data)` per event.
@@ -419,7 +455,7 @@ async function ask(event) {
     $("usage").innerHTML = `<span class="bad">${esc(message)}</span>`;
   };
   try {
-    const r = await fetch("/v1/rag/query", { method: "POST", headers, body: JSON.stringify(body) });
+    const r = await api("/v1/rag/query", { method: "POST", headers, body: JSON.stringify(body) });
     if (!r.ok) {
       const e = await r.json().catch(() => ({}));
       fail((e.error && e.error.message) || `HTTP ${r.status}`);
@@ -454,7 +490,7 @@ async function ask(event) {
 // ---------------------------------------------------------------- stored traces
 
 async function showStored(id, quiet) {
-  const r = await fetch(`/ui/traces/${id}`);
+  const r = await api(`/ui/traces/${id}`);
   if (!r.ok) {
     if (!quiet) $("wf-foot").textContent = `trace ${id}: not in the trace buffer`;
     return;
@@ -472,7 +508,7 @@ async function showStored(id, quiet) {
 
 async function loadRecent() {
   const table = $("recent");
-  const r = await fetch("/ui/traces?limit=30").catch(() => null);
+  const r = await api("/ui/traces?limit=30").catch(() => null);
   if (!r || !r.ok) {
     table.innerHTML = `<tr><td class="muted">the trace buffer is off</td></tr>`;
     return;
@@ -519,7 +555,7 @@ async function checkServer() {
 }
 
 async function start() {
-  page.config = await (await fetch("/ui/config")).json();
+  page.config = await (await api("/ui/config")).json();
   $("fault-box").hidden = !page.config.fault_header;
   drawLegend();
   $("ask").addEventListener("submit", ask);
