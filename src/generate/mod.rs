@@ -45,9 +45,9 @@ impl ChatMessage {
 /// How the next token is chosen. `temperature <= 0` means greedy. The default is neutral:
 /// no penalty, no n-gram block, greedy.
 ///
-/// The penalties and the n-gram block look at the tokens this request has generated, never at
-/// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too): a RAG answer has to
-/// copy words from its passages.
+/// The penalties and the n-gram block look at the tokens this request has generated, not at
+/// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too, which
+/// `penalize_prompt` asks for): a RAG answer has to copy words from its passages.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
     pub temperature: f64,
@@ -62,6 +62,8 @@ pub struct Sampling {
     pub repetition_penalty: f32,
     /// Never generate an n-gram of this many tokens twice (0 = off), as HF's `no_repeat_ngram_size`.
     pub no_repeat_ngram: usize,
+    /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
+    pub penalize_prompt: bool,
 }
 
 impl Sampling {
@@ -84,6 +86,7 @@ impl Default for Sampling {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             no_repeat_ngram: 0,
+            penalize_prompt: false,
         }
     }
 }

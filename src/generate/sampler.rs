@@ -153,6 +153,14 @@ impl Sampler {
         }
     }
 
+    /// Counts `prompt` as generated for the penalties and the n-gram block (when any apply).
+    pub fn seeing(mut self, prompt: &[u32]) -> Sampler {
+        if let Some(p) = &mut self.penalties {
+            prompt.iter().for_each(|&t| p.accept(t));
+        }
+        self
+    }
+
     /// Never picks any of `tokens`: as if their logits were minus infinity.
     pub fn banning(mut self, tokens: &[u32]) -> Sampler {
         self.banned = tokens.to_vec();
@@ -166,7 +174,11 @@ impl Sampler {
 
     /// The next token from `logits`, with the log-probabilities of the `k` most likely tokens
     /// when `top_logprobs` is `Some(k)`. The pick counts towards later penalties.
-    pub fn pick(&mut self, logits: &Logits, top_logprobs: Option<usize>) -> candle_core::Result<Pick> {
+    pub fn pick(
+        &mut self,
+        logits: &Logits,
+        top_logprobs: Option<usize>,
+    ) -> candle_core::Result<Pick> {
         let plain = self.penalties.is_none() && top_logprobs.is_none();
         let copied;
         let raw: &[f32] = match logits {
@@ -351,6 +363,11 @@ mod tests {
         assert_eq!(greedy_after(s, &[4.0, -1.0, 3.0], &[0]), 2);
         // Neutral settings add no work at all.
         assert!(Penalties::new(&Sampling::default()).is_none());
+        // A prompt token counts only when asked.
+        let logits = Logits::Host(vec![4.0, -1.0, 3.0]);
+        assert_eq!(Sampler::new(&s).seeing(&[0]).sample(&logits).unwrap(), 2);
+        let plain = Sampler::new(&Sampling::default()).seeing(&[0]);
+        assert!(plain.penalties.is_none());
     }
 
     #[test]
@@ -386,7 +403,9 @@ mod tests {
         assert!((chosen as f64 - (2.0 - z.ln())).abs() < 1e-6);
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2]);
         assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
-        let total: f64 = (0..5).map(|i| (logprobs(&logits, i, 0).0 as f64).exp()).sum();
+        let total: f64 = (0..5)
+            .map(|i| (logprobs(&logits, i, 0).0 as f64).exp())
+            .sum();
         assert!((total - 1.0).abs() < 1e-5, "{total}");
         // Greedy's pick carries the largest log-probability, taken before any penalty.
         let s = Sampling {
@@ -394,13 +413,17 @@ mod tests {
             ..Sampling::default()
         };
         let mut sampler = Sampler::new(&s);
-        let pick = sampler.pick(&Logits::Host(logits.to_vec()), Some(2)).unwrap();
+        let pick = sampler
+            .pick(&Logits::Host(logits.to_vec()), Some(2))
+            .unwrap();
         assert_eq!(pick.token, 1);
         let (lp, top) = pick.logprobs.unwrap();
         assert_eq!(lp, top[0].1);
         assert!(lp <= 0.0);
         // Token 1 is now penalised: greedy takes 3; its log-probability is still the raw one.
-        let pick = sampler.pick(&Logits::Host(logits.to_vec()), Some(2)).unwrap();
+        let pick = sampler
+            .pick(&Logits::Host(logits.to_vec()), Some(2))
+            .unwrap();
         assert_eq!(pick.token, 3);
         assert_eq!(pick.logprobs.unwrap().0, lp);
     }

@@ -9,7 +9,7 @@ use crate::fakes::{DownStore, FakeGenerator};
 use crate::helpers::{spawn_fake_app_with, spawn_fake_app_with_store, TestApp};
 
 /// Spans go to the server's recent-trace buffer (`/debug/traces`), as when it serves.
-fn record_spans() {
+pub fn record_spans() {
     opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
         opentelemetry_sdk::trace::InMemorySpanExporter::default(),
         ragscope::telemetry::resource(),
@@ -17,7 +17,7 @@ fn record_spans() {
 }
 
 /// The spans of the most recent trace the server kept.
-async fn last_trace(app: &TestApp) -> Vec<Value> {
+pub async fn last_trace(app: &TestApp) -> Vec<Value> {
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let (_, traces) = app.get("/debug/traces?limit=1").await;
     traces["resourceSpans"][0]["scopeSpans"][0]["spans"]
@@ -26,14 +26,14 @@ async fn last_trace(app: &TestApp) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-fn span<'a>(spans: &'a [Value], prefix: &str) -> &'a Value {
+pub fn span<'a>(spans: &'a [Value], prefix: &str) -> &'a Value {
     spans
         .iter()
         .find(|s| s["name"].as_str().unwrap().starts_with(prefix))
         .unwrap_or_else(|| panic!("no {prefix} span in {spans:#?}"))
 }
 
-fn attr(span: &Value, key: &str) -> Option<Value> {
+pub fn attr(span: &Value, key: &str) -> Option<Value> {
     span["attributes"]
         .as_array()
         .unwrap()
