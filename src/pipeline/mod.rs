@@ -200,8 +200,8 @@ impl Pipeline {
         })
     }
 
-    /// 5. The answer (one per choice, generated side by side), each piece of text streamed as
-    /// it completes.
+    /// 5. The answer, one per choice (generated side by side), each piece of text streamed
+    ///    as it completes.
     fn generate(
         &self,
         run: &mut StageRunner,
