@@ -61,6 +61,8 @@ pub fn body(endpoint: Endpoint, model: &str, ask: &Ask) -> Value {
             "model": model,
             "messages": [{"role": "user", "content": ask.query}],
             "stream": true,
+            // The usage chunk gives the completion tokens the report counts.
+            "stream_options": {"include_usage": true},
         }),
     };
     if let Some(k) = ask.top_k {

@@ -14,9 +14,9 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::{AppState, RequestStage};
-use crate::generate::{ChatMessage, Sampling};
+use crate::generate::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
 use crate::ingest::{Document, Format};
-use crate::pipeline::{Event, Pipeline, RagAnswer, RagRequest, Source};
+use crate::pipeline::{Event, Pipeline, RagAnswer, RagRequest, Source, Streamed};
 use crate::retrieve::Filter;
 use crate::telemetry::clock;
 use crate::telemetry::metrics::metrics;
@@ -28,6 +28,14 @@ const MAX_ID_CHARS: usize = 256;
 
 pub const MAX_QUERY_CHARS: usize = 4096;
 pub const MAX_TOP_K: usize = 100;
+/// Most stop strings per request (OpenAI's bound), and their longest.
+pub const MAX_STOP: usize = 4;
+const MAX_STOP_CHARS: usize = 64;
+/// Most independent answers one request may ask for: each is a whole generation.
+pub const MAX_CHOICES: usize = 8;
+/// The range OpenAI allows for `presence_penalty` and `frequency_penalty`.
+const PENALTY_RANGE: std::ops::RangeInclusive<f64> = -2.0..=2.0;
+const MAX_NGRAM: usize = 32;
 
 /// What the RAG and chat endpoints were asked, before validation.
 pub struct Asked {
@@ -40,6 +48,113 @@ pub struct Asked {
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
     pub filter: Option<Value>,
+    pub decoding: Decoding,
+}
+
+/// How the answer is decoded beyond temperature and top-p; every field is neutral by default.
+#[derive(Debug, Default)]
+pub struct Decoding {
+    pub stop: Vec<String>,
+    /// Independent answers (`n`).
+    pub n: Option<usize>,
+    /// Alternatives per token with each token's log-probability (`None`: no log-probabilities).
+    pub logprobs: Option<usize>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub no_repeat_ngram_size: Option<usize>,
+    /// Count the prompt's tokens for the penalties too (HF and llama.cpp do).
+    pub penalize_prompt: Option<bool>,
+}
+
+/// `stop` as the HTTP APIs take it: one string, or a list of them. An empty string or list
+/// asks for none.
+pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    match stop {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) if s.is_empty() => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s.clone()]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| ApiError::field(&format!("stop[{i}]"), "must be a string"))
+            })
+            .collect(),
+        Some(_) => Err(ApiError::field(
+            "stop",
+            "must be a string or an array of strings",
+        )),
+    }
+}
+
+impl Decoding {
+    /// Checks the settings; errors name the field.
+    fn check(&self) -> Result<(), ApiError> {
+        if self.stop.len() > MAX_STOP {
+            return Err(ApiError::field(
+                "stop",
+                format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()),
+            ));
+        }
+        for (i, s) in self.stop.iter().enumerate() {
+            let chars = s.chars().count();
+            if chars == 0 || chars > MAX_STOP_CHARS {
+                return Err(ApiError::field(
+                    &format!("stop[{i}]"),
+                    format!("must be 1 to {MAX_STOP_CHARS} characters, got {chars}"),
+                ));
+            }
+        }
+        if let Some(n) = self.n {
+            if !(1..=MAX_CHOICES).contains(&n) {
+                return Err(ApiError::field(
+                    "n",
+                    format!("must be between 1 and {MAX_CHOICES}, got {n}"),
+                ));
+            }
+        }
+        if let Some(k) = self.logprobs {
+            if k > MAX_TOP_LOGPROBS {
+                return Err(ApiError::field(
+                    "logprobs",
+                    format!("at most {MAX_TOP_LOGPROBS} alternatives per token, got {k}"),
+                ));
+            }
+        }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if let Some(v) = value {
+                if !PENALTY_RANGE.contains(&v) {
+                    return Err(ApiError::field(
+                        name,
+                        format!("must be between -2 and 2, got {v}"),
+                    ));
+                }
+            }
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r > 0.0 && r.is_finite()) {
+                return Err(ApiError::field(
+                    "repetition_penalty",
+                    format!("must be a positive number (1 is off), got {r}"),
+                ));
+            }
+        }
+        if let Some(n) = self.no_repeat_ngram_size {
+            if n > MAX_NGRAM {
+                return Err(ApiError::field(
+                    "no_repeat_ngram_size",
+                    format!("must be between 0 (off) and {MAX_NGRAM}, got {n}"),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Validates a request into what the pipeline runs. Errors name the field.
@@ -58,6 +173,7 @@ pub fn rag_request(
         top_p,
         seed,
         filter,
+        decoding,
     } = asked;
     let defaults = &pipeline.defaults;
     if query.trim().is_empty() {
@@ -112,6 +228,7 @@ pub fn rag_request(
             ));
         }
     }
+    decoding.check()?;
     let filter = match filter.as_ref() {
         None | Some(Value::Null) => None,
         Some(v) => Some(Filter::from_json(v).map_err(|m| {
@@ -133,7 +250,15 @@ pub fn rag_request(
             temperature,
             top_p,
             seed: seed.unwrap_or(0),
+            presence_penalty: decoding.presence_penalty.unwrap_or(0.0) as f32,
+            frequency_penalty: decoding.frequency_penalty.unwrap_or(0.0) as f32,
+            repetition_penalty: decoding.repetition_penalty.unwrap_or(1.0) as f32,
+            no_repeat_ngram: decoding.no_repeat_ngram_size.unwrap_or(0),
+            penalize_prompt: decoding.penalize_prompt.unwrap_or(false),
         },
+        stop: decoding.stop,
+        logprobs: decoding.logprobs,
+        choices: decoding.n.unwrap_or(1),
         filter,
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
@@ -176,7 +301,7 @@ pub async fn answer(
 /// What a streamed answer sends, in order: sources once, tokens, then one of done or failed.
 pub enum AnswerEvent {
     Sources(Vec<Source>),
-    Token(String),
+    Token(Streamed),
     Done(RagAnswer),
     Failed(ApiError),
 }
@@ -198,9 +323,9 @@ pub fn answer_stream(
         while let Some(event) = rx.recv().await {
             match event {
                 Event::Sources(sources) => yield AnswerEvent::Sources(sources),
-                Event::Token(text) => {
+                Event::Token(piece) => {
                     tokens += 1;
-                    yield AnswerEvent::Token(text);
+                    yield AnswerEvent::Token(piece);
                 }
             }
         }

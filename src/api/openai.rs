@@ -1,8 +1,9 @@
 //! The OpenAI-compatible endpoints: `/v1/chat/completions` (RAG over the last user turn, JSON
-//! or SSE chunks), `/v1/embeddings` (float or base64) and `/v1/models`. Every request field is
-//! either honoured, accepted and ignored because it cannot change the answer (`user`,
-//! `metadata`, …), or refused with a 400 naming it: a client must never believe that `stop`,
-//! `n` or `tools` was honoured when it was dropped.
+//! or SSE chunks, `n` choices, stop strings, penalties, log-probabilities), `/v1/embeddings`
+//! (float or base64) and `/v1/models`. Every request field is either honoured, accepted and
+//! ignored because it cannot change the answer (`user`, `metadata`, …), or refused with a 400
+//! naming it: a client must never believe that `tools` or `logit_bias` was honoured when it
+//! was dropped.
 
 use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -16,12 +17,12 @@ use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::ask::{self, AnswerEvent, Asked};
+use super::ask::{self, AnswerEvent, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
-use crate::generate::ChatMessage;
-use crate::pipeline::{Pipeline, RagAnswer};
+use crate::generate::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS};
+use crate::pipeline::Pipeline;
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
 const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
@@ -37,6 +38,20 @@ pub struct ChatBody {
     pub seed: Option<u64>,
     #[serde(default)]
     pub stream: bool,
+    /// A stop string or a list of up to 4.
+    pub stop: Option<Value>,
+    /// Independent choices, 1 to [`ask::MAX_CHOICES`]; choice `i` samples with `seed + i`.
+    pub n: Option<usize>,
+    pub logprobs: Option<bool>,
+    /// 0 to 20 alternatives per token; needs `logprobs: true`.
+    pub top_logprobs: Option<usize>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    /// Extensions: HF / llama.cpp's repetition penalty, HF's n-gram block.
+    pub repetition_penalty: Option<f64>,
+    pub no_repeat_ngram_size: Option<usize>,
+    /// Extension: the penalties count the prompt's tokens too.
+    pub penalize_prompt: Option<bool>,
     /// Extension: retrieval settings and filter.
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
@@ -46,7 +61,7 @@ pub struct ChatBody {
     pub metadata: Option<Map<String, Value>>,
     pub store: Option<bool>,
     pub service_tier: Option<String>,
-    /// Accepted; the last chunk carries `usage` whatever `include_usage` says.
+    /// `include_usage: true` adds a last chunk with `usage` and no choices, as OpenAI does.
     pub stream_options: Option<StreamOptions>,
     /// Everything else, refused by [`refuse_unhonoured`] with [`CHAT_UNSUPPORTED`].
     #[serde(flatten)]
@@ -65,12 +80,6 @@ type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
 
 /// Chat fields that would change the answer; each is refused unless its value is neutral.
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
-    ("stop", "null or empty", is_empty),
-    ("n", "1", |v| v.as_f64() == Some(1.0)),
-    ("logprobs", "false", |v| v.as_bool() == Some(false)),
-    ("top_logprobs", "0", is_zero),
-    ("presence_penalty", "0", is_zero),
-    ("frequency_penalty", "0", is_zero),
     ("logit_bias", "empty", is_empty),
     ("tools", "empty", is_empty),
     ("tool_choice", "\"none\"", |v| *v == "none"),
@@ -94,10 +103,6 @@ fn is_empty(v: &Value) -> bool {
         Value::Object(o) => o.is_empty(),
         _ => false,
     }
-}
-
-fn is_zero(v: &Value) -> bool {
-    v.as_f64() == Some(0.0)
 }
 
 /// Refuses, naming it, the first field of `extra` (what the body's struct did not take): an
@@ -228,7 +233,23 @@ pub async fn chat_completions(
         top_p: body.top_p,
         seed: body.seed,
         filter: body.filter,
+        decoding: Decoding {
+            stop: ask::stop_strings(body.stop.as_ref())?,
+            n: body.n,
+            logprobs: top_logprobs(body.logprobs, body.top_logprobs)?,
+            presence_penalty: body.presence_penalty,
+            frequency_penalty: body.frequency_penalty,
+            repetition_penalty: body.repetition_penalty,
+            no_repeat_ngram_size: body.no_repeat_ngram_size,
+            penalize_prompt: body.penalize_prompt,
+        },
     };
+    let with_logprobs = body.logprobs == Some(true);
+    let include_usage = body
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked).map_err(|e| {
         match e.param.as_deref() {
             Some("query") => ApiError {
@@ -245,68 +266,185 @@ pub async fn chat_completions(
     let model = pipeline.generator.model_id().to_string();
     if !body.stream {
         let a = ask::answer(&pipeline, req, &stage).await?;
+        let choices: Vec<Value> = a
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": openai_finish(c.finish_reason),
+                    "logprobs": logprobs_json(with_logprobs, &c.logprobs),
+                })
+            })
+            .collect();
         let body = json!({
             "id": id,
             "object": "chat.completion",
             "created": unix_now(),
             "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": a.answer},
-                "finish_reason": openai_finish(&a),
-                "logprobs": null,
-            }],
+            "choices": choices,
             "usage": a.usage,
             "sources": a.sources,
             "timings": a.timings,
         });
         return Ok(super::respond_json(&stage, a.finished_at, &body));
     }
+    let n = body.n.unwrap_or(1);
     let events = ask::answer_stream(&pipeline, req, &stage)?;
-    Ok(Sse::new(chunks(events, id, model, stage))
+    let shape = ChunkShape {
+        id,
+        model,
+        created: unix_now(),
+        with_logprobs,
+        include_usage,
+    };
+    Ok(Sse::new(chunks(events, shape, n, stage))
         .keep_alive(KeepAlive::default())
         .into_response())
 }
 
-fn openai_finish(a: &RagAnswer) -> &'static str {
-    match a.finish_reason.as_str() {
-        "stop" | "cancelled" => "stop",
-        _ => "length",
+/// `logprobs` and `top_logprobs` as the generator's one setting: how many alternatives, or
+/// none. `top_logprobs` without `logprobs: true` is refused, as OpenAI does.
+fn top_logprobs(logprobs: Option<bool>, top: Option<usize>) -> Result<Option<usize>, ApiError> {
+    if let Some(k) = top {
+        if k > MAX_TOP_LOGPROBS {
+            return Err(ApiError::field(
+                "top_logprobs",
+                format!("must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
+            ));
+        }
+    }
+    match (logprobs, top) {
+        (Some(true), k) => Ok(Some(k.unwrap_or(0))),
+        (_, Some(k)) if k > 0 => Err(ApiError::field("top_logprobs", "needs \"logprobs\": true")),
+        _ => Ok(None),
     }
 }
 
-/// `chat.completion.chunk` events, then `[DONE]`.
-fn chunks(
-    events: impl Stream<Item = AnswerEvent> + Send + 'static,
-    id: String,
-    model: String,
-    stage: RequestStage,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let created = unix_now();
-    let chunk = move |delta: Value, finish: Value| {
+/// OpenAI's `finish_reason`: a client that went away or a timeout still reads as one of the
+/// two it knows.
+fn openai_finish(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+        FinishReason::Length | FinishReason::Timeout => "length",
+    }
+}
+
+/// A choice's `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs}]}` when asked for.
+fn logprobs_json(asked: bool, logprobs: &[TokenLogprob]) -> Value {
+    if !asked {
+        return Value::Null;
+    }
+    let entry = |bytes: &[u8], logprob: f32| {
         json!({
-            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null}],
+            "token": String::from_utf8_lossy(bytes),
+            "logprob": logprob,
+            "bytes": bytes,
         })
     };
-    let first = chunk(json!({"role": "assistant", "content": ""}), Value::Null);
-    let body = events.filter_map(move |event| {
+    let content: Vec<Value> = logprobs
+        .iter()
+        .map(|lp| {
+            let mut e = entry(&lp.bytes, lp.logprob);
+            e["top_logprobs"] = lp.top.iter().map(|t| entry(&t.bytes, t.logprob)).collect();
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// What every chunk of one response shares.
+struct ChunkShape {
+    id: String,
+    model: String,
+    created: u64,
+    with_logprobs: bool,
+    include_usage: bool,
+}
+
+impl ChunkShape {
+    fn chunk(&self, choices: Value) -> Value {
+        let mut c = json!({
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model, "choices": choices,
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    }
+
+    fn choice(
+        &self,
+        index: usize,
+        delta: Value,
+        finish: Value,
+        logprobs: &[TokenLogprob],
+    ) -> Value {
+        let logprobs = if self.with_logprobs && !logprobs.is_empty() {
+            logprobs_json(true, logprobs)
+        } else {
+            Value::Null
+        };
+        self.chunk(json!([{
+            "index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
+        }]))
+    }
+}
+
+/// `chat.completion.chunk` events: each choice's role, the choices' pieces as they come, each
+/// choice's finish, the usage chunk when asked for, then `[DONE]`.
+fn chunks(
+    events: impl Stream<Item = AnswerEvent> + Send + 'static,
+    shape: ChunkShape,
+    n: usize,
+    stage: RequestStage,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let first: Vec<Value> = (0..n)
+        .map(|i| {
+            shape.choice(
+                i,
+                json!({"role": "assistant", "content": ""}),
+                Value::Null,
+                &[],
+            )
+        })
+        .collect();
+    let body = events.flat_map(move |event| {
         let data = match event {
-            AnswerEvent::Sources(_) => None,
-            AnswerEvent::Token(text) => Some(chunk(json!({"content": text}), Value::Null)),
+            AnswerEvent::Sources(_) => Vec::new(),
+            AnswerEvent::Token(piece) => vec![shape.choice(
+                piece.choice,
+                json!({"content": piece.text}),
+                Value::Null,
+                &piece.logprobs,
+            )],
             AnswerEvent::Done(a) => {
-                let mut last = chunk(json!({}), json!(openai_finish(&a)));
-                last["usage"] = json!(a.usage);
-                Some(last)
+                let mut last: Vec<Value> = a
+                    .choices
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| {
+                        shape.choice(i, json!({}), json!(openai_finish(c.finish_reason)), &[])
+                    })
+                    .collect();
+                if shape.include_usage {
+                    let mut usage = shape.chunk(json!([]));
+                    usage["usage"] = json!(a.usage);
+                    last.push(usage);
+                }
+                last
             }
             AnswerEvent::Failed(e) => {
                 super::stream_failed(&stage, &e);
-                Some(e.body())
+                vec![e.body()]
             }
         };
-        futures::future::ready(data)
+        futures::stream::iter(data)
     });
-    futures::stream::once(futures::future::ready(first))
+    futures::stream::iter(first)
         .chain(body)
         .map(|data| Ok(SseEvent::default().json_data(data).unwrap_or_default()))
         .chain(futures::stream::once(futures::future::ready(Ok(

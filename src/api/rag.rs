@@ -12,7 +12,7 @@ use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::ask::{self, AnswerEvent, Asked};
+use super::ask::{self, AnswerEvent, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
@@ -30,6 +30,15 @@ pub struct QueryBody {
     pub filter: Option<Value>,
     #[serde(default)]
     pub stream: bool,
+    /// A stop string or a list of up to 4: the answer ends before the first.
+    pub stop: Option<Value>,
+    /// Each answer token's log-probability with this many likeliest alternatives (0 to 20).
+    pub logprobs: Option<usize>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub no_repeat_ngram_size: Option<usize>,
+    pub penalize_prompt: Option<bool>,
 }
 
 pub async fn query(
@@ -49,6 +58,16 @@ pub async fn query(
         top_p: body.top_p,
         seed: body.seed,
         filter: body.filter,
+        decoding: Decoding {
+            stop: ask::stop_strings(body.stop.as_ref())?,
+            n: None,
+            logprobs: body.logprobs,
+            presence_penalty: body.presence_penalty,
+            frequency_penalty: body.frequency_penalty,
+            repetition_penalty: body.repetition_penalty,
+            no_repeat_ngram_size: body.no_repeat_ngram_size,
+            penalize_prompt: body.penalize_prompt,
+        },
     };
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked)?;
     if !body.stream {
@@ -71,9 +90,13 @@ fn sse_events(
             AnswerEvent::Sources(sources) => {
                 SseEvent::default().event("sources").json_data(&sources)
             }
-            AnswerEvent::Token(text) => SseEvent::default()
-                .event("token")
-                .json_data(json!({"text": text})),
+            AnswerEvent::Token(piece) => {
+                let mut data = json!({"text": piece.text});
+                if !piece.logprobs.is_empty() {
+                    data["logprobs"] = json!(piece.logprobs);
+                }
+                SseEvent::default().event("token").json_data(data)
+            }
             AnswerEvent::Done(a) => SseEvent::default().event("done").json_data(
                 json!({"usage": a.usage, "timings": a.timings, "finish_reason": a.finish_reason}),
             ),

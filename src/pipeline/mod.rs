@@ -14,7 +14,8 @@ use opentelemetry::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
 pub use request::{
-    Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source, Timings, Usage,
+    Choice, Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source, Streamed,
+    Timings, Usage,
 };
 pub use runner::{StageRunner, StageSpec};
 
@@ -22,7 +23,7 @@ use crate::config::PipelineArgs;
 use crate::embed::cache::QueryCache;
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};
-use crate::generate::{Flow, GenerateRequest, Generated, Generator};
+use crate::generate::{self, Flow, GenerateRequest, Generated, Generator, Piece};
 use crate::ingest::chunk::ChunkerConfig;
 use crate::ingest::{Document, IngestOutcome};
 use crate::prompt::{self, Prompt};
@@ -201,108 +202,183 @@ impl Pipeline {
         })
     }
 
-    /// 5. The answer, each piece of text streamed as it completes.
+    /// 5. The answer, one per choice (generated side by side), each piece of text streamed
+    ///    as it completes.
     fn generate(
         &self,
         run: &mut StageRunner,
         req: &RagRequest,
         prompt: &[u32],
         events: Option<&UnboundedSender<Event>>,
-    ) -> Result<Generated, PipelineError> {
+    ) -> Result<Vec<Generated>, PipelineError> {
         let model = self.generator.model_id();
+        let s = &req.sampling;
         let mut attributes = vec![
             KeyValue::new(attr::GEN_AI_REQUEST_MAX_TOKENS, req.max_tokens as i64),
-            KeyValue::new(attr::GEN_AI_REQUEST_TEMPERATURE, req.sampling.temperature),
-            KeyValue::new(attr::GEN_AI_REQUEST_SEED, req.sampling.seed as i64),
+            KeyValue::new(attr::GEN_AI_REQUEST_TEMPERATURE, s.temperature),
+            KeyValue::new(attr::GEN_AI_REQUEST_SEED, s.seed as i64),
             KeyValue::new(attr::GEN_AI_REQUEST_STREAM, events.is_some()),
         ];
-        if let Some(p) = req.sampling.top_p {
+        if let Some(p) = s.top_p {
             attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_TOP_P, p));
+        }
+        // Decoding settings that differ from the neutral ones.
+        if !req.stop.is_empty() {
+            let stops = req.stop.iter().map(|s| s.clone().into()).collect();
+            attributes.push(KeyValue::new(
+                attr::GEN_AI_REQUEST_STOP_SEQUENCES,
+                opentelemetry::Value::Array(opentelemetry::Array::String(stops)),
+            ));
+        }
+        if req.choices != 1 {
+            attributes.push(KeyValue::new(
+                attr::GEN_AI_REQUEST_CHOICE_COUNT,
+                req.choices as i64,
+            ));
+        }
+        for (key, value, neutral) in [
+            (
+                attr::GEN_AI_REQUEST_PRESENCE_PENALTY,
+                s.presence_penalty,
+                0.0,
+            ),
+            (
+                attr::GEN_AI_REQUEST_FREQUENCY_PENALTY,
+                s.frequency_penalty,
+                0.0,
+            ),
+            (attr::REQUEST_REPETITION_PENALTY, s.repetition_penalty, 1.0),
+        ] {
+            if value != neutral {
+                attributes.push(KeyValue::new(key, f64::from(value)));
+            }
+        }
+        if s.penalize_prompt {
+            attributes.push(KeyValue::new(attr::REQUEST_PENALIZE_PROMPT, true));
+        }
+        if s.no_repeat_ngram > 0 {
+            attributes.push(KeyValue::new(
+                attr::REQUEST_NO_REPEAT_NGRAM_SIZE,
+                s.no_repeat_ngram as i64,
+            ));
         }
         let started = run.request().started();
         let spec = StageSpec::model(StageKind::Generate, model).with(attributes);
         run.run(spec, |stage| {
             let token_delay = req.faults.token_delay();
-            let mut delayed_tokens = 0;
-            let mut on_token = |piece: &str| {
+            let delayed_tokens = std::sync::atomic::AtomicUsize::new(0);
+            let on_token = |choice: usize, piece: Piece<'_>| {
                 if let Some(d) = token_delay {
                     std::thread::sleep(d);
-                    delayed_tokens += 1;
+                    delayed_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
+                let streamed = || Streamed {
+                    choice,
+                    text: piece.text.to_string(),
+                    logprobs: piece.logprobs.to_vec(),
+                };
                 match events {
-                    Some(tx) if tx.send(Event::Token(piece.to_string())).is_err() => Flow::Stop,
+                    Some(tx) if tx.send(Event::Token(streamed())).is_err() => Flow::Stop,
                     _ => Flow::Continue,
                 }
             };
-            let generated = self.generator.generate(
-                GenerateRequest {
+            let requests = (0..req.choices.max(1))
+                .map(|i| GenerateRequest {
                     prompt,
                     max_tokens: req.max_tokens,
-                    sampling: req.sampling,
+                    sampling: generate::Sampling {
+                        seed: s.seed.wrapping_add(i as u64),
+                        ..*s
+                    },
                     token_trace: self.defaults.token_trace,
                     deadline: Some(req.deadline),
                     ignore_eos: false,
-                },
-                stage,
-                &mut on_token,
-            )?;
+                    stop: &req.stop,
+                    logprobs: req.logprobs,
+                })
+                .collect();
+            let generated =
+                generate::generate_choices(self.generator.as_ref(), requests, stage, &on_token)?;
             if let Some(d) = token_delay {
+                let delayed = delayed_tokens.load(std::sync::atomic::Ordering::Relaxed);
                 stage.set_all([
                     KeyValue::new(attr::FAULT_TOKEN_DELAY_MS, millis(d)),
-                    KeyValue::new(attr::FAULT_DELAYED_TOKENS, delayed_tokens as i64),
+                    KeyValue::new(attr::FAULT_DELAYED_TOKENS, delayed as i64),
                 ]);
                 crate::fault::count(FaultStage::Chat, "token_delay");
             }
+            let finishes: Vec<&str> = generated.iter().map(|g| g.finish.as_str()).collect();
+            let output: usize = generated.iter().map(|g| g.tokens.len()).sum();
             stage.set_all([
                 KeyValue::new(attr::GEN_AI_RESPONSE_MODEL, model.to_string()),
-                KeyValue::new(
-                    attr::GEN_AI_RESPONSE_FINISH_REASONS,
-                    generated.finish.as_str(),
-                ),
+                KeyValue::new(attr::GEN_AI_RESPONSE_FINISH_REASONS, finishes.join(",")),
                 KeyValue::new(
                     attr::GEN_AI_USAGE_INPUT_TOKENS,
-                    generated.prompt_tokens as i64,
+                    generated[0].prompt_tokens as i64,
                 ),
-                KeyValue::new(
-                    attr::GEN_AI_USAGE_OUTPUT_TOKENS,
-                    generated.tokens.len() as i64,
-                ),
+                KeyValue::new(attr::GEN_AI_USAGE_OUTPUT_TOKENS, output as i64),
             ]);
-            if let Some(ttft) = time_to_first_token(&generated, started) {
+            if let Some(ttft) = time_to_first_token(&generated[0], started) {
                 stage.set(KeyValue::new(
                     attr::GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
                     ttft / 1e3,
                 ));
             }
             if self.defaults.capture_content {
-                stage.set(KeyValue::new(attr::ANSWER_TEXT, generated.text.clone()));
+                stage.set(KeyValue::new(attr::ANSWER_TEXT, generated[0].text.clone()));
             }
             Ok(generated)
         })
     }
 
-    /// 6. The answer with its timings; generation's metrics recorded.
-    fn finish(&self, run: StageRunner, sources: Vec<Source>, generated: Generated) -> RagAnswer {
+    /// 6. The answer with its timings (the first choice's); generation's metrics recorded.
+    fn finish(
+        &self,
+        run: StageRunner,
+        sources: Vec<Source>,
+        generated: Vec<Generated>,
+    ) -> RagAnswer {
         let request = run.request();
+        let first = &generated[0];
         let mut timings = run.timings();
-        timings.record(StageKind::Prefill, millis(generated.prefill));
-        timings.record(StageKind::Decode, millis(generated.decode));
-        timings.ttft_ms = time_to_first_token(&generated, request.started()).unwrap_or_default();
+        timings.record(StageKind::Prefill, millis(first.prefill));
+        timings.record(StageKind::Decode, millis(first.decode));
+        timings.ttft_ms = time_to_first_token(first, request.started()).unwrap_or_default();
         timings.total_ms = millis(request.elapsed());
-        record_generation(&timings, &generated);
+        record_generation(&timings, first);
+        for g in &generated[1..] {
+            metrics().tokens.add(
+                g.tokens.len() as u64,
+                &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "output")],
+            );
+        }
+        let prompt_tokens = first.prompt_tokens;
+        // The prompt is counted once however many choices share it.
+        let cached_tokens = first.cached_tokens;
+        let completion_tokens = generated.iter().map(|g| g.tokens.len()).sum();
+        let choices: Vec<Choice> = generated
+            .into_iter()
+            .map(|g| Choice {
+                text: g.text.trim().to_string(),
+                finish_reason: g.finish,
+                completion_tokens: g.tokens.len(),
+                logprobs: g.logprobs,
+            })
+            .collect();
+        let first = &choices[0];
         RagAnswer {
-            answer: generated.text.trim().to_string(),
+            answer: first.text.clone(),
             sources,
             usage: Usage {
-                prompt_tokens: generated.prompt_tokens,
-                completion_tokens: generated.tokens.len(),
-                total_tokens: generated.prompt_tokens + generated.tokens.len(),
-                prompt_tokens_details: PromptTokensDetails {
-                    cached_tokens: generated.cached_tokens,
-                },
+                prompt_tokens,
+                completion_tokens,
+                total_tokens: prompt_tokens + completion_tokens,
+                prompt_tokens_details: PromptTokensDetails { cached_tokens },
             },
             timings,
-            finish_reason: generated.finish,
+            finish_reason: first.finish_reason,
+            logprobs: first.logprobs.clone(),
+            choices,
             finished_at: clock::now(),
         }
     }

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use crate::config::PipelineArgs;
 use crate::embed::EmbedError;
 use crate::fault::{FaultPlan, Injected};
-use crate::generate::{ChatMessage, FinishReason, GenerateError, Sampling};
+use crate::generate::{ChatMessage, FinishReason, GenerateError, Sampling, TokenLogprob};
 use crate::ingest::IngestError;
 use crate::rerank::RerankError;
 use crate::retrieve::{Filter, ScoredChunk, StoreError};
@@ -28,6 +28,12 @@ pub struct RagRequest {
     pub rerank_top_n: usize,
     pub max_tokens: usize,
     pub sampling: Sampling,
+    /// Stop strings: the answer ends before the first one.
+    pub stop: Vec<String>,
+    /// `Some(k)`: each answer token's log-probability with its `k` likeliest alternatives.
+    pub logprobs: Option<usize>,
+    /// Independent answers to generate (chat's `n`); choice `i` samples with seed `seed + i`.
+    pub choices: usize,
     pub filter: Option<Filter>,
     pub deadline: Instant,
     /// Faults to inject (empty unless the server allows injection).
@@ -44,6 +50,9 @@ impl RagRequest {
             rerank_top_n: defaults.rerank_top_n,
             max_tokens: defaults.max_tokens,
             sampling: Sampling::default(),
+            stop: Vec::new(),
+            logprobs: None,
+            choices: 1,
             filter: None,
             deadline: clock::now() + timeout,
             faults: Arc::default(),
@@ -128,21 +137,46 @@ impl Timings {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct RagAnswer {
+    /// The first choice's text.
     pub answer: String,
     pub sources: Vec<Source>,
+    /// Completion tokens of every choice.
     pub usage: Usage,
     pub timings: Timings,
     pub finish_reason: FinishReason,
+    /// The first choice's log-probabilities, when asked for.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TokenLogprob>,
+    /// Every choice, the first one included (the chat endpoint's `n`).
+    #[serde(skip)]
+    pub choices: Vec<Choice>,
     /// When the worker finished, on the shared clock: the `respond` stage starts here.
     #[serde(skip)]
     pub finished_at: Instant,
+}
+
+/// One of a request's independent answers.
+#[derive(Debug, Clone)]
+pub struct Choice {
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub logprobs: Vec<TokenLogprob>,
+    pub completion_tokens: usize,
 }
 
 /// What a streaming request sees, in order: sources once, then tokens.
 #[derive(Debug, Clone)]
 pub enum Event {
     Sources(Vec<Source>),
-    Token(String),
+    Token(Streamed),
+}
+
+/// A piece of one choice's answer, with the log-probabilities of the tokens it completes.
+#[derive(Debug, Clone, Default)]
+pub struct Streamed {
+    pub choice: usize,
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 #[derive(Debug, thiserror::Error)]

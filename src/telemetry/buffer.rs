@@ -170,6 +170,8 @@ fn attribute(kv: &KeyValue) -> Json {
         Value::Bool(b) => json!({"boolValue": b}),
         Value::I64(i) => json!({"intValue": i.to_string()}),
         Value::F64(f) => json!({"doubleValue": f}),
+        Value::Array(opentelemetry::Array::String(items)) => json!({"arrayValue": {"values":
+            items.iter().map(|s| json!({"stringValue": s.as_str()})).collect::<Vec<_>>()}}),
         other => json!({"stringValue": other.to_string()}),
     };
     json!({"key": kv.key.as_str(), "value": value})

@@ -641,3 +641,61 @@ async fn a_cancelled_query_stops_its_generation() {
         Some(Code::Cancelled as i64)
     );
 }
+
+#[tokio::test]
+async fn query_takes_stop_strings_penalties_and_logprobs() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let ask = |extra: QueryRequest| QueryRequest {
+        query: "What is the capital of Zorbia?".into(),
+        max_tokens: Some(24),
+        ..extra
+    };
+    let free = query(&app, ask(QueryRequest::default())).await.unwrap();
+    let at = free
+        .answer
+        .find("Quenta")
+        .expect("the answer names the capital");
+    let cut = query(
+        &app,
+        ask(QueryRequest {
+            stop: vec!["Quenta".into()],
+            logprobs: Some(2),
+            presence_penalty: Some(0.0),
+            ..Default::default()
+        }),
+    )
+    .await
+    .unwrap();
+    assert_eq!(cut.answer, free.answer[..at]);
+    let Some(Event::Done(done)) = cut.events.last() else {
+        panic!("no done event")
+    };
+    assert_eq!(done.finish_reason, "stop");
+    let logprobs: Vec<&proto::TokenLogprob> = cut
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Token(t) => Some(t.logprobs.iter()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!logprobs.is_empty());
+    assert!(logprobs
+        .iter()
+        .all(|l| l.top.len() == 2 && l.logprob <= 0.0));
+    let err = query(
+        &app,
+        ask(QueryRequest {
+            frequency_penalty: Some(3.0),
+            ..Default::default()
+        }),
+    )
+    .await
+    .err()
+    .expect("out of range");
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().starts_with("frequency_penalty: "), "{err:?}");
+    app.stop().await;
+}

@@ -34,22 +34,7 @@ async fn chat_completions_answer_in_openai_shape_streamed_and_not() {
         Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
     );
 
-    let mut stream_req = req.clone();
-    stream_req["stream"] = json!(true);
-    let r = app
-        .client
-        .post(app.url("/v1/chat/completions"))
-        .json(&stream_req)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let events = sse_events(&r.text().await.unwrap());
-    assert_eq!(events.last().unwrap().1, "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|(_, d)| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = chat_chunks(&app, &req).await;
     assert!(chunks
         .iter()
         .all(|c| c["object"] == "chat.completion.chunk"));
@@ -155,8 +140,7 @@ async fn assert_refused(app: &TestApp, path: &str, body: &Value, param: &str, co
 async fn chat_fields_that_would_change_the_answer_are_refused_by_name_unless_neutral() {
     let app = spawn_fake_app(FakeGenerator::new(4)).await;
     let asking = json!({
-        "stop": ["."], "n": 5, "logprobs": true, "top_logprobs": 3,
-        "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"50256": -100},
+        "logit_bias": {"50256": -100},
         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
         "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": true,
         "response_format": {"type": "json_object"}, "modalities": ["text", "audio"],
@@ -216,19 +200,9 @@ async fn chat_fields_that_would_change_the_answer_are_refused_by_name_unless_neu
     assert_eq!(body["choices"].as_array().unwrap().len(), 1);
 
     let mut streamed = chat(neutral);
-    streamed["stream"] = json!(true);
     streamed["stream_options"] = json!({"include_usage": true});
-    let r = app
-        .client
-        .post(app.url("/v1/chat/completions"))
-        .json(&streamed)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let events = sse_events(&r.text().await.unwrap());
-    assert_eq!(events.last().unwrap().1, "[DONE]");
-    let last: Value = serde_json::from_str(&events[events.len() - 2].1).unwrap();
+    let chunks = chat_chunks(&app, &streamed).await;
+    let last = chunks.last().unwrap();
     assert!(
         last["usage"]["completion_tokens"].as_u64().unwrap() > 0,
         "{last}"
@@ -257,4 +231,371 @@ async fn embeddings_refuse_unknown_fields_by_name_and_ignore_user() {
     )
     .await;
     app.stop().await;
+}
+
+/// The chunks of a streamed chat request, without `[DONE]` (which must end it).
+async fn chat_chunks(app: &TestApp, body: &Value) -> Vec<Value> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = app
+        .client
+        .post(app.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let events = sse_events(&r.text().await.unwrap());
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    events[..events.len() - 1]
+        .iter()
+        .map(|(_, d)| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// The streamed text of choice `index`.
+fn streamed_text(chunks: &[Value], index: usize) -> String {
+    chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+        .filter(|c| c["index"] == index)
+        .filter_map(|c| c["delta"]["content"].as_str())
+        .collect()
+}
+
+async fn chat_ok(app: &TestApp, body: &Value) -> Value {
+    let (status, response) = app.post("/v1/chat/completions", body).await;
+    assert_eq!(status, 200, "{body}: {response}");
+    response
+}
+
+fn zorbia(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": "Tell me about Zorbia and its capital."}],
+        "max_tokens": 40,
+        "temperature": 0,
+    });
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+#[tokio::test]
+async fn chat_stop_strings_end_the_answer_before_them_streamed_and_not() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let free = chat_ok(&app, &zorbia(json!({}))).await;
+    let text = free["choices"][0]["message"]["content"].as_str().unwrap();
+    // A word from the middle of the free answer, with the space before it.
+    let words: Vec<&str> = text.split(' ').collect();
+    assert!(words.len() > 4, "{text}");
+    let stop = format!(" {}", words[words.len() / 2]);
+    let expected = text[..text.find(&stop).unwrap()].trim();
+    for stops in [json!(stop), json!(["never-said", stop])] {
+        let body = zorbia(json!({"stop": stops}));
+        let cut = chat_ok(&app, &body).await;
+        assert_eq!(
+            cut["choices"][0]["message"]["content"], expected,
+            "{stop:?}"
+        );
+        assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+        let chunks = chat_chunks(&app, &body).await;
+        assert_eq!(streamed_text(&chunks, 0).trim(), expected);
+        assert!(!streamed_text(&chunks, 0).contains(&stop));
+        let last = &chunks.last().unwrap()["choices"][0];
+        assert_eq!(last["finish_reason"], "stop", "{last}");
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn chat_n_gives_independent_seeded_choices() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let body = zorbia(json!({"n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 16}));
+    let a = chat_ok(&app, &body).await;
+    let choices = a["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{a}");
+    let texts: Vec<&str> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            assert_eq!(c["index"], i);
+            assert!(["stop", "length"].contains(&c["finish_reason"].as_str().unwrap()));
+            c["message"]["content"].as_str().unwrap()
+        })
+        .collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    // Same seed, same choices; choice i is what n = 1 gives with seed + i.
+    let again = chat_ok(&app, &body).await;
+    assert_eq!(again["choices"], a["choices"]);
+    let third = chat_ok(
+        &app,
+        &zorbia(json!({"temperature": 1.0, "seed": 13, "max_tokens": 16})),
+    )
+    .await;
+    assert_eq!(third["choices"][0]["message"]["content"], texts[2]);
+    // Usage counts every choice's tokens.
+    let u = &a["usage"];
+    assert_eq!(
+        u["total_tokens"].as_u64(),
+        Some(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap())
+    );
+    let alone = third["usage"]["completion_tokens"].as_u64().unwrap();
+    let all = u["completion_tokens"].as_u64().unwrap();
+    assert!(
+        all >= alone + texts[..2].iter().filter(|t| !t.is_empty()).count() as u64,
+        "{u}"
+    );
+    // Streamed, each choice arrives under its own index and finishes on its own.
+    let chunks = chat_chunks(&app, &body).await;
+    for (i, text) in texts.iter().enumerate() {
+        assert_eq!(streamed_text(&chunks, i).trim(), *text);
+        let finishes = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == i && c["finish_reason"].is_string())
+            .count();
+        assert_eq!(finishes, 1);
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn chat_logprobs_come_in_openai_shape_streamed_and_not() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let body = zorbia(json!({"logprobs": true, "top_logprobs": 3, "max_tokens": 12}));
+    let a = chat_ok(&app, &body).await;
+    let content = a["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        a["usage"]["completion_tokens"].as_u64().unwrap(),
+        "one entry per generated token"
+    );
+    let mut text = String::new();
+    for entry in content {
+        let logprob = entry["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0);
+        let bytes: Vec<u8> = entry["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap() as u8)
+            .collect();
+        text.push_str(&String::from_utf8_lossy(&bytes));
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(top[0]["token"], entry["token"], "{entry}");
+        assert_eq!(top[0]["logprob"], entry["logprob"]);
+        assert!(top
+            .windows(2)
+            .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+    }
+    let answer = a["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(text.trim(), answer);
+    // Without logprobs asked for, none come.
+    let plain = chat_ok(&app, &zorbia(json!({"max_tokens": 12}))).await;
+    assert!(plain["choices"][0]["logprobs"].is_null());
+    assert_eq!(plain["choices"][0]["message"]["content"], answer);
+    // Streamed: the same entries, spread over the chunks.
+    let chunks = chat_chunks(&app, &body).await;
+    let streamed: Vec<Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .cloned()
+        .collect();
+    assert_eq!(&streamed, content);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn chat_penalties_change_the_text_of_a_looping_answer() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let ask = |extra: Value| {
+        zorbia(json!({
+            "messages": [{"role": "user", "content": "List ten facts about Zorbia, one per line."}],
+            "max_tokens": 64,
+        }))
+        .as_object()
+        .cloned()
+        .map(|mut b| {
+            b.extend(extra.as_object().unwrap().clone());
+            Value::Object(b)
+        })
+        .unwrap()
+    };
+    let greedy = chat_ok(&app, &ask(json!({}))).await;
+    let greedy = greedy["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for penalty in [
+        json!({"frequency_penalty": 1.5}),
+        json!({"presence_penalty": 2.0}),
+        json!({"repetition_penalty": 1.5}),
+        json!({"no_repeat_ngram_size": 3}),
+    ] {
+        let out = chat_ok(&app, &ask(penalty.clone())).await;
+        let text = out["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_ne!(text, greedy, "{penalty} changed nothing");
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn chat_include_usage_adds_one_usage_chunk_and_only_then() {
+    let app = spawn_fake_app(FakeGenerator::new(4)).await;
+    let body = chat(json!({"stream_options": {"include_usage": true}}));
+    let chunks = chat_chunks(&app, &body).await;
+    let (last, rest) = chunks.split_last().unwrap();
+    assert_eq!(last["choices"], json!([]), "{last}");
+    assert_eq!(last["usage"]["completion_tokens"], 4, "{last}");
+    assert!(rest
+        .iter()
+        .all(|c| c["usage"].is_null() && c.get("usage").is_some()));
+    for options in [
+        json!({}),
+        json!({"stream_options": {"include_usage": false}}),
+    ] {
+        let chunks = chat_chunks(&app, &chat(options)).await;
+        assert!(
+            chunks.iter().all(|c| c.get("usage").is_none()),
+            "{chunks:?}"
+        );
+        assert_eq!(
+            chunks.last().unwrap()["choices"][0]["finish_reason"],
+            "length"
+        );
+    }
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn chat_decoding_fields_out_of_range_are_refused_by_name() {
+    let app = spawn_fake_app(FakeGenerator::new(4)).await;
+    for (extra, param) in [
+        (json!({"n": 0}), "n"),
+        (json!({"n": 9}), "n"),
+        (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        (json!({"stop": [".", 3]}), "stop[1]"),
+        (json!({"stop": ["", "."]}), "stop[0]"),
+        (json!({"stop": 7}), "stop"),
+        (json!({"presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"frequency_penalty": -3}), "frequency_penalty"),
+        (json!({"repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"no_repeat_ngram_size": 99}), "no_repeat_ngram_size"),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        (json!({"top_logprobs": 2}), "top_logprobs"),
+    ] {
+        let body = chat(extra.clone());
+        let (status, response) = app.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{extra}: {response}");
+        assert_eq!(response["error"]["param"], param, "{extra}: {response}");
+    }
+    // The fake generator honours none of it, but the request is taken.
+    let (status, body) = app
+        .post(
+            "/v1/chat/completions",
+            &chat(json!({"n": 2, "stop": "x", "presence_penalty": 1, "logprobs": true})),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn rag_query_takes_stop_and_logprobs() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let ask = |extra: Value| {
+        let mut b = json!({"query": "What is the capital of Zorbia?", "max_tokens": 24});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let (status, free) = app.post("/v1/rag/query", &ask(json!({}))).await;
+    assert_eq!(status, 200, "{free}");
+    assert!(free.get("logprobs").is_none());
+    let answer = free["answer"].as_str().unwrap();
+    let at = answer.find("Quenta").expect("the answer names the capital");
+    let (status, cut) = app
+        .post(
+            "/v1/rag/query",
+            &ask(json!({"stop": ["Quenta"], "logprobs": 2})),
+        )
+        .await;
+    assert_eq!(status, 200, "{cut}");
+    assert_eq!(cut["answer"], answer[..at].trim());
+    assert_eq!(cut["finish_reason"], "stop");
+    let logprobs = cut["logprobs"].as_array().unwrap();
+    assert!(!logprobs.is_empty());
+    assert!(logprobs
+        .iter()
+        .all(|l| l["top_logprobs"].as_array().unwrap().len() == 2 && l["id"].is_u64()));
+    let (status, err) = app
+        .post("/v1/rag/query", &ask(json!({"logprobs": 21})))
+        .await;
+    assert_eq!(status, 400);
+    assert_eq!(err["error"]["param"], "logprobs");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn the_chat_span_records_the_decoding_request() {
+    use crate::stages::{attr, last_trace, record_spans, span};
+    record_spans();
+    let app = spawn_fake_app(FakeGenerator::new(4)).await;
+    let body = chat(json!({
+        "n": 2, "stop": ["x", "y"], "presence_penalty": 0.5, "frequency_penalty": -0.25,
+        "repetition_penalty": 1.2, "no_repeat_ngram_size": 3, "seed": 9,
+    }));
+    let (status, response) = app.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{response}");
+    let spans = last_trace(&app).await;
+    let chat = span(&spans, "chat ");
+    let stops = json!({"arrayValue": {"values": [{"stringValue": "x"}, {"stringValue": "y"}]}});
+    for (key, value) in [
+        ("gen_ai.request.stop_sequences", stops),
+        (
+            "gen_ai.request.presence_penalty",
+            json!({"doubleValue": 0.5}),
+        ),
+        (
+            "gen_ai.request.frequency_penalty",
+            json!({"doubleValue": -0.25}),
+        ),
+        ("gen_ai.request.choice.count", json!({"intValue": "2"})),
+        ("gen_ai.request.seed", json!({"intValue": "9"})),
+        ("rag.request.no_repeat_ngram_size", json!({"intValue": "3"})),
+    ] {
+        assert_eq!(attr(chat, key), Some(value), "{key} in {chat:#}");
+    }
+    let r = attr(chat, "rag.request.repetition_penalty").unwrap();
+    assert!(
+        (r["doubleValue"].as_f64().unwrap() - 1.2).abs() < 1e-6,
+        "{r}"
+    );
+    // Neutral settings are left out.
+    let (status, _) = app.post("/v1/chat/completions", &chat_body_plain()).await;
+    assert_eq!(status, 200);
+    let spans = last_trace(&app).await;
+    let chat = span(&spans, "chat ");
+    assert_eq!(attr(chat, "gen_ai.request.stop_sequences"), None);
+    assert_eq!(attr(chat, "gen_ai.request.choice.count"), None);
+    app.stop().await;
+}
+
+fn chat_body_plain() -> Value {
+    chat(json!({}))
 }

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use super::ask::{self, AnswerEvent, Asked, DocumentBody};
+use super::ask::{self, AnswerEvent, Asked, Decoding, DocumentBody};
 use super::{AppState, Readiness, RequestStage};
 use crate::ingest::Format;
 use crate::pipeline::RagAnswer;
@@ -181,6 +181,16 @@ impl Rag for RagService {
             top_p: r.top_p,
             seed: r.seed,
             filter: r.filter.map(|f| Value::Object(struct_to_json(f))),
+            decoding: Decoding {
+                stop: r.stop,
+                n: None,
+                logprobs: r.logprobs.map(|k| k as usize),
+                presence_penalty: r.presence_penalty,
+                frequency_penalty: r.frequency_penalty,
+                repetition_penalty: r.repetition_penalty,
+                no_repeat_ngram_size: r.no_repeat_ngram_size.map(|n| n as usize),
+                penalize_prompt: r.penalize_prompt,
+            },
         };
         let req = ask::prepare(&self.state, &pipeline, &stage, &headers, asked)?;
         let events = ask::answer_stream(&pipeline, req, &stage)?;
@@ -282,11 +292,31 @@ fn query_event(event: AnswerEvent) -> Result<QueryEvent, Status> {
         AnswerEvent::Sources(sources) => QueryEventKind::Sources(Sources {
             sources: sources.into_iter().map(source).collect(),
         }),
-        AnswerEvent::Token(text) => QueryEventKind::Token(Token { text }),
+        AnswerEvent::Token(piece) => QueryEventKind::Token(Token {
+            text: piece.text,
+            logprobs: piece.logprobs.into_iter().map(token_logprob).collect(),
+        }),
         AnswerEvent::Done(a) => QueryEventKind::Done(done(&a)),
         AnswerEvent::Failed(e) => return Err(Status::from(e)),
     };
     Ok(QueryEvent { event: Some(event) })
+}
+
+fn token_logprob(lp: crate::generate::TokenLogprob) -> proto::TokenLogprob {
+    proto::TokenLogprob {
+        id: lp.id,
+        bytes: lp.bytes,
+        logprob: lp.logprob,
+        top: lp
+            .top
+            .into_iter()
+            .map(|t| proto::TopLogprob {
+                id: t.id,
+                bytes: t.bytes,
+                logprob: t.logprob,
+            })
+            .collect(),
+    }
 }
 
 fn source(s: crate::pipeline::Source) -> proto::Source {
