@@ -24,7 +24,7 @@ use crate::generate::ChatMessage;
 use crate::pipeline::{Pipeline, RagAnswer};
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
-const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
+pub(super) const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
 
 #[derive(Debug, Deserialize)]
 pub struct ChatBody {
@@ -61,7 +61,7 @@ pub struct StreamOptions {
 
 /// An OpenAI field this server does not implement: its name, the values that ask for nothing
 /// (besides `null`, which always does) in words for the error, and the test for them.
-type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
+pub(super) type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
 
 /// Chat fields that would change the answer; each is refused unless its value is neutral.
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
@@ -87,7 +87,7 @@ const CHAT_UNSUPPORTED: &[Unsupported] = &[
     ("web_search_options", "null", |_| false),
 ];
 
-fn is_empty(v: &Value) -> bool {
+pub(super) fn is_empty(v: &Value) -> bool {
     match v {
         Value::String(s) => s.is_empty(),
         Value::Array(a) => a.is_empty(),
@@ -96,13 +96,13 @@ fn is_empty(v: &Value) -> bool {
     }
 }
 
-fn is_zero(v: &Value) -> bool {
+pub(super) fn is_zero(v: &Value) -> bool {
     v.as_f64() == Some(0.0)
 }
 
 /// Refuses, naming it, the first field of `extra` (what the body's struct did not take): an
 /// unsupported field with a value that asks for something, or a field nobody knows.
-fn refuse_unhonoured(
+pub(super) fn refuse_unhonoured(
     extra: &Map<String, Value>,
     unsupported: &[Unsupported],
 ) -> Result<(), ApiError> {
@@ -130,10 +130,28 @@ pub struct ChatMessageBody {
     pub content: Option<Value>,
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// The conversation of a request's `messages`, roles checked; errors name `messages[i]`.
+pub(super) fn chat_messages(bodies: &[ChatMessageBody]) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut messages = Vec::with_capacity(bodies.len());
+    for (i, m) in bodies.iter().enumerate() {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(ApiError::field(
+                &format!("messages[{i}].role"),
+                format!("unknown role {:?}", m.role),
+            ));
+        }
+        messages.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
+    }
+    Ok(messages)
 }
 
 /// Text of a message's content: a string, or the text parts of a content array.
@@ -164,8 +182,11 @@ fn content_text(i: usize, content: &Option<Value>) -> Result<String, ApiError> {
     }
 }
 
-fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
-    if model == pipeline.generator.model_id() || RAG_MODEL_ALIASES.contains(&model) {
+pub(super) fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
+    if model == pipeline.generator.model_id()
+        || RAG_MODEL_ALIASES.contains(&model)
+        || model == super::completions::plain_model(pipeline)
+    {
         return Ok(());
     }
     Err(ApiError {
@@ -421,6 +442,7 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
         pipeline.embedder.model_id().to_string(),
     ];
     ids.extend(RAG_MODEL_ALIASES.iter().map(|s| s.to_string()));
+    ids.push(super::completions::plain_model(&pipeline));
     if let Some(r) = &pipeline.reranker {
         ids.push(r.model_id().to_string());
     }

@@ -2,6 +2,7 @@
 
 mod attribution;
 mod catalogue;
+mod completions;
 mod coverage;
 mod documents;
 mod errors;
