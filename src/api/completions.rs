@@ -196,15 +196,11 @@ struct Scored {
 }
 
 impl Scored {
-    fn from_logprob(generator: &dyn Generator, t: &TokenLogprob) -> Scored {
+    fn from_logprob(t: &TokenLogprob) -> Scored {
         Scored {
-            bytes: generator.token_bytes(t.token),
+            bytes: t.bytes.clone(),
             logprob: Some(t.logprob),
-            top: t
-                .top
-                .iter()
-                .map(|&(id, lp)| (generator.token_bytes(id), lp))
-                .collect(),
+            top: t.top.iter().map(|a| (a.bytes.clone(), a.logprob)).collect(),
         }
     }
 }
@@ -221,7 +217,7 @@ fn scored_prompt(
         top: Vec::new(),
     };
     std::iter::once(first)
-        .chain(scores.iter().map(|s| Scored::from_logprob(generator, s)))
+        .chain(scores.iter().map(Scored::from_logprob))
         .collect()
 }
 

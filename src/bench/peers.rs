@@ -21,7 +21,7 @@ use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
 use crate::generate::llama::Llama;
 use crate::generate::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Sampling,
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
     TokenLogprob, TokenTrace,
 };
 use crate::ingest::{self, chunk};
@@ -129,7 +129,7 @@ impl Generator for Budget<'_> {
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError> {
         self.inner.generate(req, stage, on_token)
     }
@@ -306,6 +306,8 @@ fn measure(
                 token_trace: TokenTrace::Off,
                 deadline: None,
                 ignore_eos: true,
+                stop: &[],
+                logprobs: None,
             },
             &stage(),
             &mut |_| Flow::Continue,

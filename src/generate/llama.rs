@@ -30,7 +30,8 @@ use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
 use super::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Sampling, TokenLogprob,
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
+    TokenLogprob,
 };
 use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
@@ -291,7 +292,7 @@ impl Generator for Llama {
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError> {
         TextGeneration::new(self, req, stage).run(on_token)
     }

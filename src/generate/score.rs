@@ -6,51 +6,31 @@
 //! recorded as a `prefill` stage under the generation stage the pipeline hands it.
 
 use opentelemetry::KeyValue;
-use serde::Serialize;
 
 use super::kv_cache::KvCache;
 use super::llama::Llama;
-use super::GenerateError;
+use super::sampler::logprobs;
+use super::{GenerateError, Generator, TokenLogprob, TopLogprob, MAX_TOP_LOGPROBS};
 use crate::telemetry::clock;
 use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
 
-/// Most alternatives a position may list (OpenAI's legacy `logprobs` allows 5, the chat API's
-/// `top_logprobs` 20).
-pub const MAX_TOP_LOGPROBS: usize = 20;
-
-/// The log-probability (natural log) the model gave one token, and the `top` most likely tokens
-/// at its position, best first.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    pub top: Vec<(u32, f32)>,
-}
-
-/// Log-softmax of one row of logits at `target`, and the `top` largest entries as
-/// log-probabilities, best first (ties: the lower id first).
-pub fn logprobs_at(row: &[f32], target: u32, top: usize) -> TokenLogprob {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
-    let log_z = f64::from(max) + sum.ln();
-    let lp = |id: u32| (f64::from(row[id as usize]) - log_z) as f32;
-    let mut best: Vec<u32> = Vec::with_capacity(top + 1);
-    if top > 0 {
-        for id in 0..row.len() as u32 {
-            let worse = |b: &u32| row[*b as usize] < row[id as usize];
-            if best.len() == top && !best.last().is_some_and(worse) {
-                continue;
-            }
-            let at = best.iter().position(worse).unwrap_or(best.len());
-            best.insert(at, id);
-            best.truncate(top);
-        }
-    }
+/// `token`'s entry from one row of logits. Bytes as [`Generator::token_bytes`] gives them (a
+/// control token's own text), so an echoed prompt's tokens spell its text.
+fn token_logprob(llama: &Llama, row: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let (logprob, best) = logprobs(row, token, top);
     TokenLogprob {
-        token: target,
-        logprob: lp(target),
-        top: best.into_iter().map(|id| (id, lp(id))).collect(),
+        id: token,
+        bytes: llama.token_bytes(token),
+        logprob,
+        top: best
+            .into_iter()
+            .map(|(id, logprob)| TopLogprob {
+                id,
+                bytes: llama.token_bytes(id),
+                logprob,
+            })
+            .collect(),
     }
 }
 
@@ -89,7 +69,7 @@ pub(super) fn score(
         net.prefill_all_logits(prompt, &mut cache, &llama.schedule, &mut |start, logits| {
             for (i, row) in logits.to_vec2::<f32>()?.iter().enumerate() {
                 if let Some(&next) = prompt.get(start + i + 1) {
-                    scores.push(logprobs_at(row, next, top));
+                    scores.push(token_logprob(llama, row, next, top));
                 }
             }
             Ok(())
@@ -118,22 +98,7 @@ pub(super) fn score(
 mod tests {
     use super::*;
     use crate::generate::testing::{model, stage};
-    use crate::generate::{ChatMessage, Generator};
-
-    #[test]
-    fn logprobs_at_is_a_log_softmax_with_the_best_first() {
-        let row = [1.0f32, 3.0, 2.0, 3.0];
-        let s = logprobs_at(&row, 2, 3);
-        let z: f64 = row.iter().map(|&l| f64::from(l).exp()).sum();
-        assert!((f64::from(s.logprob) - (2.0 - z.ln())).abs() < 1e-6);
-        let ids: Vec<u32> = s.top.iter().map(|t| t.0).collect();
-        assert_eq!(ids, [1, 3, 2]);
-        let total: f64 = (0..4)
-            .map(|i| f64::from(logprobs_at(&row, i, 0).logprob).exp())
-            .sum();
-        assert!((total - 1.0).abs() < 1e-6);
-        assert!(logprobs_at(&row, 0, 0).top.is_empty());
-    }
+    use crate::generate::ChatMessage;
 
     /// The last prefill position's logits, as a generation sees them.
     fn prefill_logits(llama: &Llama, prompt: &[u32]) -> Vec<f32> {
@@ -164,18 +129,22 @@ mod tests {
             super::super::forward::PREFILL_CHUNK + 7,
             prompt.len() - 1,
         ] {
-            let reference = logprobs_at(&prefill_logits(llama, &prompt[..end]), prompt[end], 5);
+            let row = prefill_logits(llama, &prompt[..end]);
+            let reference = token_logprob(llama, &row, prompt[end], 5);
             let got = &scores[end - 1];
-            assert_eq!(got.token, prompt[end]);
+            assert_eq!(got.id, prompt[end]);
             assert!(
                 (got.logprob - reference.logprob).abs() < 2e-3,
                 "position {end}: {} vs {}",
                 got.logprob,
                 reference.logprob
             );
-            assert_eq!(got.top[0].0, reference.top[0].0, "position {end}");
+            assert_eq!(got.top[0].id, reference.top[0].id, "position {end}");
             for (a, b) in got.top.iter().zip(&reference.top) {
-                assert!((a.1 - b.1).abs() < 2e-3, "position {end}: {a:?} vs {b:?}");
+                assert!(
+                    (a.logprob - b.logprob).abs() < 2e-3,
+                    "position {end}: {a:?} vs {b:?}"
+                );
             }
         }
     }

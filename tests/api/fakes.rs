@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use opentelemetry::KeyValue;
 use ragscope::embed::{EmbedError, Embedder};
 use ragscope::generate::{
-    ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator,
-    TokenLogprob,
+    ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
+    TokenLogprob, TopLogprob,
 };
 use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use ragscope::telemetry::{clock, span::Stage};
@@ -167,10 +167,15 @@ impl Generator for FakeGenerator {
         Ok(prompt
             .iter()
             .skip(1)
-            .map(|&token| TokenLogprob {
-                token,
+            .map(|&id| TokenLogprob {
+                id,
+                bytes: self.token_bytes(id),
                 logprob: -std::f32::consts::LN_2,
-                top: vec![(token, -std::f32::consts::LN_2)],
+                top: vec![TopLogprob {
+                    id,
+                    bytes: self.token_bytes(id),
+                    logprob: -std::f32::consts::LN_2,
+                }],
             })
             .collect())
     }
@@ -178,7 +183,7 @@ impl Generator for FakeGenerator {
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError> {
         let prefill = stage.child("prefill");
         spin(Duration::from_millis(2));
@@ -200,7 +205,11 @@ impl Generator for FakeGenerator {
             tokens.push(i as u32);
             let piece = format!(" w{i}");
             text.push_str(&piece);
-            if on_token(&piece) == Flow::Stop {
+            let delivered = Piece {
+                text: &piece,
+                logprobs: &[],
+            };
+            if on_token(delivered) == Flow::Stop {
                 finish = FinishReason::Cancelled;
                 break;
             }
@@ -208,6 +217,7 @@ impl Generator for FakeGenerator {
         Ok(Generated {
             text,
             tokens,
+            logprobs: Vec::new(),
             finish,
             prompt_tokens: req.prompt.len(),
             prefill: prefill_took,
