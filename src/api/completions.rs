@@ -22,8 +22,8 @@ use super::ask::{self, Asked};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::openai::{
-    check_model, is_empty, is_zero, refuse_unhonoured, unix_now, StreamOptions, Unsupported,
-    RAG_MODEL_ALIASES,
+    chat_messages, check_model, chunks, is_empty, is_zero, refuse_unhonoured, unix_now, ChatBody,
+    StreamOptions, Unsupported, RAG_MODEL_ALIASES,
 };
 use super::tokenize::{check_token_ids, model_error};
 use super::{AppState, RequestStage};
@@ -258,7 +258,6 @@ struct Plan {
     max_tokens: usize,
     logprobs: Option<usize>,
     echo: bool,
-    stop: Vec<String>,
     include_usage: bool,
 }
 
@@ -319,8 +318,10 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
     }
     let stop = stop_strings(&body.stop)?;
     if !stop.is_empty() {
-        return Err(ApiError::field("stop", "not supported yet; leave it out or send []")
-            .with_code("unsupported_parameter"));
+        return Err(
+            ApiError::field("stop", "not supported yet; leave it out or send []")
+                .with_code("unsupported_parameter"),
+        );
     }
     if body.logprobs.is_some() && max_tokens > 0 {
         return Err(ApiError::field(
@@ -337,7 +338,6 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
         max_tokens,
         logprobs: body.logprobs,
         echo: body.echo,
-        stop,
         include_usage: body
             .stream_options
             .as_ref()
@@ -351,12 +351,93 @@ fn generated_logprobs(_generator: &dyn Generator, _a: &RagAnswer) -> Vec<Scored>
     Vec::new()
 }
 
-/// A choice's `finish_reason` in OpenAI's words.
-fn finish_reason(a: &RagAnswer) -> &'static str {
-    match a.finish_reason.as_str() {
-        "stop" | "cancelled" => "stop",
-        _ => "length",
+use super::openai::openai_finish as finish_reason;
+
+/// Chat completions with the plain model id: the generator alone on the messages as given
+/// (rendered by the chat template), no retrieval; otherwise the chat endpoint's shapes.
+pub(super) async fn plain_chat(
+    state: &AppState,
+    pipeline: &Arc<Pipeline>,
+    stage: &RequestStage,
+    headers: &axum::http::HeaderMap,
+    body: ChatBody,
+) -> Result<Response, ApiError> {
+    for (name, set) in [
+        ("top_k", body.top_k.is_some()),
+        ("rerank_top_n", body.rerank_top_n.is_some()),
+        ("filter", body.filter.as_ref().is_some_and(|f| !f.is_null())),
+    ] {
+        if set {
+            return Err(ApiError::field(
+                name,
+                "a retrieval setting; the plain model retrieves nothing",
+            )
+            .with_code("unsupported_parameter"));
+        }
     }
+    if body.messages.is_empty() {
+        return Err(ApiError::field(
+            "messages",
+            "must hold at least one message",
+        ));
+    }
+    let messages = chat_messages(&body.messages)?;
+    let prompt = pipeline
+        .generator
+        .chat_prompt(&messages)
+        .map_err(model_error)?;
+    let max_tokens = body
+        .max_completion_tokens
+        .or(body.max_tokens)
+        .unwrap_or(pipeline.defaults.max_tokens);
+    let window = pipeline.generator.context_window();
+    if max_tokens == 0 || prompt.len() + max_tokens > window {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::field(
+                "max_tokens",
+                format!(
+                    "must be at least 1, and with the {} prompt tokens within the context window of {window}, got {max_tokens}",
+                    prompt.len()
+                ),
+            )
+        });
+    }
+    let mut req = sampling_request(
+        state,
+        pipeline,
+        max_tokens,
+        body.temperature,
+        body.top_p,
+        body.seed,
+    )?;
+    req.faults = super::admin::request_faults(state, headers, stage)?;
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let model = body.model.clone();
+    if !body.stream {
+        let a = pipeline.start_plain(req, prompt, stage, None)?.await?;
+        let out = json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": unix_now(),
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": a.answer},
+                "finish_reason": finish_reason(&a),
+                "logprobs": null,
+            }],
+            "usage": a.usage,
+            "timings": a.timings,
+        });
+        return Ok(super::respond_json(stage, a.finished_at, &out));
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let answer = pipeline.start_plain(req, prompt, stage, Some(tx))?;
+    let events = ask::stream_events(stage, rx, Some(answer));
+    Ok(Sse::new(chunks(events, id, model, stage.clone()))
+        .keep_alive(KeepAlive::default())
+        .into_response())
 }
 
 pub async fn completions(
@@ -527,14 +608,33 @@ fn generation_request(
     plan: &Plan,
     body: &CompletionBody,
 ) -> Result<RagRequest, ApiError> {
-    let temperature = body.temperature.unwrap_or(0.0);
+    sampling_request(
+        state,
+        pipeline,
+        plan.max_tokens,
+        body.temperature,
+        body.top_p,
+        body.seed,
+    )
+}
+
+/// A plain request's generation settings, checked; errors name the field.
+fn sampling_request(
+    state: &AppState,
+    pipeline: &Pipeline,
+    max_tokens: usize,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    seed: Option<u64>,
+) -> Result<RagRequest, ApiError> {
+    let temperature = temperature.unwrap_or(0.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::field(
             "temperature",
             format!("must be between 0 and 2, got {temperature}"),
         ));
     }
-    if let Some(p) = body.top_p {
+    if let Some(p) = top_p {
         if !(p > 0.0 && p <= 1.0) {
             return Err(ApiError::field(
                 "top_p",
@@ -544,11 +644,12 @@ fn generation_request(
     }
     let mut req =
         RagRequest::with_defaults(String::new(), &pipeline.defaults, state.request_timeout);
-    req.max_tokens = plan.max_tokens;
+    req.max_tokens = max_tokens;
     req.sampling = Sampling {
         temperature,
-        top_p: body.top_p,
-        seed: body.seed.unwrap_or(0),
+        top_p,
+        seed: seed.unwrap_or(0),
+        ..Sampling::default()
     };
     Ok(req)
 }

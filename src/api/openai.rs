@@ -211,6 +211,9 @@ pub async fn chat_completions(
     refuse_unhonoured(&body.extra, CHAT_UNSUPPORTED)?;
     let pipeline = state.pipeline()?;
     check_model(&pipeline, &body.model)?;
+    if body.model == super::completions::plain_model(&pipeline) {
+        return super::completions::plain_chat(&state, &pipeline, &stage, &headers, body).await;
+    }
     if body.messages.is_empty() {
         return Err(ApiError::field(
             "messages",
@@ -289,7 +292,7 @@ pub async fn chat_completions(
         .into_response())
 }
 
-fn openai_finish(a: &RagAnswer) -> &'static str {
+pub(super) fn openai_finish(a: &RagAnswer) -> &'static str {
     match a.finish_reason.as_str() {
         "stop" | "cancelled" => "stop",
         _ => "length",
@@ -297,7 +300,7 @@ fn openai_finish(a: &RagAnswer) -> &'static str {
 }
 
 /// `chat.completion.chunk` events, then `[DONE]`.
-fn chunks(
+pub(super) fn chunks(
     events: impl Stream<Item = AnswerEvent> + Send + 'static,
     id: String,
     model: String,

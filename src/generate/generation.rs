@@ -14,8 +14,8 @@ use super::sampler::{Logits, Sampler};
 use super::stop::{Release, StopText};
 use super::tokenizer::Utf8Stream;
 use super::{
-    FinishReason, Flow, GenerateError, GenerateRequest, Generated, Piece, TokenLogprob,
-    TokenTrace, TopLogprob, MAX_TOP_LOGPROBS,
+    FinishReason, Flow, GenerateError, GenerateRequest, Generated, Piece, TokenLogprob, TokenTrace,
+    TopLogprob, MAX_TOP_LOGPROBS,
 };
 use crate::telemetry::clock;
 use crate::telemetry::gpu::{self, GpuTimer};
@@ -476,7 +476,12 @@ mod tests {
             let mut req = request(&prompt, 24, Sampling::default());
             req.stop = &stops;
             let (out, pieces) = run(model, req);
-            assert_eq!(out.finish, FinishReason::Stop, "{stop:?} in {:?}", free.text);
+            assert_eq!(
+                out.finish,
+                FinishReason::Stop,
+                "{stop:?} in {:?}",
+                free.text
+            );
             assert_eq!(out.text, expected, "stop {stop:?}");
             assert!(!out.text.contains(&stop));
             assert_eq!(pieces.concat(), out.text);
@@ -486,7 +491,10 @@ mod tests {
         let mut req = request(&prompt, 24, Sampling::default());
         req.stop = &never;
         let (out, pieces) = run(model, req);
-        assert_eq!((out.text.as_str(), out.finish), (free.text.as_str(), free.finish));
+        assert_eq!(
+            (out.text.as_str(), out.finish),
+            (free.text.as_str(), free.finish)
+        );
         assert_eq!(pieces.concat(), out.text);
     }
 
@@ -518,7 +526,10 @@ mod tests {
             assert!(lp.top.iter().all(|t| t.logprob <= 0.0));
             let mass: f32 = lp.top.iter().map(|t| t.logprob.exp()).sum();
             assert!(mass <= 1.0 + 1e-4, "{mass}");
-            assert_eq!(lp.logprob, lp.top[0].logprob, "greedy takes the most likely");
+            assert_eq!(
+                lp.logprob, lp.top[0].logprob,
+                "greedy takes the most likely"
+            );
             assert_eq!(lp.bytes, model.token_bytes.get(lp.id));
         }
         let k = crate::generate::MAX_TOP_LOGPROBS;
@@ -573,7 +584,10 @@ mod tests {
     fn choices_run_together_each_as_it_runs_alone() {
         let Some(model) = model() else { return };
         let prompt = model
-            .chat_prompt(&[ChatMessage::new("user", "Write a short poem about the sea.")])
+            .chat_prompt(&[ChatMessage::new(
+                "user",
+                "Write a short poem about the sea.",
+            )])
             .unwrap();
         let sampling = |seed| Sampling {
             temperature: 1.0,

@@ -166,7 +166,11 @@ impl Sampler {
 
     /// The next token from `logits`, with the log-probabilities of the `k` most likely tokens
     /// when `top_logprobs` is `Some(k)`. The pick counts towards later penalties.
-    pub fn pick(&mut self, logits: &Logits, top_logprobs: Option<usize>) -> candle_core::Result<Pick> {
+    pub fn pick(
+        &mut self,
+        logits: &Logits,
+        top_logprobs: Option<usize>,
+    ) -> candle_core::Result<Pick> {
         let plain = self.penalties.is_none() && top_logprobs.is_none();
         let copied;
         let raw: &[f32] = match logits {
@@ -386,7 +390,9 @@ mod tests {
         assert!((chosen as f64 - (2.0 - z.ln())).abs() < 1e-6);
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2]);
         assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
-        let total: f64 = (0..5).map(|i| (logprobs(&logits, i, 0).0 as f64).exp()).sum();
+        let total: f64 = (0..5)
+            .map(|i| (logprobs(&logits, i, 0).0 as f64).exp())
+            .sum();
         assert!((total - 1.0).abs() < 1e-5, "{total}");
         // Greedy's pick carries the largest log-probability, taken before any penalty.
         let s = Sampling {
@@ -394,13 +400,17 @@ mod tests {
             ..Sampling::default()
         };
         let mut sampler = Sampler::new(&s);
-        let pick = sampler.pick(&Logits::Host(logits.to_vec()), Some(2)).unwrap();
+        let pick = sampler
+            .pick(&Logits::Host(logits.to_vec()), Some(2))
+            .unwrap();
         assert_eq!(pick.token, 1);
         let (lp, top) = pick.logprobs.unwrap();
         assert_eq!(lp, top[0].1);
         assert!(lp <= 0.0);
         // Token 1 is now penalised: greedy takes 3; its log-probability is still the raw one.
-        let pick = sampler.pick(&Logits::Host(logits.to_vec()), Some(2)).unwrap();
+        let pick = sampler
+            .pick(&Logits::Host(logits.to_vec()), Some(2))
+            .unwrap();
         assert_eq!(pick.token, 3);
         assert_eq!(pick.logprobs.unwrap().0, lp);
     }

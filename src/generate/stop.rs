@@ -177,7 +177,10 @@ mod tests {
         assert_eq!(pieces.concat(), "xENd\nz");
         assert_eq!(pieces, ["x", "", "ENd", "", "\nz", ""]);
         // "xE" is complete only once "E" is released.
-        assert_eq!(ids, [vec![], vec![], vec![0, 1, 2], vec![], vec![3, 4], vec![]]);
+        assert_eq!(
+            ids,
+            [vec![], vec![], vec![0, 1, 2], vec![], vec![3, 4], vec![]]
+        );
     }
 
     #[test]

@@ -303,12 +303,15 @@ async fn echo_logprobs_score_the_prompt_as_lm_eval_asks() {
     .unwrap();
     let ids32: Vec<u32> = likely.iter().map(|&t| t as u32).collect();
     let stage = ragscope::telemetry::span::Stage::root("test");
-    let direct: f64 = ragscope::generate::Generator::score(&llama, &ids32, 1, &stage)
-        .unwrap()[ctx - 1..]
+    let direct: f64 = ragscope::generate::Generator::score(&llama, &ids32, 1, &stage).unwrap()
+        [ctx - 1..]
         .iter()
         .map(|s| f64::from(s.logprob))
         .sum();
-    assert!((direct - paris).abs() < 1e-3, "direct {direct} vs served {paris}");
+    assert!(
+        (direct - paris).abs() < 1e-3,
+        "direct {direct} vs served {paris}"
+    );
 
     // A string prompt that tokenizes to the same ids scores the same.
     let text = complete(
@@ -317,7 +320,10 @@ async fn echo_logprobs_score_the_prompt_as_lm_eval_asks() {
                "logprobs": 0, "max_tokens": 0}),
     )
     .await;
-    assert_eq!(token_ids(&app, "The capital of France is Paris").await, likely);
+    assert_eq!(
+        token_ids(&app, "The capital of France is Paris").await,
+        likely
+    );
     let c = &text["choices"][0];
     assert_eq!(c["text"], "The capital of France is Paris");
     assert!((logprob_sum(c, ctx) - paris).abs() < 1e-4);
@@ -357,8 +363,10 @@ async fn completions_generate_from_the_prompt_as_written() {
     let r = app
         .client
         .post(app.url("/v1/completions"))
-        .json(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true,
-                      "stream_options": {"include_usage": true}}))
+        .json(
+            &json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true,
+                      "stream_options": {"include_usage": true}}),
+        )
         .send()
         .await
         .unwrap();
@@ -402,8 +410,10 @@ async fn completions_generate_from_the_prompt_as_written() {
     assert_eq!(texts(&a), texts(&b));
     assert_eq!(
         a["usage"]["prompt_tokens"].as_u64(),
-        Some((token_ids(&app, "Once upon a time").await.len()
-            + token_ids(&app, "The weather today").await.len()) as u64)
+        Some(
+            (token_ids(&app, "Once upon a time").await.len()
+                + token_ids(&app, "The weather today").await.len()) as u64
+        )
     );
     app.stop().await;
 }
@@ -466,17 +476,32 @@ fn record_spans() {
     ));
 }
 
-/// The span names of the most recent trace the server kept.
-async fn last_trace_names(app: &TestApp) -> Vec<String> {
-    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    let (_, traces) = app.get("/debug/traces?limit=1").await;
-    traces["resourceSpans"][0]["scopeSpans"][0]["spans"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
-        .iter()
-        .map(|s| s["name"].as_str().unwrap().to_string())
-        .collect()
+/// Posts `body` and returns the response and the span names of its trace, found by the
+/// response's `x-trace-id` (other tests' traces share the buffer).
+async fn traced(app: &TestApp, path: &str, body: Value) -> (Value, Vec<String>) {
+    let r = app
+        .client
+        .post(app.url(path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let trace_id = r.headers()["x-trace-id"].to_str().unwrap().to_string();
+    let out: Value = r.json().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let (_, traces) = app.get("/debug/traces?limit=50").await;
+    let mut names = Vec::new();
+    for rs in traces["resourceSpans"].as_array().unwrap() {
+        for ss in rs["scopeSpans"].as_array().unwrap() {
+            for span in ss["spans"].as_array().unwrap() {
+                if span["traceId"] == trace_id.as_str() {
+                    names.push(span["name"].as_str().unwrap().to_string());
+                }
+            }
+        }
+    }
+    (out, names)
 }
 
 fn assert_plain(names: &[String]) {
@@ -496,19 +521,72 @@ async fn plain_requests_trace_no_retrieval_stages() {
     record_spans();
     let app = spawn_app().await;
     app.ingest_fixtures().await;
-    complete(&app, json!({"model": MODEL, "prompt": "Hello", "max_tokens": 3})).await;
-    let names = last_trace_names(&app).await;
+    let (_, names) = traced(
+        &app,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "Hello", "max_tokens": 3}),
+    )
+    .await;
     assert_plain(&names);
     assert!(names.iter().any(|n| n == "decode"), "{names:?}");
-    assert!(names.iter().any(|n| n == "POST /v1/completions"), "{names:?}");
+    assert!(
+        names.iter().any(|n| n == "POST /v1/completions"),
+        "{names:?}"
+    );
 
-    complete(
+    let (_, names) = traced(
         &app,
+        "/v1/completions",
         json!({"model": MODEL, "prompt": "Hello there", "max_tokens": 0, "echo": true, "logprobs": 2}),
     )
     .await;
-    let names = last_trace_names(&app).await;
     assert_plain(&names);
     assert!(!names.iter().any(|n| n == "decode"), "{names:?}");
+
+    // Chat with the plain model id: the messages as given, through the chat template only.
+    let (status, models) = app.get("/v1/models").await;
+    assert_eq!(status, 200);
+    let plain = format!("{MODEL}-plain");
+    assert!(models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["id"] == plain.as_str()));
+    let messages = json!([{"role": "user", "content": "What is the capital of Zorbia?"}]);
+    let (out, names) = traced(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": plain, "messages": messages, "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(out["object"], "chat.completion");
+    assert!(out["choices"][0]["message"]["content"].is_string());
+    let counted = tokenize(&app, json!({"model": MODEL, "messages": messages})).await;
+    assert_eq!(out["usage"]["prompt_tokens"], counted["count"]);
+    assert_plain(&names);
+    assert!(
+        names.iter().any(|n| n == "POST /v1/chat/completions"),
+        "{names:?}"
+    );
+    // The same question to the RAG model retrieves.
+    let (_, names) = traced(
+        &app,
+        "/v1/chat/completions",
+        json!({"model": MODEL, "messages": messages, "max_tokens": 4}),
+    )
+    .await;
+    assert!(
+        names.iter().any(|n| n.starts_with("retrieval")),
+        "{names:?}"
+    );
+    // Retrieval settings mean nothing to the plain model: refused by name.
+    let (status, out) = app
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": plain, "messages": messages, "top_k": 3}),
+        )
+        .await;
+    assert_eq!(status, 400, "{out}");
+    assert_eq!(out["error"]["param"], "top_k");
     app.stop().await;
 }
