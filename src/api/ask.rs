@@ -98,21 +98,7 @@ pub fn rag_request(
             )
         });
     }
-    let temperature = temperature.unwrap_or(0.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::field(
-            "temperature",
-            format!("must be between 0 and 2, got {temperature}"),
-        ));
-    }
-    if let Some(p) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::field(
-                "top_p",
-                format!("must be in (0, 1], got {p}"),
-            ));
-        }
-    }
+    let temperature = check_sampling(temperature, top_p)?;
     let filter = match filter.as_ref() {
         None | Some(Value::Null) => None,
         Some(v) => Some(Filter::from_json(v).map_err(|m| {
@@ -140,6 +126,26 @@ pub fn rag_request(
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
     })
+}
+
+/// Checks `temperature` (default 0, greedy) and `top_p`; returns the temperature.
+pub fn check_sampling(temperature: Option<f64>, top_p: Option<f64>) -> Result<f64, ApiError> {
+    let temperature = temperature.unwrap_or(0.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::field(
+            "temperature",
+            format!("must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    if let Some(p) = top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::field(
+                "top_p",
+                format!("must be in (0, 1], got {p}"),
+            ));
+        }
+    }
+    Ok(temperature)
 }
 
 impl ApiError {

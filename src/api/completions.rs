@@ -627,21 +627,7 @@ fn sampling_request(
     top_p: Option<f64>,
     seed: Option<u64>,
 ) -> Result<RagRequest, ApiError> {
-    let temperature = temperature.unwrap_or(0.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::field(
-            "temperature",
-            format!("must be between 0 and 2, got {temperature}"),
-        ));
-    }
-    if let Some(p) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::field(
-                "top_p",
-                format!("must be in (0, 1], got {p}"),
-            ));
-        }
-    }
+    let temperature = ask::check_sampling(temperature, top_p)?;
     let mut req =
         RagRequest::with_defaults(String::new(), &pipeline.defaults, state.request_timeout);
     req.max_tokens = max_tokens;

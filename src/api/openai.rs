@@ -220,19 +220,7 @@ pub async fn chat_completions(
             "must hold at least one message",
         ));
     }
-    let mut history = Vec::with_capacity(body.messages.len());
-    for (i, m) in body.messages.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(ApiError::field(
-                &format!("messages[{i}].role"),
-                format!("unknown role {:?}", m.role),
-            ));
-        }
-        history.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
-    }
+    let mut history = chat_messages(&body.messages)?;
     let last = history.pop().expect("messages is not empty");
     if last.role != "user" {
         return Err(ApiError::field(
