@@ -3,6 +3,7 @@
 //! then done or failed — that owns the `stream` stage. The HTTP dialects (`rag`, `openai`,
 //! `documents`) and gRPC are thin mappings of their wire formats onto this.
 
+use std::future::Future;
 use std::sync::Arc;
 
 use axum::http::HeaderMap;
@@ -16,7 +17,7 @@ use super::error::ApiError;
 use super::{AppState, RequestStage};
 use crate::generate::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
 use crate::ingest::{Document, Format};
-use crate::pipeline::{Event, Pipeline, RagAnswer, RagRequest, Source, Streamed};
+use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer, RagRequest, Source, Streamed};
 use crate::retrieve::Filter;
 use crate::telemetry::clock;
 use crate::telemetry::metrics::metrics;
@@ -213,21 +214,7 @@ pub fn rag_request(
             )
         });
     }
-    let temperature = temperature.unwrap_or(0.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::field(
-            "temperature",
-            format!("must be between 0 and 2, got {temperature}"),
-        ));
-    }
-    if let Some(p) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::field(
-                "top_p",
-                format!("must be in (0, 1], got {p}"),
-            ));
-        }
-    }
+    let temperature = check_sampling(temperature, top_p)?;
     decoding.check()?;
     let filter = match filter.as_ref() {
         None | Some(Value::Null) => None,
@@ -263,6 +250,26 @@ pub fn rag_request(
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
     })
+}
+
+/// Checks `temperature` (default 0, greedy) and `top_p`; returns the temperature.
+pub fn check_sampling(temperature: Option<f64>, top_p: Option<f64>) -> Result<f64, ApiError> {
+    let temperature = temperature.unwrap_or(0.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::field(
+            "temperature",
+            format!("must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    if let Some(p) = top_p {
+        if !(p > 0.0 && p <= 1.0) {
+            return Err(ApiError::field(
+                "top_p",
+                format!("must be in (0, 1], got {p}"),
+            ));
+        }
+    }
+    Ok(temperature)
 }
 
 impl ApiError {
@@ -315,10 +322,21 @@ pub fn answer_stream(
     req: RagRequest,
     stage: &RequestStage,
 ) -> Result<impl Stream<Item = AnswerEvent> + Send + 'static, ApiError> {
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::unbounded_channel();
     let answer = pipeline.start_query(req, stage, Some(tx))?;
+    Ok(stream_events(stage, rx, Some(answer)))
+}
+
+/// The events of an answer started with `rx`'s sender, as [`answer_stream`] describes, for
+/// every path that streams (RAG, plain). `None`: nothing is generated (a completion with
+/// `max_tokens: 0`), so no `Done` comes.
+pub fn stream_events(
+    stage: &RequestStage,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    answer: Option<impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static>,
+) -> impl Stream<Item = AnswerEvent> + Send + 'static {
     let writing = stage.child(StageKind::Stream.span_prefix());
-    Ok(async_stream::stream! {
+    async_stream::stream! {
         let mut tokens = 0i64;
         while let Some(event) = rx.recv().await {
             match event {
@@ -330,12 +348,14 @@ pub fn answer_stream(
             }
         }
         writing.set(KeyValue::new(attr::STREAM_EVENTS, tokens));
-        match answer.await {
-            Ok(a) => yield AnswerEvent::Done(a),
-            Err(e) => yield AnswerEvent::Failed(ApiError::from(e)),
+        if let Some(answer) = answer {
+            match answer.await {
+                Ok(a) => yield AnswerEvent::Done(a),
+                Err(e) => yield AnswerEvent::Failed(ApiError::from(e)),
+            }
         }
         metrics().stage(StageKind::Stream, writing.end());
-    })
+    }
 }
 
 pub const MAX_RERANK_DOCUMENTS: usize = 256;

@@ -190,7 +190,10 @@ pub fn scope_for(method: &Method, path: &str) -> Option<Scope> {
         // The page and its assets hold no data; what it shows comes through the routes below.
         "/health" | "/ready" | "/metrics" | "/" | "/ui" | "/ui/app.js" | "/ui/style.css" => None,
         // Recent traces are debug data whichever route serves them.
-        p if p.starts_with("/admin/") || p.starts_with("/debug/") || p.starts_with("/ui/traces") => {
+        p if p.starts_with("/admin/")
+            || p.starts_with("/debug/")
+            || p.starts_with("/ui/traces") =>
+        {
             Some(Scope::Admin)
         }
         "/v1/documents" if method == Method::POST => Some(Scope::Admin),
@@ -309,7 +312,10 @@ mod tests {
         assert_eq!(scope_for(&get, "/"), None);
         assert_eq!(scope_for(&get, "/ui/app.js"), None);
         assert_eq!(scope_for(&get, "/ui/config"), Some(Scope::User));
-        assert_eq!(scope_for(&get, "/ui/traces/0af7651916cd43dd8448eb211c80319c"), Some(Scope::Admin));
+        assert_eq!(
+            scope_for(&get, "/ui/traces/0af7651916cd43dd8448eb211c80319c"),
+            Some(Scope::Admin)
+        );
         assert_eq!(scope_for(&get, "/nowhere"), Some(Scope::User));
     }
 }

@@ -6,6 +6,7 @@
 pub mod admin;
 pub mod ask;
 pub mod auth;
+pub mod completions;
 pub mod documents;
 pub mod error;
 pub mod grpc;
@@ -13,6 +14,7 @@ pub mod json;
 pub mod openai;
 pub mod page;
 pub mod rag;
+pub mod tokenize;
 
 use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
@@ -130,11 +132,14 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     Router::new()
         .route("/v1/rag/query", post(rag::query))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))
         .route("/v1/rerank", post(rag::rerank))
         .route("/v1/documents", post(documents::create))
         .route("/v1/documents/{id}", delete(documents::remove))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), trace_request))
         // Experiment controls are not traced either: they are not part of the system under test.
         .route(

@@ -25,7 +25,7 @@ use crate::generate::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS}
 use crate::pipeline::Pipeline;
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
-const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
+pub(super) const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
 
 #[derive(Debug, Deserialize)]
 pub struct ChatBody {
@@ -76,7 +76,7 @@ pub struct StreamOptions {
 
 /// An OpenAI field this server does not implement: its name, the values that ask for nothing
 /// (besides `null`, which always does) in words for the error, and the test for them.
-type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
+pub(super) type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
 
 /// Chat fields that would change the answer; each is refused unless its value is neutral.
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
@@ -96,7 +96,11 @@ const CHAT_UNSUPPORTED: &[Unsupported] = &[
     ("web_search_options", "null", |_| false),
 ];
 
-fn is_empty(v: &Value) -> bool {
+pub(super) fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+pub(super) fn is_empty(v: &Value) -> bool {
     match v {
         Value::String(s) => s.is_empty(),
         Value::Array(a) => a.is_empty(),
@@ -107,7 +111,7 @@ fn is_empty(v: &Value) -> bool {
 
 /// Refuses, naming it, the first field of `extra` (what the body's struct did not take): an
 /// unsupported field with a value that asks for something, or a field nobody knows.
-fn refuse_unhonoured(
+pub(super) fn refuse_unhonoured(
     extra: &Map<String, Value>,
     unsupported: &[Unsupported],
 ) -> Result<(), ApiError> {
@@ -135,10 +139,28 @@ pub struct ChatMessageBody {
     pub content: Option<Value>,
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+/// The conversation of a request's `messages`, roles checked; errors name `messages[i]`.
+pub(super) fn chat_messages(bodies: &[ChatMessageBody]) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut messages = Vec::with_capacity(bodies.len());
+    for (i, m) in bodies.iter().enumerate() {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "developer" | "tool"
+        ) {
+            return Err(ApiError::field(
+                &format!("messages[{i}].role"),
+                format!("unknown role {:?}", m.role),
+            ));
+        }
+        messages.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
+    }
+    Ok(messages)
 }
 
 /// Text of a message's content: a string, or the text parts of a content array.
@@ -169,8 +191,11 @@ fn content_text(i: usize, content: &Option<Value>) -> Result<String, ApiError> {
     }
 }
 
-fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
-    if model == pipeline.generator.model_id() || RAG_MODEL_ALIASES.contains(&model) {
+pub(super) fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {
+    if model == pipeline.generator.model_id()
+        || RAG_MODEL_ALIASES.contains(&model)
+        || model == super::completions::plain_model(pipeline)
+    {
         return Ok(());
     }
     Err(ApiError {
@@ -195,27 +220,30 @@ pub async fn chat_completions(
     refuse_unhonoured(&body.extra, CHAT_UNSUPPORTED)?;
     let pipeline = state.pipeline()?;
     check_model(&pipeline, &body.model)?;
+    // The plain model: the generator alone on the conversation as given (chat template, no
+    // retrieval), with every generation setting below honoured the same way.
+    let plain = body.model == super::completions::plain_model(&pipeline);
+    if plain {
+        refuse_retrieval_settings(&body)?;
+    }
     if body.messages.is_empty() {
         return Err(ApiError::field(
             "messages",
             "must hold at least one message",
         ));
     }
-    let mut history = Vec::with_capacity(body.messages.len());
-    for (i, m) in body.messages.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(ApiError::field(
-                &format!("messages[{i}].role"),
-                format!("unknown role {:?}", m.role),
-            ));
-        }
-        history.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
-    }
+    let mut history = chat_messages(&body.messages)?;
+    let plain_prompt = if plain {
+        let prompt = pipeline
+            .generator
+            .chat_prompt(&history)
+            .map_err(super::tokenize::model_error)?;
+        Some(prompt)
+    } else {
+        None
+    };
     let last = history.pop().expect("messages is not empty");
-    if last.role != "user" {
+    if !plain && last.role != "user" {
         return Err(ApiError::field(
             &format!("messages[{}].role", body.messages.len() - 1),
             "the last message must come from the user",
@@ -263,9 +291,16 @@ pub async fn chat_completions(
         }
     })?;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
-    let model = pipeline.generator.model_id().to_string();
+    let model = if plain {
+        body.model.clone()
+    } else {
+        pipeline.generator.model_id().to_string()
+    };
     if !body.stream {
-        let a = ask::answer(&pipeline, req, &stage).await?;
+        let a = match plain_prompt {
+            Some(prompt) => pipeline.start_plain(req, prompt, &stage, None)?.await?,
+            None => ask::answer(&pipeline, req, &stage).await?,
+        };
         let choices: Vec<Value> = a
             .choices
             .iter()
@@ -292,7 +327,14 @@ pub async fn chat_completions(
         return Ok(super::respond_json(&stage, a.finished_at, &body));
     }
     let n = body.n.unwrap_or(1);
-    let events = ask::answer_stream(&pipeline, req, &stage)?;
+    let events = match plain_prompt {
+        Some(prompt) => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let answer = pipeline.start_plain(req, prompt, &stage, Some(tx))?;
+            ask::stream_events(&stage, rx, Some(answer)).boxed()
+        }
+        None => ask::answer_stream(&pipeline, req, &stage)?.boxed(),
+    };
     let shape = ChunkShape {
         id,
         model,
@@ -303,6 +345,24 @@ pub async fn chat_completions(
     Ok(Sse::new(chunks(events, shape, n, stage))
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// The plain model retrieves nothing, so a retrieval setting is refused by name, not dropped.
+fn refuse_retrieval_settings(body: &ChatBody) -> Result<(), ApiError> {
+    for (name, set) in [
+        ("top_k", body.top_k.is_some()),
+        ("rerank_top_n", body.rerank_top_n.is_some()),
+        ("filter", body.filter.as_ref().is_some_and(|f| !f.is_null())),
+    ] {
+        if set {
+            return Err(ApiError::field(
+                name,
+                "a retrieval setting; the plain model retrieves nothing",
+            )
+            .with_code("unsupported_parameter"));
+        }
+    }
+    Ok(())
 }
 
 /// `logprobs` and `top_logprobs` as the generator's one setting: how many alternatives, or
@@ -325,7 +385,7 @@ fn top_logprobs(logprobs: Option<bool>, top: Option<usize>) -> Result<Option<usi
 
 /// OpenAI's `finish_reason`: a client that went away or a timeout still reads as one of the
 /// two it knows.
-fn openai_finish(f: FinishReason) -> &'static str {
+pub(super) fn openai_finish(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop | FinishReason::Cancelled => "stop",
         FinishReason::Length | FinishReason::Timeout => "length",
@@ -560,6 +620,7 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
         pipeline.embedder.model_id().to_string(),
     ];
     ids.extend(RAG_MODEL_ALIASES.iter().map(|s| s.to_string()));
+    ids.push(super::completions::plain_model(&pipeline));
     if let Some(r) = &pipeline.reranker {
         ids.push(r.model_id().to_string());
     }

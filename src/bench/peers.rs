@@ -22,7 +22,7 @@ use crate::embed::Embedder;
 use crate::generate::llama::Llama;
 use crate::generate::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
-    TokenTrace,
+    TokenLogprob, TokenTrace,
 };
 use crate::ingest::{self, chunk};
 use crate::telemetry::{clock, span::Stage};
@@ -104,6 +104,26 @@ impl Generator for Budget<'_> {
     }
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError> {
         self.inner.chat_prompt(messages)
+    }
+    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError> {
+        self.inner.tokenize(text, parse_special)
+    }
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
+        self.inner.detokenize(tokens)
+    }
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        self.inner.token_bytes(token)
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn score(
+        &self,
+        prompt: &[u32],
+        top: usize,
+        stage: &Stage,
+    ) -> Result<Vec<TokenLogprob>, GenerateError> {
+        self.inner.score(prompt, top, stage)
     }
     fn generate(
         &self,

@@ -39,6 +39,28 @@ impl Transformer {
         want_logits: bool,
         schedule: &Scheduler,
     ) -> candle_core::Result<Option<Tensor>> {
+        let x = self.hidden(tokens, cache, schedule)?;
+        if !want_logits {
+            return Ok(None);
+        }
+        let t = tokens.len();
+        Ok(Some(self.head(&x.narrow(0, t - 1, 1)?)?.squeeze(0)?))
+    }
+
+    /// The output head over hidden states `(t, hidden)`: final norm, then logits `(t, vocab)`.
+    fn head(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let normed = candle_nn::ops::rms_norm(x, &self.weights.final_norm, self.cfg.rms_eps)?;
+        self.weights.lm_head.forward(&normed)
+    }
+
+    /// Runs `tokens` at positions `cache.len..` through every layer, appending to the cache;
+    /// returns the last layer's hidden states `(t, hidden)`, before the final norm.
+    fn hidden(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        schedule: &Scheduler,
+    ) -> candle_core::Result<Tensor> {
         let cfg = &self.cfg;
         let (t, pos) = (tokens.len(), cache.len);
         if t == 0 || pos + t > cache.capacity {
@@ -101,15 +123,7 @@ impl Transformer {
             x = (x + layer.down.forward(&m, t)?)?;
         }
         cache.len = len;
-        if !want_logits {
-            return Ok(None);
-        }
-        let last = candle_nn::ops::rms_norm(
-            &x.narrow(0, t - 1, 1)?,
-            &self.weights.final_norm,
-            cfg.rms_eps,
-        )?;
-        Ok(Some(self.weights.lm_head.forward(&last)?.squeeze(0)?))
+        Ok(x)
     }
 
     /// Runs `token` at the next position of `cache` and puts the logits in `logits`: in the
@@ -155,6 +169,31 @@ impl Transformer {
             logits = self.forward(chunk, cache, i + 1 == n_chunks, schedule)?;
         }
         logits.ok_or_else(|| candle_core::Error::Msg("empty prompt".into()))
+    }
+
+    /// Runs `prompt` into `cache` in chunks as [`Transformer::prefill`] does, but keeps every
+    /// position's logits: `on_chunk(start, logits)` receives each chunk's `(t, vocab)` logits,
+    /// the first row at position `start`, so a long prompt never holds `len × vocab` floats
+    /// at once. For scoring a prompt ([`super::score`]).
+    pub fn prefill_all_logits(
+        &self,
+        prompt: &[u32],
+        cache: &mut KvCache,
+        schedule: &Scheduler,
+        on_chunk: &mut dyn FnMut(usize, &Tensor) -> candle_core::Result<()>,
+    ) -> candle_core::Result<()> {
+        if prompt.is_empty() {
+            candle_core::bail!("empty prompt");
+        }
+        for (i, chunk) in prompt.chunks(PREFILL_CHUNK).enumerate() {
+            let x = self.hidden(chunk, cache, schedule)?;
+            let logits = {
+                let _turn = schedule.compute_turn();
+                self.head(&x)?
+            };
+            on_chunk(i * PREFILL_CHUNK, &logits)?;
+        }
+        Ok(())
     }
 }
 

@@ -33,6 +33,7 @@ use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
 use super::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
+    TokenLogprob,
 };
 use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
@@ -280,6 +281,43 @@ impl Generator for Llama {
         ids.push(self.im_start);
         ids.extend(encode(&self.content_tokenizer, "assistant\n")?);
         Ok(ids)
+    }
+
+    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError> {
+        match parse_special {
+            true => encode(&self.tokenizer, text),
+            false => encode(&self.content_tokenizer, text),
+        }
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
+        self.tokenizer
+            .decode(tokens, false)
+            .map_err(|e| GenerateError::Tokenizer(e.to_string()))
+    }
+
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        match self.token_bytes.get(token) {
+            [] => self
+                .tokenizer
+                .id_to_token(token)
+                .map(String::into_bytes)
+                .unwrap_or_default(),
+            bytes => bytes.to_vec(),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    fn score(
+        &self,
+        prompt: &[u32],
+        top: usize,
+        stage: &Stage,
+    ) -> Result<Vec<TokenLogprob>, GenerateError> {
+        super::score::score(self, prompt, top, stage)
     }
 
     fn generate(

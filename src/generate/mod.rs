@@ -14,6 +14,7 @@ pub mod llama;
 mod prefix_cache;
 mod sampler;
 mod schedule;
+mod score;
 mod stop;
 mod template;
 #[cfg(test)]
@@ -261,6 +262,31 @@ pub trait Generator: Send + Sync {
 
     /// Renders the chat template (with the assistant generation prompt) and tokenizes it.
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError>;
+
+    /// The tokenizer as clients use it (`/tokenize`): with `parse_special`, control-token text
+    /// such as `<|im_start|>` becomes that control token, else it stays plain text.
+    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError>;
+
+    /// Token ids back to text, control tokens written as their text. Ids must be below
+    /// [`Generator::vocab_size`].
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError>;
+
+    /// The raw bytes of one token's text (a control token's own text); a piece of a UTF-8
+    /// character when a character spans tokens.
+    fn token_bytes(&self, token: u32) -> Vec<u8>;
+
+    /// Number of token ids.
+    fn vocab_size(&self) -> usize;
+
+    /// Scores a prompt: entry `i` is the log-probability of `prompt[i + 1]` after
+    /// `prompt[..=i]`, with the `top` most likely tokens at that position (at most
+    /// [`MAX_TOP_LOGPROBS`]). Records a `prefill` stage under `stage`.
+    fn score(
+        &self,
+        prompt: &[u32],
+        top: usize,
+        stage: &Stage,
+    ) -> Result<Vec<TokenLogprob>, GenerateError>;
 
     /// Generates up to `req.max_tokens` tokens. `on_token` receives each new piece of text as
     /// soon as it is complete UTF-8 and cannot be the start of a stop string, and may stop the

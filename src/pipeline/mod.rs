@@ -4,6 +4,7 @@
 //! returned to the client as `timings`. The whole path runs on a model-worker thread, after one
 //! `queue` stage. The other routes (embeddings, rerank, ingest) run their stages the same way.
 
+mod plain;
 mod request;
 pub mod runner;
 

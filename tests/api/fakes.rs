@@ -9,6 +9,7 @@ use opentelemetry::KeyValue;
 use ragscope::embed::{EmbedError, Embedder};
 use ragscope::generate::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
+    TokenLogprob, TopLogprob,
 };
 use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use ragscope::telemetry::{clock, span::Stage};
@@ -142,6 +143,41 @@ impl Generator for FakeGenerator {
             .map(|m| m.content.split_whitespace().count() + 4)
             .sum();
         Ok(vec![7; words])
+    }
+    /// One token per word, the word's length as its id.
+    fn tokenize(&self, text: &str, _parse_special: bool) -> Result<Vec<u32>, GenerateError> {
+        Ok(text.split_whitespace().map(|w| w.len() as u32).collect())
+    }
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
+        Ok(tokens.iter().map(|&t| format!(" w{t}")).collect())
+    }
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        format!(" w{token}").into_bytes()
+    }
+    fn vocab_size(&self) -> usize {
+        1024
+    }
+    /// Every token gets probability 1/2, its only alternative itself.
+    fn score(
+        &self,
+        prompt: &[u32],
+        _top: usize,
+        _stage: &Stage,
+    ) -> Result<Vec<TokenLogprob>, GenerateError> {
+        Ok(prompt
+            .iter()
+            .skip(1)
+            .map(|&id| TokenLogprob {
+                id,
+                bytes: self.token_bytes(id),
+                logprob: -std::f32::consts::LN_2,
+                top: vec![TopLogprob {
+                    id,
+                    bytes: self.token_bytes(id),
+                    logprob: -std::f32::consts::LN_2,
+                }],
+            })
+            .collect())
     }
     fn generate(
         &self,

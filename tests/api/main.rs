@@ -3,6 +3,7 @@
 mod attribution;
 mod auth;
 mod catalogue;
+mod completions;
 mod coverage;
 mod documents;
 mod errors;

@@ -56,11 +56,16 @@ pub async fn serve(
         shutdown.await;
         stop_reporting(reporter).await;
     };
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .expect("the descriptors generated at build time are valid");
+    // Both reflection versions: grpcurl speaks v1, while Python's grpcio-reflection (and older
+    // grpcurl and grpcui) speak only v1alpha and would get UNIMPLEMENTED without it.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let valid = "the descriptors generated at build time are valid";
+    let reflection_v1alpha = reflection().build_v1alpha().expect(valid);
+    let reflection = reflection().build_v1().expect(valid);
     let readiness = state.readiness.clone();
     let interceptor = super::auth::grpc_interceptor(state.auth.clone(), readiness.clone());
     let rag = RagServer::new(RagService { state })
@@ -73,6 +78,7 @@ pub async fn serve(
         .add_service(rag)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
