@@ -9,6 +9,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::generate::TokenTrace;
+use crate::pipeline::context::{ContextMethod, ContextMode};
+use crate::prompt::PromptTemplate;
 
 #[derive(Debug, Parser)]
 #[command(name = "ragscope", version, about)]
@@ -201,6 +203,21 @@ pub struct PipelineArgs {
     /// Tokens generated unless the request says otherwise.
     #[arg(long, env = "RAGSCOPE_MAX_TOKENS", default_value_t = 128)]
     pub max_tokens: usize,
+    /// What the context stage hands the prompt: the passages' best sentences (`sentences`),
+    /// whole passages (`passages`), both within the context budget, or every passage whole
+    /// (`off`).
+    #[arg(long, env = "RAGSCOPE_CONTEXT", value_enum, default_value_t = ContextMode::Sentences)]
+    pub context: ContextMode,
+    /// Context tokens per passage kept after reranking: a request's budget is this times its
+    /// `rerank_top_n`, unless it sets `context_budget`.
+    #[arg(long, env = "RAGSCOPE_CONTEXT_BUDGET", default_value_t = 48)]
+    pub context_budget: usize,
+    /// How the context stage scores sentences against the question: dense, lexical or hybrid.
+    #[arg(long, env = "RAGSCOPE_CONTEXT_METHOD", value_enum, default_value_t = ContextMethod::Hybrid)]
+    pub context_method: ContextMethod,
+    /// The RAG prompt's wording (docs/CONTEXT.md compares them).
+    #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
+    pub prompt_template: PromptTemplate,
     /// How decode steps appear in traces: events, spans or off.
     #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
     pub token_trace: TokenTrace,

@@ -16,6 +16,7 @@ use super::error::ApiError;
 use super::{AppState, RequestStage};
 use crate::generate::{ChatMessage, Sampling};
 use crate::ingest::{Document, Format};
+use crate::pipeline::context::{ContextAsked, ContextSettings};
 use crate::pipeline::{Event, Pipeline, RagAnswer, RagRequest, Source};
 use crate::retrieve::Filter;
 use crate::telemetry::clock;
@@ -40,6 +41,8 @@ pub struct Asked {
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
     pub filter: Option<Value>,
+    /// `context`, `context_budget`, `context_method`.
+    pub context: ContextAsked,
 }
 
 /// Validates a request into what the pipeline runs. Errors name the field.
@@ -58,6 +61,7 @@ pub fn rag_request(
         top_p,
         seed,
         filter,
+        context,
     } = asked;
     let defaults = &pipeline.defaults;
     if query.trim().is_empty() {
@@ -123,12 +127,15 @@ pub fn rag_request(
             .with_message(m)
         })?),
     };
+    let context = ContextSettings::resolve(&context, defaults, rerank_top_n, window)
+        .map_err(|(field, message)| ApiError::field(field, message))?;
     Ok(RagRequest {
         query,
         history,
         top_k,
         rerank_top_n,
         max_tokens,
+        context,
         sampling: Sampling {
             temperature,
             top_p,

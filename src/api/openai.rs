@@ -21,6 +21,7 @@ use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
 use crate::generate::ChatMessage;
+use crate::pipeline::context::ContextAsked;
 use crate::pipeline::{Pipeline, RagAnswer};
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
@@ -41,6 +42,9 @@ pub struct ChatBody {
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
     pub filter: Option<Value>,
+    pub context: Option<String>,
+    pub context_budget: Option<usize>,
+    pub context_method: Option<String>,
     /// Accepted and ignored: they label or route the request but cannot change the answer.
     pub user: Option<String>,
     pub metadata: Option<Map<String, Value>>,
@@ -228,6 +232,11 @@ pub async fn chat_completions(
         top_p: body.top_p,
         seed: body.seed,
         filter: body.filter,
+        context: ContextAsked {
+            mode: body.context,
+            budget: body.context_budget,
+            method: body.context_method,
+        },
     };
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked).map_err(|e| {
         match e.param.as_deref() {

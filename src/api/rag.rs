@@ -16,6 +16,7 @@ use super::ask::{self, AnswerEvent, Asked};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
+use crate::pipeline::context::ContextAsked;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -30,6 +31,10 @@ pub struct QueryBody {
     pub filter: Option<Value>,
     #[serde(default)]
     pub stream: bool,
+    /// The context stage: `off`, `sentences` or `passages`; its token budget; its method.
+    pub context: Option<String>,
+    pub context_budget: Option<usize>,
+    pub context_method: Option<String>,
 }
 
 pub async fn query(
@@ -49,6 +54,11 @@ pub async fn query(
         top_p: body.top_p,
         seed: body.seed,
         filter: body.filter,
+        context: ContextAsked {
+            mode: body.context,
+            budget: body.context_budget,
+            method: body.context_method,
+        },
     };
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked)?;
     if !body.stream {

@@ -2,6 +2,7 @@
 
 mod attribution;
 mod catalogue;
+mod context;
 mod coverage;
 mod documents;
 mod errors;

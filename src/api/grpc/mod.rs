@@ -21,6 +21,7 @@ use tonic_health::ServingStatus;
 use super::ask::{self, AnswerEvent, Asked, DocumentBody};
 use super::{AppState, Readiness, RequestStage};
 use crate::ingest::Format;
+use crate::pipeline::context::ContextAsked;
 use crate::pipeline::RagAnswer;
 use crate::telemetry::span::Stage;
 
@@ -163,6 +164,11 @@ impl Rag for RagService {
             top_p: r.top_p,
             seed: r.seed,
             filter: r.filter.map(|f| Value::Object(struct_to_json(f))),
+            context: ContextAsked {
+                mode: r.context,
+                budget: r.context_budget.map(|v| v as usize),
+                method: r.context_method,
+            },
         };
         let req = ask::prepare(&self.state, &pipeline, &stage, &headers, asked)?;
         let events = ask::answer_stream(&pipeline, req, &stage)?;
@@ -293,6 +299,7 @@ fn done(a: &RagAnswer) -> Done {
             embed_ms: t.embed_ms,
             retrieve_ms: t.retrieve_ms,
             rerank_ms: t.rerank_ms,
+            context_ms: t.context_ms,
             prompt_ms: t.prompt_ms,
             prefill_ms: t.prefill_ms,
             decode_ms: t.decode_ms,
