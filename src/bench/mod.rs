@@ -223,6 +223,8 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 token_trace: crate::generate::TokenTrace::Off,
                 deadline: None,
                 ignore_eos: false,
+                stop: &[],
+                logprobs: None,
             },
             &stage(),
             &mut |_| Flow::Continue,

@@ -21,7 +21,8 @@ use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
 use crate::generate::llama::Llama;
 use crate::generate::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Sampling, TokenTrace,
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
+    TokenTrace,
 };
 use crate::ingest::{self, chunk};
 use crate::telemetry::{clock, span::Stage};
@@ -108,7 +109,7 @@ impl Generator for Budget<'_> {
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError> {
         self.inner.generate(req, stage, on_token)
     }
@@ -285,6 +286,8 @@ fn measure(
                 token_trace: TokenTrace::Off,
                 deadline: None,
                 ignore_eos: true,
+                stop: &[],
+                logprobs: None,
             },
             &stage(),
             &mut |_| Flow::Continue,

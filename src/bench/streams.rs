@@ -95,6 +95,8 @@ fn run(generator: &Llama, prompt: &[u32], n: usize, tokens: usize) -> Result<Vec
                         token_trace: TokenTrace::Off,
                         deadline: None,
                         ignore_eos: true,
+                        stop: &[],
+                        logprobs: None,
                     },
                     &stage(),
                     &mut |_| {

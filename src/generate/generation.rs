@@ -1,6 +1,7 @@
 //! One request's generation, shaped like candle's `TextGeneration` examples: prefill the prompt
 //! once (in its turn, [`super::schedule`]), then one token per step against the request's KV
-//! cache, each picked by the [`Sampler`] and streamed as complete UTF-8, until an end token, the
+//! cache, each picked by the [`Sampler`] and streamed as complete UTF-8 (held back while it may
+//! be the start of a stop string, [`super::stop`]), until an end token, a stop string, the
 //! consumer, `max_tokens` or the deadline stops it. [`super::llama::Llama`]'s
 //! [`Generator::generate`](super::Generator::generate) runs one of these per request; it records
 //! the `prefill` and `decode` stages and one event (or span) per token.
@@ -10,8 +11,12 @@ use opentelemetry::KeyValue;
 use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::sampler::{Logits, Sampler};
+use super::stop::{Release, StopText};
 use super::tokenizer::Utf8Stream;
-use super::{FinishReason, Flow, GenerateError, GenerateRequest, Generated, TokenTrace};
+use super::{
+    FinishReason, Flow, GenerateError, GenerateRequest, Generated, Piece, TokenLogprob,
+    TokenTrace, TopLogprob, MAX_TOP_LOGPROBS,
+};
 use crate::telemetry::clock;
 use crate::telemetry::gpu::{self, GpuTimer};
 use crate::telemetry::names::{attr, event, span, StageKind};
@@ -31,12 +36,16 @@ impl<'a> TextGeneration<'a> {
     }
 
     /// Runs the request to its end; `on_token` receives each complete piece of text.
-    pub fn run(&self, on_token: &mut dyn FnMut(&str) -> Flow) -> Result<Generated, GenerateError> {
+    pub fn run(
+        &self,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
+    ) -> Result<Generated, GenerateError> {
         self.check()?;
         let req = &self.req;
         let mut out = Generated {
             text: String::new(),
             tokens: Vec::with_capacity(req.max_tokens),
+            logprobs: Vec::new(),
             finish: FinishReason::Length,
             prompt_tokens: req.prompt.len(),
             prefill: Default::default(),
@@ -127,7 +136,7 @@ impl<'a> TextGeneration<'a> {
         mut cache: KvCache,
         mut logits: Logits,
         out: &mut Generated,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<(), GenerateError> {
         let (llama, req) = (self.llama, &self.req);
         let net = &llama.transformer;
@@ -142,6 +151,9 @@ impl<'a> TextGeneration<'a> {
             sampler = sampler.banning(&llama.eos);
         }
         let mut stream = Utf8Stream::new();
+        let mut text = StopText::new(req.stop);
+        let top_logprobs = req.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS));
+        let mut by_stop_string = false;
         let mut index = 0usize;
         let mut session = llama.schedule.session(&decode);
         let mut batches = BatchSizes::default();
@@ -171,7 +183,8 @@ impl<'a> TextGeneration<'a> {
                     gpu::emit(host, "decode_step", &iv, vec![index]);
                 }
             }
-            let next = on_stage(&decode, sampler.sample(&logits))?;
+            let pick = on_stage(&decode, sampler.pick(&logits, top_logprobs))?;
+            let next = pick.token;
             let at = clock::now();
             out.first_token_at.get_or_insert(at);
             let attributes = || {
@@ -194,26 +207,48 @@ impl<'a> TextGeneration<'a> {
                 break;
             }
             out.tokens.push(next);
-            let piece = stream.push(llama.token_bytes.get(next));
-            if !piece.is_empty() {
-                out.text.push_str(piece);
-                if on_token(piece) == Flow::Stop {
-                    out.finish = FinishReason::Cancelled;
-                    break;
-                }
+            let bytes = llama.token_bytes.get(next);
+            let logprob = pick.logprobs.map(|(logprob, top)| TokenLogprob {
+                id: next,
+                bytes: bytes.to_vec(),
+                logprob,
+                top: top
+                    .into_iter()
+                    .map(|(id, logprob)| TopLogprob {
+                        id,
+                        bytes: llama.token_bytes.get(id).to_vec(),
+                        logprob,
+                    })
+                    .collect(),
+            });
+            let released = text.push(stream.push(bytes), logprob);
+            let stopped = released.stopped;
+            if deliver(released, out, on_token) == Flow::Stop {
+                out.finish = FinishReason::Cancelled;
+                break;
+            }
+            if stopped {
+                out.finish = FinishReason::Stop;
+                by_stop_string = true;
+                break;
             }
             if out.tokens.len() >= req.max_tokens {
                 out.finish = FinishReason::Length;
                 break;
             }
         }
-        // A character cut off by the end of generation still reaches the client (as U+FFFD),
-        // so the streamed pieces always add up to `text`.
-        let tail = stream.finish();
-        if !tail.is_empty() {
-            out.text.push_str(tail);
-            if out.finish != FinishReason::Cancelled {
-                on_token(tail);
+        if out.finish != FinishReason::Cancelled && !by_stop_string {
+            // What was held back for a stop string that never came, and a character cut off by
+            // the end of generation (as U+FFFD), still reach the client, so the streamed pieces
+            // always add up to `text`.
+            let tail = stream.finish().to_string();
+            let released = text.push(&tail, None);
+            let stopped = released.stopped;
+            deliver(released, out, on_token);
+            if stopped {
+                out.finish = FinishReason::Stop;
+            } else {
+                deliver(text.finish(), out, on_token);
             }
         }
         drop(session);
@@ -237,6 +272,24 @@ impl<'a> TextGeneration<'a> {
         out.decode = decode.end_at(done);
         Ok(())
     }
+}
+
+/// Hands released text and log-probabilities to the consumer (when there are any) and adds
+/// them to the generation's output.
+fn deliver(
+    released: Release<'_>,
+    out: &mut Generated,
+    on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
+) -> Flow {
+    if released.is_empty() {
+        return Flow::Continue;
+    }
+    out.text.push_str(released.text);
+    out.logprobs.extend_from_slice(released.logprobs);
+    on_token(Piece {
+        text: released.text,
+        logprobs: released.logprobs,
+    })
 }
 
 /// How many sequences a request's decode steps ran with.
@@ -320,6 +373,7 @@ mod tests {
             temperature: 1.0,
             top_p: Some(0.95),
             seed,
+            ..Sampling::default()
         };
         let (a, _) = run(model, request(&prompt, 16, sampling(7)));
         let (b, _) = run(model, request(&prompt, 16, sampling(7)));
@@ -393,6 +447,160 @@ mod tests {
         let (out, pieces) = run(model, req);
         assert_eq!(out.finish, FinishReason::Timeout);
         assert!(out.tokens.is_empty() && pieces.is_empty());
+    }
+
+    /// Token n-grams that occur more than once (counted once per extra occurrence).
+    fn repeated_ngrams(tokens: &[u32], n: usize) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        tokens.windows(n).filter(|w| !seen.insert(*w)).count()
+    }
+
+    #[test]
+    fn a_stop_string_spanning_two_tokens_ends_the_text_before_it() {
+        let Some(model) = model() else { return };
+        let prompt = zorbia_prompt(model);
+        let (free, _) = run(model, request(&prompt, 24, Sampling::default()));
+        // The end of one token's text and the start of the next, as one stop string.
+        let texts: Vec<String> = free
+            .tokens
+            .iter()
+            .map(|&t| String::from_utf8_lossy(model.token_bytes.get(t)).into_owned())
+            .collect();
+        let at = (1..texts.len())
+            .find(|&i| texts[i - 1].trim().len() >= 2 && texts[i].trim().len() >= 2)
+            .expect("two adjacent word tokens");
+        let (a, b) = (texts[at - 1].trim_start(), texts[at].trim_end());
+        let stop = format!("{}{}", &a[a.len() - 2..], &b[..2]);
+        let expected = &free.text[..free.text.find(&stop).expect("the stop string occurs")];
+        for stops in [vec![stop.clone()], vec!["never-seen".into(), stop.clone()]] {
+            let mut req = request(&prompt, 24, Sampling::default());
+            req.stop = &stops;
+            let (out, pieces) = run(model, req);
+            assert_eq!(out.finish, FinishReason::Stop, "{stop:?} in {:?}", free.text);
+            assert_eq!(out.text, expected, "stop {stop:?}");
+            assert!(!out.text.contains(&stop));
+            assert_eq!(pieces.concat(), out.text);
+        }
+        // A stop string that never completes holds nothing back for good.
+        let never = vec![format!("{}#", &free.text[..1])];
+        let mut req = request(&prompt, 24, Sampling::default());
+        req.stop = &never;
+        let (out, pieces) = run(model, req);
+        assert_eq!((out.text.as_str(), out.finish), (free.text.as_str(), free.finish));
+        assert_eq!(pieces.concat(), out.text);
+    }
+
+    #[test]
+    fn logprobs_come_with_each_token_and_greedy_picks_the_most_likely() {
+        let Some(model) = model() else { return };
+        let prompt = zorbia_prompt(model);
+        let (plain, _) = run(model, request(&prompt, 16, Sampling::default()));
+        let mut req = request(&prompt, 16, Sampling::default());
+        req.logprobs = Some(5);
+        let mut streamed = Vec::new();
+        let out = model
+            .generate(req, &stage(), &mut |p| {
+                streamed.extend_from_slice(p.logprobs);
+                Flow::Continue
+            })
+            .unwrap();
+        // Asking for log-probabilities changes nothing else.
+        assert_eq!(out.tokens, plain.tokens);
+        assert_eq!(out.text, plain.text);
+        assert_eq!(streamed, out.logprobs);
+        assert_eq!(
+            out.logprobs.iter().map(|l| l.id).collect::<Vec<_>>(),
+            out.tokens
+        );
+        for lp in &out.logprobs {
+            assert_eq!(lp.top.len(), 5);
+            assert!(lp.top.windows(2).all(|w| w[0].logprob >= w[1].logprob));
+            assert!(lp.top.iter().all(|t| t.logprob <= 0.0));
+            let mass: f32 = lp.top.iter().map(|t| t.logprob.exp()).sum();
+            assert!(mass <= 1.0 + 1e-4, "{mass}");
+            assert_eq!(lp.logprob, lp.top[0].logprob, "greedy takes the most likely");
+            assert_eq!(lp.bytes, model.token_bytes.get(lp.id));
+        }
+        let k = crate::generate::MAX_TOP_LOGPROBS;
+        let mut req = request(&prompt, 2, Sampling::default());
+        req.logprobs = Some(k + 5);
+        assert_eq!(run(model, req).0.logprobs[0].top.len(), k);
+    }
+
+    #[test]
+    fn penalties_and_the_ngram_block_break_a_loop() {
+        let Some(model) = model() else { return };
+        let prompt = model
+            .chat_prompt(&[ChatMessage::new(
+                "user",
+                "List the steps to clone a git repository.",
+            )])
+            .unwrap();
+        let looped = |sampling: Sampling| {
+            let mut req = request(&prompt, 96, sampling);
+            req.ignore_eos = true;
+            run(model, req).0.tokens
+        };
+        let greedy = looped(Sampling::default());
+        let base = repeated_ngrams(&greedy, 4);
+        assert!(base > 0, "greedy past its end did not repeat itself");
+        let blocked = looped(Sampling {
+            no_repeat_ngram: 4,
+            ..Sampling::default()
+        });
+        assert_eq!(repeated_ngrams(&blocked, 4), 0);
+        for penalised in [
+            Sampling {
+                frequency_penalty: 1.0,
+                ..Sampling::default()
+            },
+            Sampling {
+                presence_penalty: 1.5,
+                ..Sampling::default()
+            },
+            Sampling {
+                repetition_penalty: 1.3,
+                ..Sampling::default()
+            },
+        ] {
+            let tokens = looped(penalised);
+            assert_ne!(tokens, greedy, "{penalised:?}");
+            assert!(repeated_ngrams(&tokens, 4) < base, "{penalised:?}");
+        }
+    }
+
+    #[test]
+    fn choices_run_together_each_as_it_runs_alone() {
+        let Some(model) = model() else { return };
+        let prompt = model
+            .chat_prompt(&[ChatMessage::new("user", "Write a short poem about the sea.")])
+            .unwrap();
+        let sampling = |seed| Sampling {
+            temperature: 1.0,
+            seed,
+            ..Sampling::default()
+        };
+        let alone: Vec<Vec<u32>> = (0..3)
+            .map(|i| run(model, request(&prompt, 24, sampling(40 + i))).0.tokens)
+            .collect();
+        let pieces = std::sync::Mutex::new(vec![String::new(); 3]);
+        let together = crate::generate::generate_choices(
+            model,
+            (0..3)
+                .map(|i| request(&prompt, 24, sampling(40 + i)))
+                .collect(),
+            &stage(),
+            &|choice, p| {
+                pieces.lock().unwrap()[choice].push_str(p.text);
+                Flow::Continue
+            },
+        )
+        .unwrap();
+        let tokens: Vec<Vec<u32>> = together.iter().map(|g| g.tokens.clone()).collect();
+        assert_eq!(tokens, alone);
+        assert_ne!(tokens[0], tokens[1], "two seeds gave the same tokens");
+        let texts: Vec<String> = together.into_iter().map(|g| g.text).collect();
+        assert_eq!(pieces.into_inner().unwrap(), texts);
     }
 
     #[test]

@@ -29,7 +29,9 @@ use super::schedule::Scheduler;
 use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
-use super::{ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Sampling};
+use super::{
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
+};
 use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
 
@@ -252,7 +254,7 @@ impl Generator for Llama {
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError> {
         TextGeneration::new(self, req, stage).run(on_token)
     }

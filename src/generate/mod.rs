@@ -13,6 +13,7 @@ mod kv_cache;
 pub mod llama;
 mod sampler;
 mod schedule;
+mod stop;
 mod template;
 #[cfg(test)]
 mod testing;
@@ -41,12 +42,36 @@ impl ChatMessage {
     }
 }
 
-/// How the next token is chosen. `temperature <= 0` means greedy.
+/// How the next token is chosen. `temperature <= 0` means greedy. The default is neutral:
+/// no penalty, no n-gram block, greedy.
+///
+/// The penalties and the n-gram block look at the tokens this request has generated, never at
+/// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too): a RAG answer has to
+/// copy words from its passages.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
     pub temperature: f64,
     pub top_p: Option<f64>,
     pub seed: u64,
+    /// OpenAI's `presence_penalty`: subtracted once from the logit of every token generated so far.
+    pub presence_penalty: f32,
+    /// OpenAI's `frequency_penalty`: subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// HF / llama.cpp's `repetition_penalty` (1 = off): a generated token's positive logit is
+    /// divided by it, a negative one multiplied.
+    pub repetition_penalty: f32,
+    /// Never generate an n-gram of this many tokens twice (0 = off), as HF's `no_repeat_ngram_size`.
+    pub no_repeat_ngram: usize,
+}
+
+impl Sampling {
+    /// Whether any penalty or block needs the request's generated tokens.
+    pub fn penalises(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.no_repeat_ngram > 0
+    }
 }
 
 impl Default for Sampling {
@@ -55,8 +80,71 @@ impl Default for Sampling {
             temperature: 0.0,
             top_p: None,
             seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            no_repeat_ngram: 0,
         }
     }
+}
+
+/// Most alternatives per position [`GenerateRequest::logprobs`] may ask for (OpenAI's bound).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One generated token's log-probability and the most likely alternatives at its position,
+/// from the log-softmax of the model's raw logits: before penalties, temperature and top-p,
+/// so they are the model's distribution (what OpenAI returns), not the sampler's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    /// The token's bytes (a token may hold part of a UTF-8 character).
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// The `k` most likely tokens, most likely first.
+    pub top: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct TopLogprob {
+    pub id: u32,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+/// Serialized as `{token, id, logprob, bytes, top_logprobs: [{token, id, logprob, bytes}]}`,
+/// OpenAI's shape plus the token id; `token` is the bytes as text (U+FFFD for a partial
+/// character).
+impl Serialize for TokenLogprob {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(5))?;
+        m.serialize_entry("token", &String::from_utf8_lossy(&self.bytes))?;
+        m.serialize_entry("id", &self.id)?;
+        m.serialize_entry("logprob", &self.logprob)?;
+        m.serialize_entry("bytes", &self.bytes)?;
+        m.serialize_entry("top_logprobs", &self.top)?;
+        m.end()
+    }
+}
+
+impl Serialize for TopLogprob {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("token", &String::from_utf8_lossy(&self.bytes))?;
+        m.serialize_entry("id", &self.id)?;
+        m.serialize_entry("logprob", &self.logprob)?;
+        m.serialize_entry("bytes", &self.bytes)?;
+        m.end()
+    }
+}
+
+/// What the generator hands its consumer each time text completes: the text, and the
+/// log-probabilities of the tokens whose text ends in it (empty unless asked for).
+#[derive(Debug, Clone, Copy)]
+pub struct Piece<'a> {
+    pub text: &'a str,
+    pub logprobs: &'a [TokenLogprob],
 }
 
 /// How decode steps show up in the trace.
@@ -82,12 +170,18 @@ pub struct GenerateRequest<'a> {
     /// Never pick an end-of-sequence token (as llama.cpp's `--ignore-eos`), so exactly
     /// `max_tokens` are generated: benchmarks compare equal amounts of work.
     pub ignore_eos: bool,
+    /// Stop strings: generation ends with [`FinishReason::Stop`] where the text first contains
+    /// one (across token boundaries), and neither it nor anything after it is in the text.
+    pub stop: &'a [String],
+    /// `Some(k)`: each generated token's log-probability and its `k` (at most
+    /// [`MAX_TOP_LOGPROBS`]) most likely alternatives.
+    pub logprobs: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
-    /// End-of-sequence token.
+    /// End-of-sequence token or a stop string.
     Stop,
     /// `max_tokens` reached (or the context window filled).
     Length,
@@ -116,8 +210,13 @@ pub enum Flow {
 
 #[derive(Debug, Clone)]
 pub struct Generated {
+    /// The streamed pieces, concatenated.
     pub text: String,
+    /// Every generated token, a stop string's too (they were computed; usage counts them).
     pub tokens: Vec<u32>,
+    /// With [`GenerateRequest::logprobs`]: one per token whose text is (at least partly) in
+    /// `text`, in order, as streamed with the pieces.
+    pub logprobs: Vec<TokenLogprob>,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
     pub prefill: Duration,
@@ -156,11 +255,45 @@ pub trait Generator: Send + Sync {
     fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError>;
 
     /// Generates up to `req.max_tokens` tokens. `on_token` receives each new piece of text as
-    /// soon as it is complete UTF-8, and may stop the generation.
+    /// soon as it is complete UTF-8 and cannot be the start of a stop string, and may stop the
+    /// generation.
     fn generate(
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError>;
+}
+
+/// Runs one request per choice at once, each on its own thread (the first on the caller's), so
+/// a model that batches decode steps runs the choices' steps together; `on_token` receives each
+/// piece with the index of its choice. Every choice ends before this returns; the first error
+/// is returned.
+pub fn generate_choices(
+    generator: &dyn Generator,
+    reqs: Vec<GenerateRequest<'_>>,
+    stage: &Stage,
+    on_token: &(dyn Fn(usize, Piece<'_>) -> Flow + Sync),
+) -> Result<Vec<Generated>, GenerateError> {
+    let mut reqs = reqs.into_iter();
+    let Some(first) = reqs.next() else {
+        return Ok(Vec::new());
+    };
+    std::thread::scope(|scope| {
+        let others: Vec<_> = reqs
+            .enumerate()
+            .map(|(i, req)| {
+                scope.spawn(move || generator.generate(req, stage, &mut |p| on_token(i + 1, p)))
+            })
+            .collect();
+        let mut all = vec![generator.generate(first, stage, &mut |p| on_token(0, p))];
+        all.extend(others.into_iter().map(|h| {
+            h.join().unwrap_or_else(|_| {
+                Err(GenerateError::Model(candle_core::Error::Msg(
+                    "a choice's generation panicked".into(),
+                )))
+            })
+        }));
+        all.into_iter().collect()
+    })
 }

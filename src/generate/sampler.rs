@@ -1,6 +1,10 @@
 //! Picking each next token from the last position's logits, as candle's `LogitsProcessor`
-//! does: greedy, or temperature and nucleus sampling from a seeded RNG. The generation loop
-//! ([`super::generation`]) owns one [`Sampler`] per request.
+//! does: repetition penalties or an n-gram block over the tokens generated so far, then greedy,
+//! or temperature and nucleus sampling from a seeded RNG; optionally the log-probabilities of
+//! the model's own distribution. The generation loop ([`super::generation`]) owns one
+//! [`Sampler`] per request.
+
+use std::collections::HashMap;
 
 use candle_core::Tensor;
 use rand::rngs::StdRng;
@@ -28,6 +32,106 @@ pub(super) struct Sampler {
     candidates: Vec<u32>,
     /// Tokens never picked (end-of-sequence when the request ignores it).
     banned: Vec<u32>,
+    /// `None` when the request asks for no penalty and no n-gram block.
+    penalties: Option<Penalties>,
+    /// The logits after penalties (used only when some apply).
+    adjusted: Vec<f32>,
+}
+
+/// A pick, and with it the log-probabilities of the raw logits when they were asked for.
+pub(super) struct Pick {
+    pub token: u32,
+    /// The picked token's log-probability and the `k` most likely `(token, logprob)`.
+    pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
+}
+
+/// The penalties and the n-gram block, with the generated tokens they look at.
+struct Penalties {
+    presence: f32,
+    frequency: f32,
+    repetition: f32,
+    ngram: usize,
+    /// How often each generated token was picked.
+    counts: HashMap<u32, u32>,
+    /// Every generated token, in order (for the n-gram block).
+    history: Vec<u32>,
+}
+
+impl Penalties {
+    fn new(s: &Sampling) -> Option<Penalties> {
+        s.penalises().then(|| Penalties {
+            presence: s.presence_penalty,
+            frequency: s.frequency_penalty,
+            repetition: s.repetition_penalty,
+            ngram: s.no_repeat_ngram,
+            counts: HashMap::new(),
+            history: Vec::new(),
+        })
+    }
+
+    /// Adjusts the logits of the tokens seen so far; only those are touched.
+    fn apply(&self, logits: &mut [f32]) {
+        for (&token, &count) in &self.counts {
+            let Some(l) = logits.get_mut(token as usize) else {
+                continue;
+            };
+            if self.repetition != 1.0 {
+                *l = if *l > 0.0 {
+                    *l / self.repetition
+                } else {
+                    *l * self.repetition
+                };
+            }
+            *l -= self.presence + self.frequency * count as f32;
+        }
+        self.for_each_blocked(|token| {
+            if let Some(l) = logits.get_mut(token as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        });
+    }
+
+    /// Calls `f` with each token that would complete an n-gram already generated: the last
+    /// `ngram - 1` tokens appeared before, followed by it.
+    fn for_each_blocked(&self, mut f: impl FnMut(u32)) {
+        let (n, h) = (self.ngram, &self.history);
+        if n == 0 || h.len() + 1 < n {
+            return;
+        }
+        let tail = &h[h.len() + 1 - n..];
+        for i in 0..h.len() + 1 - n {
+            if h[i..i + n - 1] == *tail {
+                f(h[i + n - 1]);
+            }
+        }
+    }
+
+    fn accept(&mut self, token: u32) {
+        *self.counts.entry(token).or_default() += 1;
+        self.history.push(token);
+    }
+}
+
+/// The log-softmax of `logits` at `token`, and the `k` most likely tokens with theirs (most
+/// likely first; ties in token order). One pass for the normaliser, one for the top `k`.
+pub(super) fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let log_z = max as f64 + sum.ln();
+    let lp = |l: f32| (l as f64 - log_z) as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if top.len() == k && l <= top[k - 1].1 {
+                continue;
+            }
+            let at = top.partition_point(|&(_, t)| t >= l);
+            top.insert(at, (i as u32, l));
+            top.truncate(k);
+        }
+    }
+    let top = top.into_iter().map(|(i, l)| (i, lp(l))).collect();
+    (lp(logits[token as usize]), top)
 }
 
 impl Sampler {
@@ -44,6 +148,8 @@ impl Sampler {
             probs: Vec::new(),
             candidates: Vec::new(),
             banned: Vec::new(),
+            penalties: Penalties::new(s),
+            adjusted: Vec::new(),
         }
     }
 
@@ -55,19 +161,50 @@ impl Sampler {
 
     /// The next token from `logits`.
     pub fn sample(&mut self, logits: &Logits) -> candle_core::Result<u32> {
-        match logits {
+        Ok(self.pick(logits, None)?.token)
+    }
+
+    /// The next token from `logits`, with the log-probabilities of the `k` most likely tokens
+    /// when `top_logprobs` is `Some(k)`. The pick counts towards later penalties.
+    pub fn pick(&mut self, logits: &Logits, top_logprobs: Option<usize>) -> candle_core::Result<Pick> {
+        let plain = self.penalties.is_none() && top_logprobs.is_none();
+        let copied;
+        let raw: &[f32] = match logits {
             Logits::Device(t) => {
-                if self.temperature.is_none() {
+                if plain && self.temperature.is_none() {
                     // Greedy on the device: only the winner's index comes back.
                     let best = t.argmax(0)?.to_scalar::<u32>()?;
                     if !self.banned.contains(&best) {
-                        return Ok(best);
+                        return Ok(Pick {
+                            token: best,
+                            logprobs: None,
+                        });
                     }
                 }
-                self.sample_host(&t.to_vec1::<f32>()?)
+                copied = t.to_vec1::<f32>()?;
+                &copied
             }
-            Logits::Host(v) => self.sample_host(v),
+            Logits::Host(v) => v,
+        };
+        let token = match &self.penalties {
+            None => self.sample_host(raw)?,
+            Some(p) => {
+                let mut adjusted = std::mem::take(&mut self.adjusted);
+                adjusted.clear();
+                adjusted.extend_from_slice(raw);
+                p.apply(&mut adjusted);
+                let token = self.sample_host(&adjusted);
+                self.adjusted = adjusted;
+                token?
+            }
+        };
+        if let Some(p) = &mut self.penalties {
+            p.accept(token);
         }
+        Ok(Pick {
+            token,
+            logprobs: top_logprobs.map(|k| logprobs(raw, token, k)),
+        })
     }
 
     fn sample_host(&mut self, logits: &[f32]) -> candle_core::Result<u32> {
@@ -158,7 +295,114 @@ mod tests {
             temperature,
             top_p,
             seed,
+            ..Sampling::default()
         }
+    }
+
+    /// The greedy picks after each token of `history` was generated.
+    fn greedy_after(sampling: Sampling, logits: &[f32], history: &[u32]) -> u32 {
+        let mut s = Sampler::new(&sampling);
+        if let Some(p) = &mut s.penalties {
+            history.iter().for_each(|&t| p.accept(t));
+        }
+        s.sample(&Logits::Host(logits.to_vec())).unwrap()
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_subtract_from_seen_tokens() {
+        let logits = [1.0, 0.0, 3.0, -2.0];
+        let s = Sampling {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Sampling::default()
+        };
+        let mut p = Penalties::new(&s).unwrap();
+        [2, 2, 3].iter().for_each(|&t| p.accept(t));
+        let mut adjusted = logits;
+        p.apply(&mut adjusted);
+        // Token 2: seen twice, 3 - 0.5 - 2 * 0.25; token 3: once; 0 and 1 untouched.
+        assert_eq!(adjusted, [1.0, 0.0, 2.0, -2.75]);
+        // Strong enough, the penalty moves greedy off the repeated token; negative, it favours it.
+        let strong = Sampling {
+            frequency_penalty: 1.5,
+            ..Sampling::default()
+        };
+        assert_eq!(greedy_after(strong, &logits, &[2]), 2);
+        assert_eq!(greedy_after(strong, &logits, &[2, 2]), 0);
+        let negative = Sampling {
+            presence_penalty: -2.0,
+            ..Sampling::default()
+        };
+        assert_eq!(greedy_after(negative, &[3.0, 1.5], &[1]), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let s = Sampling {
+            repetition_penalty: 2.0,
+            ..Sampling::default()
+        };
+        let mut p = Penalties::new(&s).unwrap();
+        [0, 1, 1].iter().for_each(|&t| p.accept(t));
+        let mut adjusted = [4.0, -1.0, 3.0];
+        p.apply(&mut adjusted);
+        // Once per seen token whatever the count (HF's semantics).
+        assert_eq!(adjusted, [2.0, -2.0, 3.0]);
+        assert_eq!(greedy_after(s, &[4.0, -1.0, 3.0], &[0]), 2);
+        // Neutral settings add no work at all.
+        assert!(Penalties::new(&Sampling::default()).is_none());
+    }
+
+    #[test]
+    fn no_repeat_ngram_blocks_the_token_completing_a_seen_ngram() {
+        let s = Sampling {
+            no_repeat_ngram: 3,
+            ..Sampling::default()
+        };
+        let mut p = Penalties::new(&s).unwrap();
+        // 5 6 7 ... 5 6: a 7 would repeat "5 6 7".
+        [5, 6, 7, 1, 5, 6].iter().for_each(|&t| p.accept(t));
+        let mut blocked = Vec::new();
+        p.for_each_blocked(|t| blocked.push(t));
+        assert_eq!(blocked, [7]);
+        let mut logits = vec![0.0; 8];
+        logits[7] = 5.0;
+        logits[4] = 1.0;
+        assert_eq!(greedy_after(s, &logits, &[5, 6, 7, 1, 5, 6]), 4);
+        // Not after "6 5": nothing to complete.
+        assert_eq!(greedy_after(s, &logits, &[5, 6, 7, 6, 5]), 7);
+        let unigram = Sampling {
+            no_repeat_ngram: 1,
+            ..Sampling::default()
+        };
+        assert_eq!(greedy_after(unigram, &[3.0, 2.0, 1.0], &[0, 1]), 2);
+    }
+
+    #[test]
+    fn logprobs_are_the_raw_log_softmax_with_the_top_sorted() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let (chosen, top) = logprobs(&logits, 2, 3);
+        assert!((chosen as f64 - (2.0 - z.ln())).abs() < 1e-6);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2]);
+        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
+        let total: f64 = (0..5).map(|i| (logprobs(&logits, i, 0).0 as f64).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5, "{total}");
+        // Greedy's pick carries the largest log-probability, taken before any penalty.
+        let s = Sampling {
+            frequency_penalty: 1.0,
+            ..Sampling::default()
+        };
+        let mut sampler = Sampler::new(&s);
+        let pick = sampler.pick(&Logits::Host(logits.to_vec()), Some(2)).unwrap();
+        assert_eq!(pick.token, 1);
+        let (lp, top) = pick.logprobs.unwrap();
+        assert_eq!(lp, top[0].1);
+        assert!(lp <= 0.0);
+        // Token 1 is now penalised: greedy takes 3; its log-probability is still the raw one.
+        let pick = sampler.pick(&Logits::Host(logits.to_vec()), Some(2)).unwrap();
+        assert_eq!(pick.token, 3);
+        assert_eq!(pick.logprobs.unwrap().0, lp);
     }
 
     #[test]

@@ -56,6 +56,8 @@ pub(super) fn request(
         token_trace: TokenTrace::Events,
         deadline: None,
         ignore_eos: false,
+        stop: &[],
+        logprobs: None,
     }
 }
 
@@ -64,7 +66,7 @@ pub(super) fn run(model: &Llama, req: GenerateRequest<'_>) -> (Generated, Vec<St
     let mut pieces = Vec::new();
     let out = model
         .generate(req, &stage(), &mut |p| {
-            pieces.push(p.to_string());
+            pieces.push(p.text.to_string());
             Flow::Continue
         })
         .expect("generate");

@@ -21,7 +21,7 @@ use crate::config::PipelineArgs;
 use crate::embed::cache::QueryCache;
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};
-use crate::generate::{Flow, GenerateRequest, Generated, Generator};
+use crate::generate::{Flow, GenerateRequest, Generated, Generator, Piece};
 use crate::ingest::chunk::ChunkerConfig;
 use crate::ingest::{Document, IngestOutcome};
 use crate::prompt::{self, Prompt};
@@ -273,13 +273,13 @@ impl Pipeline {
         run.run(spec, |stage| {
             let token_delay = req.faults.token_delay();
             let mut delayed_tokens = 0;
-            let mut on_token = |piece: &str| {
+            let mut on_token = |piece: Piece<'_>| {
                 if let Some(d) = token_delay {
                     std::thread::sleep(d);
                     delayed_tokens += 1;
                 }
                 match events {
-                    Some(tx) if tx.send(Event::Token(piece.to_string())).is_err() => Flow::Stop,
+                    Some(tx) if tx.send(Event::Token(piece.text.to_string())).is_err() => Flow::Stop,
                     _ => Flow::Continue,
                 }
             };
@@ -291,6 +291,8 @@ impl Pipeline {
                     token_trace: self.defaults.token_trace,
                     deadline: Some(req.deadline),
                     ignore_eos: false,
+                    stop: &[],
+                    logprobs: None,
                 },
                 stage,
                 &mut on_token,

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use opentelemetry::KeyValue;
 use ragscope::embed::{EmbedError, Embedder};
 use ragscope::generate::{
-    ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator,
+    ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
 };
 use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use ragscope::telemetry::{clock, span::Stage};
@@ -147,7 +147,7 @@ impl Generator for FakeGenerator {
         &self,
         req: GenerateRequest<'_>,
         stage: &Stage,
-        on_token: &mut dyn FnMut(&str) -> Flow,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<Generated, GenerateError> {
         let prefill = stage.child("prefill");
         spin(Duration::from_millis(2));
@@ -169,7 +169,11 @@ impl Generator for FakeGenerator {
             tokens.push(i as u32);
             let piece = format!(" w{i}");
             text.push_str(&piece);
-            if on_token(&piece) == Flow::Stop {
+            let delivered = Piece {
+                text: &piece,
+                logprobs: &[],
+            };
+            if on_token(delivered) == Flow::Stop {
                 finish = FinishReason::Cancelled;
                 break;
             }
@@ -177,6 +181,7 @@ impl Generator for FakeGenerator {
         Ok(Generated {
             text,
             tokens,
+            logprobs: Vec::new(),
             finish,
             prompt_tokens: req.prompt.len(),
             prefill: prefill_took,
