@@ -249,13 +249,16 @@ fn ask(
 /// The settings an answer run used, for its report line.
 fn settings(p: &PipelineArgs) -> String {
     format!(
-        "context {} budget {}/passage method {} template {:?} rerank_top_n {} max_tokens {}",
+        "context {} budget {}/passage method {} template {:?} rerank_top_n {} max_tokens {} \
+         repetition_penalty {} no_repeat_ngram {}",
         p.context.as_str(),
         p.context_budget,
         p.context_method.as_str(),
         p.prompt_template,
         p.rerank_top_n,
-        p.max_tokens
+        p.max_tokens,
+        p.repetition_penalty,
+        p.no_repeat_ngram
     )
 }
 

@@ -7,7 +7,7 @@
 
 use crate::generate::{ChatMessage, GenerateError, Generator};
 
-/// The system text of the `numbered` template (also the benchmarks' RAG prompt).
+/// The system text of the `numbered` template (the stage bench's fixed prompt uses it too).
 pub const SYSTEM: &str = "You are a helpful assistant. Answer the question using only the numbered passages. \
 Answer briefly and mention the exact command or option. If the passages do not contain the answer, say that you don't know.";
 
@@ -31,12 +31,13 @@ Name the exact command or option.";
 #[serde(rename_all = "kebab-case")]
 pub enum PromptTemplate {
     /// [`SYSTEM`]; the user turn is the passages, then the question.
-    #[default]
     Numbered,
     /// A one-sentence instruction as the system turn; passages, then the question.
     Brief,
     /// The question first, then the passages, then the question again as the last line
-    /// (a small model attends most to the end of its prompt).
+    /// (a small model attends most to the end of its prompt). The best of the four on the
+    /// evaluation set (docs/CONTEXT.md).
+    #[default]
     QuestionLast,
     /// No system turn of ours (the model's own default); the instruction ends the user turn.
     Inline,

@@ -140,7 +140,7 @@ pub fn rag_request(
             temperature,
             top_p,
             seed: seed.unwrap_or(0),
-            ..Sampling::default()
+            ..defaults.sampling()
         },
         filter,
         deadline: clock::now() + state.request_timeout,

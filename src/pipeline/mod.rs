@@ -279,7 +279,9 @@ impl Pipeline {
                     delayed_tokens += 1;
                 }
                 match events {
-                    Some(tx) if tx.send(Event::Token(piece.text.to_string())).is_err() => Flow::Stop,
+                    Some(tx) if tx.send(Event::Token(piece.text.to_string())).is_err() => {
+                        Flow::Stop
+                    }
                     _ => Flow::Continue,
                 }
             };

@@ -46,7 +46,7 @@ impl RagRequest {
             top_k: defaults.top_k,
             rerank_top_n: defaults.rerank_top_n,
             max_tokens: defaults.max_tokens,
-            sampling: Sampling::default(),
+            sampling: defaults.sampling(),
             filter: None,
             context: ContextSettings::defaults(defaults, defaults.rerank_top_n),
             deadline: clock::now() + timeout,
