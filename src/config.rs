@@ -221,7 +221,7 @@ pub struct PipelineArgs {
     pub repetition_penalty: f32,
     /// RAG answers never repeat an n-gram of this many tokens (0 = off) unless the request says
     /// otherwise.
-    #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 0)]
+    #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
     pub no_repeat_ngram: usize,
     /// The RAG prompt's wording (docs/CONTEXT.md compares them).
     #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
