@@ -68,7 +68,7 @@ async fn the_context_stage_runs_between_rerank_and_prompt_and_its_timing_is_its_
     let (status, body) = app
         .post(
             "/v1/rag/query",
-            &json!({"query": "What is the capital of Zorbia?", "max_tokens": 8, "rerank_top_n": 3}),
+            &json!({"query": "What is the capital of Zorbia?", "max_tokens": 24, "rerank_top_n": 3}),
         )
         .await;
     assert_eq!(status, 200, "{body}");
