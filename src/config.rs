@@ -9,6 +9,8 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::generate::TokenTrace;
+use crate::pipeline::context::{ContextMethod, ContextMode};
+use crate::prompt::PromptTemplate;
 
 #[derive(Debug, Parser)]
 #[command(name = "ragscope", version, about)]
@@ -204,6 +206,29 @@ pub struct PipelineArgs {
     /// Tokens generated unless the request says otherwise.
     #[arg(long, env = "RAGSCOPE_MAX_TOKENS", default_value_t = 128)]
     pub max_tokens: usize,
+    /// What the context stage hands the prompt: the passages' best sentences (`sentences`),
+    /// whole passages (`passages`), both within the context budget, or every passage whole
+    /// (`off`).
+    #[arg(long, env = "RAGSCOPE_CONTEXT", value_enum, default_value_t = ContextMode::Sentences)]
+    pub context: ContextMode,
+    /// Context tokens per passage kept after reranking: a request's budget is this times its
+    /// `rerank_top_n`, unless it sets `context_budget`.
+    #[arg(long, env = "RAGSCOPE_CONTEXT_BUDGET", default_value_t = 48)]
+    pub context_budget: usize,
+    /// How the context stage scores sentences against the question: dense, lexical or hybrid.
+    #[arg(long, env = "RAGSCOPE_CONTEXT_METHOD", value_enum, default_value_t = ContextMethod::Hybrid)]
+    pub context_method: ContextMethod,
+    /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
+    /// otherwise.
+    #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// RAG answers never repeat an n-gram of this many tokens (0 = off) unless the request says
+    /// otherwise.
+    #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
+    pub no_repeat_ngram: usize,
+    /// The RAG prompt's wording (docs/CONTEXT.md compares them).
+    #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
+    pub prompt_template: PromptTemplate,
     /// How decode steps appear in traces: events, spans or off.
     #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
     pub token_trace: TokenTrace,
@@ -213,6 +238,18 @@ pub struct PipelineArgs {
     /// Record query and answer text on spans (off by default: content may be sensitive).
     #[arg(long, env = "RAGSCOPE_CAPTURE_CONTENT", default_value_t = false, action = clap::ArgAction::Set)]
     pub capture_content: bool,
+}
+
+impl PipelineArgs {
+    /// The sampling a RAG request gets for what it does not set: greedy, with the server's
+    /// repetition controls.
+    pub fn sampling(&self) -> crate::generate::Sampling {
+        crate::generate::Sampling {
+            repetition_penalty: self.repetition_penalty,
+            no_repeat_ngram: self.no_repeat_ngram,
+            ..crate::generate::Sampling::default()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Args)]

@@ -10,8 +10,9 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::app;
-use crate::config::EvalArgs;
-use crate::pipeline::RagRequest;
+use crate::config::{EvalArgs, PipelineArgs};
+use crate::generate::FinishReason;
+use crate::pipeline::{RagAnswer, RagRequest};
 use crate::rerank::fusion::FusionReranker;
 use crate::rerank::{ranking, Candidate, Reranker};
 use crate::retrieve::ScoredChunk;
@@ -156,29 +157,26 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     }
 
     if args.answers {
-        let mut correct = 0;
         println!(
-            "\nanswers (reranker: {}):",
-            pipeline.reranker.as_ref().map_or("none", |r| r.model_id())
+            "\nanswers (reranker: {}; {}):",
+            pipeline.reranker.as_ref().map_or("none", |r| r.model_id()),
+            settings(&args.pipeline)
         );
+        let mut tally = AnswerTally::default();
         for q in &questions {
-            let stage = Arc::new(root());
-            let req = RagRequest::with_defaults(
-                q.question.clone(),
-                &args.pipeline,
-                args.server.request_timeout,
-            );
-            let answer = handle.block_on(pipeline.start_query(req, &stage, None)?)?;
+            let answer = ask(&pipeline, args, handle, &q.question)?;
             let lower = answer.answer.to_lowercase();
             let ok = q
                 .answer_contains
                 .iter()
                 .any(|f| lower.contains(&f.to_lowercase()));
-            correct += ok as usize;
+            tally.add(&answer, ok);
             println!(
-                "{} {:>4} {}",
+                "{} {:>4} {:>4}+{:<3} {}",
                 if ok { "ok  " } else { "MISS" },
                 q.id,
+                answer.usage.prompt_tokens,
+                answer.usage.completion_tokens,
                 answer
                     .answer
                     .replace('\n', " ")
@@ -187,15 +185,123 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                     .collect::<String>()
             );
         }
+        let n_answers = questions.len();
         println!(
-            "\nanswer contains expected fact: {correct}/{} = {:.3}",
-            questions.len(),
-            correct as f64 / n
+            "\nanswer contains expected fact: {}/{n_answers} = {:.3}; mean prompt tokens {:.0}, \
+             mean answer tokens {:.1}; ran to max_tokens {}, repeated a phrase {}",
+            tally.correct,
+            tally.correct as f64 / n,
+            tally.prompt_tokens as f64 / n,
+            tally.answer_tokens as f64 / n,
+            tally.length,
+            tally.repeats,
         );
-        report.push(json!({"answer_contains_rate": correct as f64 / n}));
+        let mut readme = AnswerTally::default();
+        println!("\nthe README's examples:");
+        for question in README_QUESTIONS {
+            let answer = ask(&pipeline, args, handle, question)?;
+            readme.add(&answer, false);
+            println!(
+                "{:<6} {:>3} tokens, repeats: {:<5} {question} → {}",
+                answer.finish_reason.as_str(),
+                answer.usage.completion_tokens,
+                repeats_a_phrase(&answer.answer),
+                answer.answer.replace('\n', " ")
+            );
+        }
+        report.push(json!({
+            "settings": settings(&args.pipeline),
+            "answer_contains_rate": tally.correct as f64 / n,
+            "mean_prompt_tokens": tally.prompt_tokens as f64 / n,
+            "mean_answer_tokens": tally.answer_tokens as f64 / n,
+            "ran_to_max_tokens": tally.length,
+            "repeated_a_phrase": tally.repeats,
+            "readme_examples": {"ran_to_max_tokens": readme.length, "repeated_a_phrase": readme.repeats},
+        }));
     }
     println!("\n{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+/// The questions the README shows answers to.
+const README_QUESTIONS: &[&str] = &[
+    "How do I make a shallow clone?",
+    "How do I undo git add?",
+    "What does git stash pop do?",
+];
+
+/// One question through the whole pipeline with the settings of the command line.
+fn ask(
+    pipeline: &Arc<crate::pipeline::Pipeline>,
+    args: &EvalArgs,
+    handle: &tokio::runtime::Handle,
+    question: &str,
+) -> Result<RagAnswer> {
+    let stage = Arc::new(Stage::root(span::EVAL));
+    let req = RagRequest::with_defaults(
+        question.to_string(),
+        &args.pipeline,
+        args.server.request_timeout,
+    );
+    Ok(handle.block_on(pipeline.start_query(req, &stage, None)?)?)
+}
+
+/// The settings an answer run used, for its report line.
+fn settings(p: &PipelineArgs) -> String {
+    format!(
+        "context {} budget {}/passage method {} template {:?} rerank_top_n {} max_tokens {} \
+         repetition_penalty {} no_repeat_ngram {}",
+        p.context.as_str(),
+        p.context_budget,
+        p.context_method.as_str(),
+        p.prompt_template,
+        p.rerank_top_n,
+        p.max_tokens,
+        p.repetition_penalty,
+        p.no_repeat_ngram
+    )
+}
+
+/// Sums over the answers of one run.
+#[derive(Debug, Default)]
+struct AnswerTally {
+    correct: usize,
+    prompt_tokens: usize,
+    answer_tokens: usize,
+    /// Answers that ran to `max_tokens`.
+    length: usize,
+    /// Answers that repeat a phrase ([`repeats_a_phrase`]).
+    repeats: usize,
+}
+
+impl AnswerTally {
+    fn add(&mut self, answer: &RagAnswer, correct: bool) {
+        self.correct += correct as usize;
+        self.prompt_tokens += answer.usage.prompt_tokens;
+        self.answer_tokens += answer.usage.completion_tokens;
+        self.length += (answer.finish_reason == FinishReason::Length) as usize;
+        self.repeats += repeats_a_phrase(&answer.answer) as usize;
+    }
+}
+
+/// Words in a row that, seen twice in one answer, make it a loop: "2. The second step is to
+/// clone a repository" after "1. The first step is to clone a repository" shares six.
+const LOOP_WORDS: usize = 6;
+
+/// Whether some run of [`LOOP_WORDS`] words (lowercased, punctuation dropped) occurs twice.
+pub fn repeats_a_phrase(text: &str) -> bool {
+    let words: Vec<String> = text
+        .split_whitespace()
+        .map(|w| {
+            w.chars()
+                .filter(|c| c.is_alphanumeric() || *c == '-')
+                .collect::<String>()
+                .to_lowercase()
+        })
+        .filter(|w| !w.is_empty())
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    words.windows(LOOP_WORDS).any(|w| !seen.insert(w.join(" ")))
 }
 
 /// The first `n` evaluation questions (the benchmark's fixed query set).
@@ -205,4 +311,20 @@ pub fn first_questions(path: &Path, n: usize) -> Result<Vec<String>> {
         .take(n)
         .map(|q| q.question)
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::repeats_a_phrase;
+
+    #[test]
+    fn a_looping_answer_repeats_a_phrase_and_a_short_one_does_not() {
+        assert!(repeats_a_phrase(
+            "1. The first step is to clone a repository. 2. The second step is to clone a \
+             repository."
+        ));
+        assert!(!repeats_a_phrase(
+            "Use `git clone --depth 1 <url>` to make a shallow clone."
+        ));
+    }
 }

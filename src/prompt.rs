@@ -1,11 +1,76 @@
-//! The prompt stage: the reranked passages and the question, rendered into the generator's
+//! The prompt stage: the context passages and the question, rendered into the generator's
 //! chat template and trimmed to the context window. Passages are kept best-first while they
 //! fit; the rest are dropped (and counted on the span), so nothing ever overflows the model.
+//!
+//! The wording is a [`PromptTemplate`]; docs/CONTEXT.md has the evaluation each was measured
+//! on and why the default is the default.
 
 use crate::generate::{ChatMessage, GenerateError, Generator};
 
+/// The system text of the `numbered` template (the stage bench's fixed prompt uses it too).
 pub const SYSTEM: &str = "You are a helpful assistant. Answer the question using only the numbered passages. \
 Answer briefly and mention the exact command or option. If the passages do not contain the answer, say that you don't know.";
+
+const BRIEF_SYSTEM: &str =
+    "Answer the question in one short sentence, using only the numbered passages. \
+Name the exact command or option.";
+
+/// How the RAG prompt is worded. Every template numbers the passages `[1]`, `[2]`, … in the
+/// order of the answer's `sources`.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum PromptTemplate {
+    /// [`SYSTEM`]; the user turn is the passages, then the question.
+    Numbered,
+    /// A one-sentence instruction as the system turn; passages, then the question.
+    Brief,
+    /// The question first, then the passages, then the question again as the last line
+    /// (a small model attends most to the end of its prompt). The best of the four on the
+    /// evaluation set (docs/CONTEXT.md).
+    #[default]
+    QuestionLast,
+    /// No system turn of ours (the model's own default); the instruction ends the user turn.
+    Inline,
+}
+
+impl PromptTemplate {
+    fn system(self) -> Option<&'static str> {
+        match self {
+            PromptTemplate::Numbered => Some(SYSTEM),
+            PromptTemplate::Brief | PromptTemplate::QuestionLast => Some(BRIEF_SYSTEM),
+            PromptTemplate::Inline => None,
+        }
+    }
+
+    fn user_message(self, question: &str, passages: &[(usize, String)]) -> String {
+        let mut s = String::new();
+        if self == PromptTemplate::QuestionLast {
+            s.push_str(&format!("Question: {question}\n\n"));
+        }
+        s.push_str("Passages:\n");
+        for (n, (_, text)) in passages.iter().enumerate() {
+            s.push_str(&format!("[{}] {}\n\n", n + 1, text.trim()));
+        }
+        match self {
+            PromptTemplate::Inline => s.push_str(&format!(
+                "Using only the passages above, answer in one short sentence and name the exact \
+                 command or option.\nQuestion: {question}"
+            )),
+            _ => s.push_str(&format!("Question: {question}")),
+        }
+        s
+    }
+}
 
 /// A rendered prompt and how it was built.
 #[derive(Debug, Clone)]
@@ -18,19 +83,29 @@ pub struct Prompt {
     pub truncated: bool,
 }
 
-fn user_message(question: &str, passages: &[(usize, String)]) -> String {
-    let mut s = String::from("Passages:\n");
-    for (n, (_, text)) in passages.iter().enumerate() {
-        s.push_str(&format!("[{}] {}\n\n", n + 1, text.trim()));
-    }
-    s.push_str(&format!("Question: {question}"));
-    s
-}
-
-/// Builds the chat prompt: system message, earlier turns (`history`), then the passages and
-/// `question`, leaving room for `max_tokens` of answer.
+/// [`build_with`] in the default template.
 pub fn build(
     generator: &dyn Generator,
+    history: &[ChatMessage],
+    question: &str,
+    passages: &[&str],
+    max_tokens: usize,
+) -> Result<Prompt, GenerateError> {
+    build_with(
+        generator,
+        PromptTemplate::default(),
+        history,
+        question,
+        passages,
+        max_tokens,
+    )
+}
+
+/// Builds the chat prompt: the template's system message, earlier turns (`history`), then the
+/// passages and `question`, leaving room for `max_tokens` of answer.
+pub fn build_with(
+    generator: &dyn Generator,
+    template: PromptTemplate,
     history: &[ChatMessage],
     question: &str,
     passages: &[&str],
@@ -39,9 +114,16 @@ pub fn build(
     let window = generator.context_window();
     let budget = window.saturating_sub(max_tokens);
     let render = |kept: &[(usize, String)]| -> Result<Vec<u32>, GenerateError> {
-        let mut messages = vec![ChatMessage::new("system", SYSTEM)];
+        let mut messages: Vec<ChatMessage> = template
+            .system()
+            .map(|s| ChatMessage::new("system", s))
+            .into_iter()
+            .collect();
         messages.extend(history.iter().cloned());
-        messages.push(ChatMessage::new("user", user_message(question, kept)));
+        messages.push(ChatMessage::new(
+            "user",
+            template.user_message(question, kept),
+        ));
         generator.chat_prompt(&messages)
     };
     let mut kept: Vec<(usize, String)> = Vec::new();

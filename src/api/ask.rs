@@ -17,6 +17,7 @@ use super::error::ApiError;
 use super::{AppState, RequestStage};
 use crate::generate::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
 use crate::ingest::{Document, Format};
+use crate::pipeline::context::{ContextAsked, ContextSettings};
 use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer, RagRequest, Source, Streamed};
 use crate::retrieve::Filter;
 use crate::telemetry::clock;
@@ -50,6 +51,8 @@ pub struct Asked {
     pub seed: Option<u64>,
     pub filter: Option<Value>,
     pub decoding: Decoding,
+    /// `context`, `context_budget`, `context_method`.
+    pub context: ContextAsked,
 }
 
 /// How the answer is decoded beyond temperature and top-p; every field is neutral by default.
@@ -175,6 +178,7 @@ pub fn rag_request(
         seed,
         filter,
         decoding,
+        context,
     } = asked;
     let defaults = &pipeline.defaults;
     if query.trim().is_empty() {
@@ -227,21 +231,35 @@ pub fn rag_request(
             .with_message(m)
         })?),
     };
+    let context = ContextSettings::resolve(&context, defaults, rerank_top_n, window)
+        .map_err(|(field, message)| ApiError::field(field, message))?;
+    // The server's decoding defaults (`--repetition-penalty`, `--no-repeat-ngram`) where the
+    // request leaves a setting out.
+    let server = defaults.sampling();
     Ok(RagRequest {
         query,
         history,
         top_k,
         rerank_top_n,
         max_tokens,
+        context,
         sampling: Sampling {
             temperature,
             top_p,
             seed: seed.unwrap_or(0),
-            presence_penalty: decoding.presence_penalty.unwrap_or(0.0) as f32,
-            frequency_penalty: decoding.frequency_penalty.unwrap_or(0.0) as f32,
-            repetition_penalty: decoding.repetition_penalty.unwrap_or(1.0) as f32,
-            no_repeat_ngram: decoding.no_repeat_ngram_size.unwrap_or(0),
-            penalize_prompt: decoding.penalize_prompt.unwrap_or(false),
+            presence_penalty: decoding
+                .presence_penalty
+                .map_or(server.presence_penalty, |v| v as f32),
+            frequency_penalty: decoding
+                .frequency_penalty
+                .map_or(server.frequency_penalty, |v| v as f32),
+            repetition_penalty: decoding
+                .repetition_penalty
+                .map_or(server.repetition_penalty, |v| v as f32),
+            no_repeat_ngram: decoding
+                .no_repeat_ngram_size
+                .unwrap_or(server.no_repeat_ngram),
+            penalize_prompt: decoding.penalize_prompt.unwrap_or(server.penalize_prompt),
         },
         stop: decoding.stop,
         logprobs: decoding.logprobs,

@@ -500,6 +500,7 @@ fn rag_request(
         seed: Some(req.sampling.seed),
         filter: None,
         decoding: ask::Decoding::default(),
+        context: Default::default(),
     };
     let rag = ask::rag_request(pipeline, state, asked).map_err(|e| match e.param.as_deref() {
         Some("query") => ApiError {

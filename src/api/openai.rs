@@ -22,6 +22,7 @@ use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
 use crate::generate::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS};
+use crate::pipeline::context::ContextAsked;
 use crate::pipeline::Pipeline;
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
@@ -56,6 +57,9 @@ pub struct ChatBody {
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
     pub filter: Option<Value>,
+    pub context: Option<String>,
+    pub context_budget: Option<usize>,
+    pub context_method: Option<String>,
     /// Accepted and ignored: they label or route the request but cannot change the answer.
     pub user: Option<String>,
     pub metadata: Option<Map<String, Value>>,
@@ -271,6 +275,11 @@ pub async fn chat_completions(
             no_repeat_ngram_size: body.no_repeat_ngram_size,
             penalize_prompt: body.penalize_prompt,
         },
+        context: ContextAsked {
+            mode: body.context,
+            budget: body.context_budget,
+            method: body.context_method,
+        },
     };
     let with_logprobs = body.logprobs == Some(true);
     let include_usage = body
@@ -278,18 +287,28 @@ pub async fn chat_completions(
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    let req = ask::prepare(&state, &pipeline, &stage, &headers, asked).map_err(|e| {
-        match e.param.as_deref() {
-            Some("query") => ApiError {
-                param: Some(format!("messages[{last_index}].content")),
-                message: e
-                    .message
-                    .replacen("query", &format!("messages[{last_index}].content"), 1),
-                ..e
-            },
-            _ => e,
-        }
+    let mut req = ask::prepare(&state, &pipeline, &stage, &headers, asked).map_err(|e| match e
+        .param
+        .as_deref()
+    {
+        Some("query") => ApiError {
+            param: Some(format!("messages[{last_index}].content")),
+            message: e
+                .message
+                .replacen("query", &format!("messages[{last_index}].content"), 1),
+            ..e
+        },
+        _ => e,
     })?;
+    if plain {
+        // The generator alone compares with other servers on the same prompt: the RAG
+        // decoding defaults do not apply, only what the request asks for.
+        let neutral = crate::generate::Sampling::default();
+        req.sampling.repetition_penalty = body
+            .repetition_penalty
+            .map_or(neutral.repetition_penalty, |v| v as f32);
+        req.sampling.no_repeat_ngram = body.no_repeat_ngram_size.unwrap_or(neutral.no_repeat_ngram);
+    }
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = if plain {
         body.model.clone()

@@ -16,6 +16,7 @@ use super::ask::{self, AnswerEvent, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
+use crate::pipeline::context::ContextAsked;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -39,6 +40,10 @@ pub struct QueryBody {
     pub repetition_penalty: Option<f64>,
     pub no_repeat_ngram_size: Option<usize>,
     pub penalize_prompt: Option<bool>,
+    /// The context stage: `off`, `sentences` or `passages`; its token budget; its method.
+    pub context: Option<String>,
+    pub context_budget: Option<usize>,
+    pub context_method: Option<String>,
 }
 
 pub async fn query(
@@ -67,6 +72,11 @@ pub async fn query(
             repetition_penalty: body.repetition_penalty,
             no_repeat_ngram_size: body.no_repeat_ngram_size,
             penalize_prompt: body.penalize_prompt,
+        },
+        context: ContextAsked {
+            mode: body.context,
+            budget: body.context_budget,
+            method: body.context_method,
         },
     };
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked)?;

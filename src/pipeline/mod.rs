@@ -1,9 +1,11 @@
-//! One RAG request, top to bottom: embed the query → retrieve candidates → rerank → build the
-//! prompt → generate, streaming tokens as they come. Each step is a stage (a span on the shared
-//! clock) under the request's span, run by the one [`StageRunner`], and the same durations are
+//! One RAG request, top to bottom: embed the query → retrieve candidates → rerank → select the
+//! context (the sentences or passages the prompt gets, `context`) → build the prompt →
+//! generate, streaming tokens as they come. Each step is a stage (a span on the shared clock)
+//! under the request's span, run by the one [`StageRunner`], and the same durations are
 //! returned to the client as `timings`. The whole path runs on a model-worker thread, after one
 //! `queue` stage. The other routes (embeddings, rerank, ingest) run their stages the same way.
 
+pub mod context;
 mod plain;
 mod request;
 pub mod runner;
@@ -35,6 +37,7 @@ use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
 use crate::worker::{Admission, JobKind, Workers};
+use context::{ContextMode, ContextPassage};
 
 /// Everything a request needs, shared by all requests.
 pub struct Pipeline {
@@ -88,13 +91,17 @@ impl Pipeline {
         let hits = self.retrieve(&mut run, req, &vector)?;
         let mut ranked = self.rank(&mut run, &req.query, hits)?;
         ranked.truncate(req.rerank_top_n);
+        let context = self.select_context(&mut run, req, &vector, &ranked)?;
+        // The sources are the passages the context kept, in the order of the prompt's markers.
+        let kept: Vec<Source> = context.iter().map(|c| ranked[c.source].clone()).collect();
         if let Some(tx) = events {
-            let _ = tx.send(Event::Sources(ranked.clone()));
+            let _ = tx.send(Event::Sources(kept.clone()));
         }
         check_deadline(req, request)?;
 
-        let built = self.build_prompt(&mut run, req, &ranked)?;
-        let sources: Vec<Source> = built.kept.iter().map(|&i| ranked[i].clone()).collect();
+        let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
+        let built = self.build_prompt(&mut run, req, &texts)?;
+        let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
         let generated = self.generate(&mut run, req, &built.tokens, events)?;
         Ok(self.finish(run, sources, generated))
     }
@@ -177,20 +184,66 @@ impl Pipeline {
             .collect())
     }
 
-    /// 4. The prompt within the context window.
+    /// 4. The context: the sentences (or whole passages) of the reranked passages that the
+    /// prompt gets, within the request's token budget.
+    fn select_context(
+        &self,
+        run: &mut StageRunner,
+        req: &RagRequest,
+        vector: &[f32],
+        ranked: &[Source],
+    ) -> Result<Vec<ContextPassage>, PipelineError> {
+        let settings = req.context;
+        let embeds = settings.mode == ContextMode::Sentences && settings.method.needs_vectors();
+        let mut attributes = vec![KeyValue::new(attr::CONTEXT_MODE, settings.mode.as_str())];
+        if settings.mode != ContextMode::Off {
+            attributes.push(KeyValue::new(attr::CONTEXT_BUDGET, settings.budget as i64));
+        }
+        if settings.mode == ContextMode::Sentences {
+            attributes.push(KeyValue::new(
+                attr::CONTEXT_METHOD,
+                settings.method.as_str(),
+            ));
+        }
+        let spec = StageSpec::new(StageKind::Context)
+            .with(attributes)
+            .profiled(embeds);
+        run.run(spec, |stage| {
+            let texts: Vec<&str> = ranked.iter().map(|s| s.text.as_str()).collect();
+            let chosen = context::select(
+                settings,
+                &req.query,
+                vector,
+                &texts,
+                self.generator.as_ref(),
+                self.embedder.as_ref(),
+                stage,
+            )?;
+            stage.set_all([
+                KeyValue::new(attr::CONTEXT_SENTENCES_IN, chosen.sentences_in as i64),
+                KeyValue::new(attr::CONTEXT_SENTENCES_OUT, chosen.sentences_out as i64),
+                KeyValue::new(attr::CONTEXT_TOKENS_IN, chosen.tokens_in as i64),
+                KeyValue::new(attr::CONTEXT_TOKENS_OUT, chosen.tokens_out as i64),
+                KeyValue::new(attr::CONTEXT_PASSAGES_OUT, chosen.passages.len() as i64),
+            ]);
+            Ok(chosen.passages)
+        })
+    }
+
+    /// 5. The prompt within the context window.
     fn build_prompt(
         &self,
         run: &mut StageRunner,
         req: &RagRequest,
-        ranked: &[Source],
+        passages: &[&str],
     ) -> Result<Prompt, PipelineError> {
         run.run(StageSpec::new(StageKind::Prompt), |stage| {
-            let passages: Vec<&str> = ranked.iter().map(|s| s.text.as_str()).collect();
-            let built = prompt::build(
+            let built = prompt::build_with(
                 self.generator.as_ref(),
+                self.defaults.prompt_template,
                 &req.history,
                 &req.query,
-                &passages,
+                passages,
                 req.max_tokens,
             )?;
             stage.set_all([
@@ -203,7 +256,7 @@ impl Pipeline {
         })
     }
 
-    /// 5. The answer, one per choice (generated side by side), each piece of text streamed
+    /// 6. The answer, one per choice (generated side by side), each piece of text streamed
     ///    as it completes.
     fn generate(
         &self,
@@ -332,7 +385,7 @@ impl Pipeline {
         })
     }
 
-    /// 6. The answer with its timings (the first choice's); generation's metrics recorded.
+    /// 7. The answer with its timings (the first choice's); generation's metrics recorded.
     fn finish(
         &self,
         run: StageRunner,
@@ -513,7 +566,7 @@ fn time_to_first_token(generated: &Generated, started: std::time::Instant) -> Op
 }
 
 /// Dot products of unit vectors with the query's: their cosine similarity.
-fn cosines(query: &[f32], vectors: &[Vec<f32>]) -> Vec<f32> {
+pub(crate) fn cosines(query: &[f32], vectors: &[Vec<f32>]) -> Vec<f32> {
     vectors
         .iter()
         .map(|v| v.iter().zip(query).map(|(a, b)| a * b).sum())

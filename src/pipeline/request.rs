@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use super::context::ContextSettings;
 use crate::config::PipelineArgs;
 use crate::embed::EmbedError;
 use crate::fault::{FaultPlan, Injected};
@@ -35,6 +36,8 @@ pub struct RagRequest {
     /// Independent answers to generate (chat's `n`); choice `i` samples with seed `seed + i`.
     pub choices: usize,
     pub filter: Option<Filter>,
+    /// What the context stage keeps of the reranked passages.
+    pub context: ContextSettings,
     pub deadline: Instant,
     /// Faults to inject (empty unless the server allows injection).
     pub faults: Arc<FaultPlan>,
@@ -49,11 +52,12 @@ impl RagRequest {
             top_k: defaults.top_k,
             rerank_top_n: defaults.rerank_top_n,
             max_tokens: defaults.max_tokens,
-            sampling: Sampling::default(),
+            sampling: defaults.sampling(),
             stop: Vec::new(),
             logprobs: None,
             choices: 1,
             filter: None,
+            context: ContextSettings::defaults(defaults, defaults.rerank_top_n),
             deadline: clock::now() + timeout,
             faults: Arc::default(),
         }
@@ -109,6 +113,7 @@ pub struct Timings {
     pub embed_ms: f64,
     pub retrieve_ms: f64,
     pub rerank_ms: f64,
+    pub context_ms: f64,
     pub prompt_ms: f64,
     pub prefill_ms: f64,
     pub decode_ms: f64,
@@ -124,6 +129,7 @@ impl Timings {
             StageKind::Embed => &mut self.embed_ms,
             StageKind::Retrieve => &mut self.retrieve_ms,
             StageKind::Rerank => &mut self.rerank_ms,
+            StageKind::Context => &mut self.context_ms,
             StageKind::Prompt => &mut self.prompt_ms,
             StageKind::Prefill => &mut self.prefill_ms,
             StageKind::Decode => &mut self.decode_ms,

@@ -18,6 +18,9 @@ pub enum StageKind {
     Retrieve,
     /// Reordering the candidates.
     Rerank,
+    /// Choosing, from the reranked passages, the sentences (or passages) that go into the
+    /// prompt, within a token budget.
+    Context,
     /// Building the prompt within the context window.
     Prompt,
     /// Generation: the `chat {model}` span, parent of `prefill` and `decode`.
@@ -35,11 +38,12 @@ pub enum StageKind {
 }
 
 impl StageKind {
-    pub const ALL: [StageKind; 11] = [
+    pub const ALL: [StageKind; 12] = [
         StageKind::Queue,
         StageKind::Embed,
         StageKind::Retrieve,
         StageKind::Rerank,
+        StageKind::Context,
         StageKind::Prompt,
         StageKind::Generate,
         StageKind::Prefill,
@@ -56,6 +60,7 @@ impl StageKind {
             StageKind::Embed => "embeddings",
             StageKind::Retrieve => "retrieval",
             StageKind::Rerank => "rerank",
+            StageKind::Context => "context",
             StageKind::Prompt => "prompt",
             StageKind::Generate => "chat",
             StageKind::Prefill => "prefill",
@@ -91,6 +96,7 @@ impl StageKind {
             StageKind::Embed => "embed",
             StageKind::Retrieve => "retrieve",
             StageKind::Rerank => "rerank",
+            StageKind::Context => "context",
             StageKind::Prompt => "prompt",
             StageKind::Generate => return None,
             StageKind::Prefill => "prefill",
@@ -110,6 +116,7 @@ impl StageKind {
             StageKind::Embed => "ragscope-embed",
             StageKind::Retrieve => "ragscope-retrieve",
             StageKind::Rerank => "ragscope-rerank",
+            StageKind::Context => "ragscope-context",
             StageKind::Prompt => "ragscope-prompt",
             StageKind::Generate => "ragscope-generate",
             StageKind::Stream | StageKind::Respond => "ragscope-respond",
@@ -122,7 +129,11 @@ impl StageKind {
     pub const fn profiled(self) -> bool {
         matches!(
             self,
-            StageKind::Embed | StageKind::Retrieve | StageKind::Rerank | StageKind::Generate
+            StageKind::Embed
+                | StageKind::Retrieve
+                | StageKind::Rerank
+                | StageKind::Context
+                | StageKind::Generate
         )
     }
 
@@ -255,6 +266,14 @@ names! {
         RETRIEVAL_INDEX = "rag.retrieval.index",
         RETRIEVAL_FILTERED = "rag.retrieval.filtered",
         // Prompt and generation.
+        CONTEXT_MODE = "rag.context.mode",
+        CONTEXT_METHOD = "rag.context.method",
+        CONTEXT_BUDGET = "rag.context.budget",
+        CONTEXT_SENTENCES_IN = "rag.context.sentences_in",
+        CONTEXT_SENTENCES_OUT = "rag.context.sentences_out",
+        CONTEXT_TOKENS_IN = "rag.context.tokens_in",
+        CONTEXT_TOKENS_OUT = "rag.context.tokens_out",
+        CONTEXT_PASSAGES_OUT = "rag.context.passages_out",
         PROMPT_PASSAGES_KEPT = "rag.prompt.passages_kept",
         PROMPT_PASSAGES_DROPPED = "rag.prompt.passages_dropped",
         PROMPT_TRUNCATED = "rag.prompt.truncated",
@@ -348,7 +367,7 @@ mod tests {
     #[test]
     fn stream_and_respond_share_one_service() {
         let services = stage_services();
-        assert_eq!(services.len(), 7, "{services:?}");
+        assert_eq!(services.len(), 8, "{services:?}");
         assert_eq!(services.last(), Some(&"ragscope-respond"));
         assert_eq!(StageKind::Stream.service(), StageKind::Respond.service());
     }

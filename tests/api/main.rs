@@ -4,6 +4,7 @@ mod attribution;
 mod auth;
 mod catalogue;
 mod completions;
+mod context;
 mod coverage;
 mod documents;
 mod errors;

@@ -21,6 +21,7 @@ use tonic_health::ServingStatus;
 use super::ask::{self, AnswerEvent, Asked, Decoding, DocumentBody};
 use super::{AppState, Readiness, RequestStage};
 use crate::ingest::Format;
+use crate::pipeline::context::ContextAsked;
 use crate::pipeline::RagAnswer;
 use crate::telemetry::span::Stage;
 
@@ -197,6 +198,11 @@ impl Rag for RagService {
                 no_repeat_ngram_size: r.no_repeat_ngram_size.map(|n| n as usize),
                 penalize_prompt: r.penalize_prompt,
             },
+            context: ContextAsked {
+                mode: r.context,
+                budget: r.context_budget.map(|v| v as usize),
+                method: r.context_method,
+            },
         };
         let req = ask::prepare(&self.state, &pipeline, &stage, &headers, asked)?;
         let events = ask::answer_stream(&pipeline, req, &stage)?;
@@ -351,6 +357,7 @@ fn done(a: &RagAnswer) -> Done {
             embed_ms: t.embed_ms,
             retrieve_ms: t.retrieve_ms,
             rerank_ms: t.rerank_ms,
+            context_ms: t.context_ms,
             prompt_ms: t.prompt_ms,
             prefill_ms: t.prefill_ms,
             decode_ms: t.decode_ms,

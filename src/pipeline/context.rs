@@ -1,0 +1,616 @@
+//! The context stage: from the reranked passages, the text that goes into the prompt. A small
+//! generator answers short extractive questions when its context is short and on point, and a
+//! shorter prompt is also a faster prefill, so instead of whole passages the prompt gets the
+//! passages' sentences that best match the question, up to a token budget counted with the
+//! generator's tokenizer.
+//!
+//! Each kept sentence stays under its passage (the passage's `title › section` line first, its
+//! sentences in their original order), so the prompt's `[n]` markers still attribute every
+//! sentence to the source it came from. `passages` keeps whole passages best-first within the
+//! budget instead; `off` hands every passage on whole, as the prompt had them before this stage.
+//!
+//! Scoring (`--context-method`): `dense` is the cosine of the query's vector with each
+//! sentence's (one embedder call for all sentences), `lexical` the IDF-weighted overlap of
+//! their words, `hybrid` the sum of both after scaling each to [0, 1] over the request's
+//! sentences. docs/CONTEXT.md has the measurements the defaults come from.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::PipelineError;
+use crate::config::PipelineArgs;
+use crate::embed::Embedder;
+use crate::generate::{GenerateError, Generator};
+use crate::ingest::chunk::sentences;
+use crate::telemetry::span::Stage;
+
+/// What the context stage does with the reranked passages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContextMode {
+    /// Every passage whole, no budget (the prompt trims to the context window as before).
+    Off,
+    /// The best-scoring sentences of the passages within the budget.
+    #[default]
+    Sentences,
+    /// Whole passages, best-first, within the budget (at least one).
+    Passages,
+}
+
+impl ContextMode {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ContextMode::Off => "off",
+            ContextMode::Sentences => "sentences",
+            ContextMode::Passages => "passages",
+        }
+    }
+
+    /// Parses a request's `context` field.
+    pub fn parse(s: &str) -> Option<ContextMode> {
+        [
+            ContextMode::Off,
+            ContextMode::Sentences,
+            ContextMode::Passages,
+        ]
+        .into_iter()
+        .find(|m| m.as_str() == s)
+    }
+}
+
+/// How sentences are scored against the question.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContextMethod {
+    /// Cosine of the embedder's sentence vectors with the query's.
+    Dense,
+    /// IDF-weighted word overlap with the question.
+    Lexical,
+    /// Dense plus lexical, each scaled to [0, 1] over the request's sentences.
+    #[default]
+    Hybrid,
+}
+
+impl ContextMethod {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ContextMethod::Dense => "dense",
+            ContextMethod::Lexical => "lexical",
+            ContextMethod::Hybrid => "hybrid",
+        }
+    }
+
+    pub const fn needs_vectors(self) -> bool {
+        matches!(self, ContextMethod::Dense | ContextMethod::Hybrid)
+    }
+}
+
+/// A request's context settings, resolved against the server's defaults.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ContextSettings {
+    pub mode: ContextMode,
+    pub method: ContextMethod,
+    /// Tokens of passage text (headers and sentences, counted with the generator's tokenizer).
+    pub budget: usize,
+}
+
+/// One passage split for selection: its first line (the chunk's `title › section`) and the
+/// sentences of the rest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitPassage {
+    pub header: Option<String>,
+    pub sentences: Vec<String>,
+}
+
+/// Splits a chunk's text: a first line without sentence punctuation is its header (the chunker
+/// starts every chunk with `title › section`), the rest goes through the chunker's sentence
+/// splitter, so the sentences are the units the chunk was packed from.
+pub fn split_passage(text: &str) -> SplitPassage {
+    let text = text.trim();
+    let (first, rest) = text.split_once('\n').unwrap_or((text, ""));
+    let is_header = !rest.trim().is_empty()
+        && !first.trim_end().ends_with(['.', '!', '?'])
+        && first.chars().count() <= 120;
+    if is_header {
+        SplitPassage {
+            header: Some(first.trim().to_string()),
+            sentences: sentences(rest),
+        }
+    } else {
+        SplitPassage {
+            header: None,
+            sentences: sentences(text),
+        }
+    }
+}
+
+/// A passage of the context: which reranked passage it came from and its text for the prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContextPassage {
+    /// Index into the reranked passages.
+    pub source: usize,
+    pub text: String,
+}
+
+/// What the stage chose, and the counts its span reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Selection {
+    pub passages: Vec<ContextPassage>,
+    pub sentences_in: usize,
+    pub sentences_out: usize,
+    pub tokens_in: usize,
+    pub tokens_out: usize,
+}
+
+/// Word-like terms of a text, lowercased: runs of letters, digits, `-` and `_` (so `--depth`
+/// and `git-stash` stay whole), without the most common English words.
+pub fn terms(text: &str) -> Vec<String> {
+    text.split(|c: char| !(c.is_alphanumeric() || c == '-' || c == '_'))
+        .map(|w| w.trim_matches('-').to_lowercase())
+        .filter(|w| w.len() >= 2 && !STOPWORDS.contains(&w.as_str()))
+        .collect()
+}
+
+const STOPWORDS: &[&str] = &[
+    "a", "an", "and", "are", "as", "at", "be", "but", "by", "can", "do", "does", "for", "from",
+    "how", "i", "if", "in", "into", "is", "it", "its", "me", "my", "no", "not", "of", "on", "or",
+    "so", "that", "the", "their", "then", "there", "this", "to", "was", "what", "when", "which",
+    "while", "who", "why", "will", "with", "you", "your", "git", "instead", "also", "one",
+];
+
+/// Two terms match when equal or when both are at least five characters long and share their
+/// first five (a crude stem: `rename`, `renamed`, `renames`).
+fn same_term(a: &str, b: &str) -> bool {
+    a == b || (a.len() >= 5 && b.len() >= 5 && a.as_bytes()[..5] == b.as_bytes()[..5])
+}
+
+/// IDF-weighted overlap of each sentence's terms with the question's, the IDF taken over these
+/// sentences (a word in every sentence says nothing about which one answers).
+pub fn lexical_scores(question: &str, sentences: &[&str]) -> Vec<f32> {
+    let query: Vec<String> = {
+        let mut seen = HashSet::new();
+        terms(question)
+            .into_iter()
+            .filter(|t| seen.insert(t.clone()))
+            .collect()
+    };
+    let per_sentence: Vec<Vec<String>> = sentences.iter().map(|s| terms(s)).collect();
+    let n = sentences.len().max(1) as f32;
+    let mut df: HashMap<&str, usize> = HashMap::new();
+    for q in &query {
+        let count = per_sentence
+            .iter()
+            .filter(|words| words.iter().any(|w| same_term(q, w)))
+            .count();
+        df.insert(q.as_str(), count);
+    }
+    per_sentence
+        .iter()
+        .map(|words| {
+            query
+                .iter()
+                .filter(|q| words.iter().any(|w| same_term(q, w)))
+                .map(|q| (1.0 + n / df[q.as_str()].max(1) as f32).ln())
+                .sum()
+        })
+        .collect()
+}
+
+/// Scales scores to [0, 1] (all equal: all 0).
+fn unit_scale(scores: &[f32]) -> Vec<f32> {
+    let (lo, hi) = scores
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &s| {
+            (lo.min(s), hi.max(s))
+        });
+    if !(hi > lo) {
+        return vec![0.0; scores.len()];
+    }
+    scores.iter().map(|s| (s - lo) / (hi - lo)).collect()
+}
+
+/// Combines the scores the method asks for: `dense` (one per sentence) may be absent for the
+/// lexical method.
+pub fn combine(method: ContextMethod, dense: Option<&[f32]>, lexical: &[f32]) -> Vec<f32> {
+    match (method, dense) {
+        (ContextMethod::Lexical, _) | (_, None) => lexical.to_vec(),
+        (ContextMethod::Dense, Some(d)) => d.to_vec(),
+        (ContextMethod::Hybrid, Some(d)) => unit_scale(d)
+            .iter()
+            .zip(unit_scale(lexical))
+            .map(|(a, b)| a + b)
+            .collect(),
+    }
+}
+
+/// Tokens the prompt template adds per passage (its `[n] ` marker and blank line), counted
+/// against the budget so that many short passages cost what they do.
+const PASSAGE_OVERHEAD: usize = 4;
+
+/// Whole passages, best-first, while they fit the budget (the first always).
+pub fn select_passages(texts: &[&str], tokens: &[usize], budget: usize) -> Selection {
+    let mut used = 0;
+    let mut passages = Vec::new();
+    for (i, (&text, &n)) in texts.iter().zip(tokens).enumerate() {
+        if !passages.is_empty() && used + n + PASSAGE_OVERHEAD > budget {
+            continue;
+        }
+        used += n + PASSAGE_OVERHEAD;
+        passages.push(ContextPassage {
+            source: i,
+            text: text.trim().to_string(),
+        });
+    }
+    let tokens_out = passages.iter().map(|p| tokens[p.source]).sum();
+    Selection {
+        sentences_in: 0,
+        sentences_out: 0,
+        tokens_in: tokens.iter().sum(),
+        tokens_out,
+        passages,
+    }
+}
+
+/// A sentence to choose, with its place and cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Unit {
+    pub passage: usize,
+    pub index: usize,
+    pub tokens: usize,
+    pub score: f32,
+}
+
+/// The best sentences within the budget: taken by score (ties: the better-ranked passage,
+/// then the earlier sentence), each passage's header and marker paid for when its first
+/// sentence comes in, a sentence that does not fit skipped for smaller ones behind it. The
+/// best sentence is always kept. Output groups sentences under their passage, passages in
+/// rank order, sentences in text order.
+pub fn select_sentences(
+    split: &[SplitPassage],
+    header_tokens: &[usize],
+    units: &[Unit],
+    budget: usize,
+) -> Selection {
+    let mut order: Vec<usize> = (0..units.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (ua, ub) = (&units[a], &units[b]);
+        ub.score
+            .total_cmp(&ua.score)
+            .then(ua.passage.cmp(&ub.passage))
+            .then(ua.index.cmp(&ub.index))
+    });
+    let mut opened = vec![false; split.len()];
+    let mut kept = vec![false; units.len()];
+    let mut used = 0;
+    for (taken, &u) in order.iter().enumerate() {
+        let unit = &units[u];
+        let open_cost = if opened[unit.passage] {
+            0
+        } else {
+            header_tokens[unit.passage] + PASSAGE_OVERHEAD
+        };
+        let cost = unit.tokens + open_cost;
+        if taken > 0 && used + cost > budget {
+            continue;
+        }
+        used += cost;
+        opened[unit.passage] = true;
+        kept[u] = true;
+    }
+    let mut passages = Vec::new();
+    let mut sentences_out = 0;
+    let mut tokens_out = 0;
+    for (p, passage) in split.iter().enumerate() {
+        let mut chosen: Vec<(usize, usize)> = units
+            .iter()
+            .zip(&kept)
+            .filter(|(u, &k)| k && u.passage == p)
+            .map(|(u, _)| (u.index, u.tokens))
+            .collect();
+        if chosen.is_empty() {
+            continue;
+        }
+        chosen.sort_unstable();
+        sentences_out += chosen.len();
+        tokens_out += header_tokens[p] + chosen.iter().map(|(_, t)| t).sum::<usize>();
+        let body: Vec<&str> = chosen
+            .iter()
+            .map(|&(i, _)| passage.sentences[i].as_str())
+            .collect();
+        let text = match &passage.header {
+            Some(h) => format!("{h}\n{}", body.join(" ")),
+            None => body.join(" "),
+        };
+        passages.push(ContextPassage { source: p, text });
+    }
+    Selection {
+        passages,
+        sentences_in: units.len(),
+        sentences_out,
+        tokens_in: header_tokens.iter().sum::<usize>()
+            + units.iter().map(|u| u.tokens).sum::<usize>(),
+        tokens_out,
+    }
+}
+
+impl ContextMethod {
+    /// Parses a request's `context_method` field.
+    pub fn parse(s: &str) -> Option<ContextMethod> {
+        [
+            ContextMethod::Dense,
+            ContextMethod::Lexical,
+            ContextMethod::Hybrid,
+        ]
+        .into_iter()
+        .find(|m| m.as_str() == s)
+    }
+}
+
+/// What a request asked of the context stage, before validation.
+#[derive(Debug, Clone, Default)]
+pub struct ContextAsked {
+    pub mode: Option<String>,
+    pub budget: Option<usize>,
+    pub method: Option<String>,
+}
+
+impl ContextSettings {
+    /// The server's defaults for a request that keeps `rerank_top_n` passages: the budget is
+    /// `--context-budget` tokens per passage, so a request that asks for more passages gets
+    /// a longer context (the load generator's context-length gradient relies on this).
+    pub fn defaults(args: &PipelineArgs, rerank_top_n: usize) -> ContextSettings {
+        ContextSettings {
+            mode: args.context,
+            method: args.context_method,
+            budget: args.context_budget * rerank_top_n.max(1),
+        }
+    }
+
+    /// A request's settings over the defaults; an error names the field at fault.
+    pub fn resolve(
+        asked: &ContextAsked,
+        args: &PipelineArgs,
+        rerank_top_n: usize,
+        window: usize,
+    ) -> Result<ContextSettings, (&'static str, String)> {
+        let mut settings = ContextSettings::defaults(args, rerank_top_n);
+        if let Some(m) = &asked.mode {
+            settings.mode = ContextMode::parse(m).ok_or_else(|| {
+                (
+                    "context",
+                    format!("must be one of off, sentences, passages; got {m:?}"),
+                )
+            })?;
+        }
+        if let Some(m) = &asked.method {
+            settings.method = ContextMethod::parse(m).ok_or_else(|| {
+                (
+                    "context_method",
+                    format!("must be one of dense, lexical, hybrid; got {m:?}"),
+                )
+            })?;
+        }
+        if let Some(b) = asked.budget {
+            if !(1..=window).contains(&b) {
+                return Err((
+                    "context_budget",
+                    format!("must be between 1 and {window} (context window), got {b}"),
+                ));
+            }
+            settings.budget = b;
+        }
+        Ok(settings)
+    }
+}
+
+/// Chooses the context for `question` from the reranked passages `texts`, counting tokens with
+/// the generator's tokenizer and, for the dense and hybrid methods, embedding every sentence
+/// in one embedder call (its spans go under `stage`).
+pub fn select(
+    settings: ContextSettings,
+    question: &str,
+    query_vector: &[f32],
+    texts: &[&str],
+    generator: &dyn Generator,
+    embedder: &dyn Embedder,
+    stage: &Stage,
+) -> Result<Selection, PipelineError> {
+    let count = |t: &str| generator.count_tokens(t);
+    match settings.mode {
+        ContextMode::Off | ContextMode::Passages => {
+            let tokens = texts
+                .iter()
+                .map(|t| count(t.trim()))
+                .collect::<Result<Vec<_>, _>>()?;
+            let budget = match settings.mode {
+                ContextMode::Off => usize::MAX,
+                _ => settings.budget,
+            };
+            Ok(select_passages(texts, &tokens, budget))
+        }
+        ContextMode::Sentences => {
+            let split: Vec<SplitPassage> = texts.iter().map(|t| split_passage(t)).collect();
+            let header_tokens = split
+                .iter()
+                .map(|p| p.header.as_deref().map_or(Ok(0), count))
+                .collect::<Result<Vec<_>, _>>()?;
+            let flat: Vec<(usize, usize, &str)> = split
+                .iter()
+                .enumerate()
+                .flat_map(|(p, s)| {
+                    s.sentences
+                        .iter()
+                        .enumerate()
+                        .map(move |(i, t)| (p, i, t.as_str()))
+                })
+                .collect();
+            let sentence_texts: Vec<&str> = flat.iter().map(|&(_, _, t)| t).collect();
+            let lexical = lexical_scores(question, &sentence_texts);
+            let dense = if settings.method.needs_vectors() && !sentence_texts.is_empty() {
+                let vectors = embedder.embed(&sentence_texts, stage)?;
+                Some(super::cosines(query_vector, &vectors))
+            } else {
+                None
+            };
+            let scores = combine(settings.method, dense.as_deref(), &lexical);
+            let units = flat
+                .iter()
+                .zip(scores)
+                .map(|(&(passage, index, text), score)| {
+                    Ok(Unit {
+                        passage,
+                        index,
+                        tokens: count(text)?,
+                        score,
+                    })
+                })
+                .collect::<Result<Vec<_>, GenerateError>>()?;
+            Ok(select_sentences(
+                &split,
+                &header_tokens,
+                &units,
+                settings.budget,
+            ))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chunk_splits_into_its_header_and_sentences() {
+        let s = split_passage(
+            "git-clone(1) › OPTIONS\n--depth <depth> Create a shallow clone. It is truncated to \
+             the given number of commits. --bare Make a bare repository.",
+        );
+        assert_eq!(s.header.as_deref(), Some("git-clone(1) › OPTIONS"));
+        assert_eq!(
+            s.sentences,
+            [
+                "--depth <depth> Create a shallow clone.",
+                "It is truncated to the given number of commits.",
+                "--bare Make a bare repository."
+            ]
+        );
+        // A first line that is a sentence of its own is not a header.
+        let plain = split_passage("Zorbia is a country.\nIts capital is Quenta.");
+        assert_eq!(plain.header, None);
+        assert_eq!(
+            plain.sentences,
+            ["Zorbia is a country.", "Its capital is Quenta."]
+        );
+    }
+
+    #[test]
+    fn terms_keep_options_whole_and_drop_common_words() {
+        assert_eq!(
+            terms("How do I use --depth with git-clone's shallow clones?"),
+            ["use", "depth", "git-clone", "shallow", "clones"]
+        );
+    }
+
+    #[test]
+    fn lexical_scores_favour_rare_question_words() {
+        let sentences = [
+            "The repository is cloned.",
+            "A shallow clone has a truncated history.",
+            "The repository has a history.",
+        ];
+        let s = lexical_scores("shallow clone of a repository", &sentences);
+        assert!(s[1] > s[0] && s[1] > s[2], "{s:?}");
+        assert_eq!(lexical_scores("unrelated words", &sentences), [0.0; 3]);
+    }
+
+    #[test]
+    fn hybrid_scores_add_scaled_parts() {
+        let dense = [0.2, 0.4, 0.3];
+        let lexical = [0.0, 0.0, 2.0];
+        let h = combine(ContextMethod::Hybrid, Some(&dense), &lexical);
+        for (got, want) in h.iter().zip([0.0, 1.0, 1.5]) {
+            assert!((got - want).abs() < 1e-6, "{h:?}");
+        }
+        assert_eq!(combine(ContextMethod::Dense, Some(&dense), &lexical), dense);
+        assert_eq!(
+            combine(ContextMethod::Lexical, Some(&dense), &lexical),
+            lexical
+        );
+    }
+
+    fn unit(passage: usize, index: usize, tokens: usize, score: f32) -> Unit {
+        Unit {
+            passage,
+            index,
+            tokens,
+            score,
+        }
+    }
+
+    #[test]
+    fn sentences_are_chosen_by_score_within_the_budget_and_grouped_by_passage() {
+        let split = vec![
+            SplitPassage {
+                header: Some("a(1) › X".into()),
+                sentences: vec!["A0.".into(), "A1.".into(), "A2.".into()],
+            },
+            SplitPassage {
+                header: None,
+                sentences: vec!["B0.".into(), "B1.".into()],
+            },
+        ];
+        let headers = [3, 0];
+        let units = [
+            unit(0, 0, 10, 0.1),
+            unit(0, 1, 10, 0.5),
+            unit(0, 2, 10, 0.9),
+            unit(1, 0, 10, 0.8),
+            unit(1, 1, 50, 0.7),
+        ];
+        // 0.9 (10 + header 3 + marker 4), 0.8 (10 + 4), 0.7 does not fit, 0.5 (10): 41.
+        let s = select_sentences(&split, &headers, &units, 45);
+        assert_eq!(
+            s.passages,
+            [
+                ContextPassage {
+                    source: 0,
+                    text: "a(1) › X\nA1. A2.".into()
+                },
+                ContextPassage {
+                    source: 1,
+                    text: "B0.".into()
+                },
+            ]
+        );
+        assert_eq!((s.sentences_in, s.sentences_out), (5, 3));
+        assert_eq!((s.tokens_in, s.tokens_out), (93, 33));
+        // The best sentence is kept even when alone it is over the budget.
+        let tiny = select_sentences(&split, &headers, &units, 1);
+        assert_eq!(tiny.sentences_out, 1);
+        assert_eq!(tiny.passages[0].text, "a(1) › X\nA2.");
+    }
+
+    #[test]
+    fn whole_passages_fill_the_budget_best_first() {
+        let texts = ["first", "second", "third"];
+        let s = select_passages(&texts, &[50, 100, 30], 90);
+        let kept: Vec<usize> = s.passages.iter().map(|p| p.source).collect();
+        assert_eq!(kept, [0, 2]);
+        assert_eq!((s.tokens_in, s.tokens_out), (180, 80));
+        // The first passage is kept whatever the budget.
+        assert_eq!(select_passages(&texts, &[50, 100, 30], 1).passages.len(), 1);
+    }
+
+    #[test]
+    fn modes_parse_from_their_names() {
+        for m in [
+            ContextMode::Off,
+            ContextMode::Sentences,
+            ContextMode::Passages,
+        ] {
+            assert_eq!(ContextMode::parse(m.as_str()), Some(m));
+        }
+        assert_eq!(ContextMode::parse("all"), None);
+    }
+}

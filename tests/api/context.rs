@@ -1,0 +1,206 @@
+//! The context stage of a real query: its span between rerank and prompt with its counts, its
+//! `timings` field equal to the span, the request fields that steer it, and `off` giving the
+//! prompt of whole passages.
+
+use serde_json::{json, Value};
+
+use crate::helpers::{models_dir, spawn_app, TestApp};
+
+/// Spans go to the server's recent-trace buffer (`/debug/traces`), as when it serves.
+fn record_spans() {
+    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+        opentelemetry_sdk::trace::InMemorySpanExporter::default(),
+        ragscope::telemetry::resource(),
+    ));
+}
+
+async fn last_trace(app: &TestApp) -> Vec<Value> {
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let (_, traces) = app.get("/debug/traces?limit=1").await;
+    traces["resourceSpans"][0]["scopeSpans"][0]["spans"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+fn span<'a>(spans: &'a [Value], prefix: &str) -> &'a Value {
+    spans
+        .iter()
+        .find(|s| s["name"].as_str().unwrap().starts_with(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} span in {spans:#?}"))
+}
+
+fn nanos(span: &Value, key: &str) -> u64 {
+    let v = &span[key];
+    v.as_u64()
+        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+        .unwrap_or_else(|| panic!("{key} of {span}"))
+}
+
+fn int(span: &Value, key: &str) -> i64 {
+    let value = span["attributes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["key"] == key)
+        .unwrap_or_else(|| panic!("no {key} on {span}"))["value"]
+        .clone();
+    value["intValue"]
+        .as_i64()
+        .or_else(|| value["intValue"].as_str().and_then(|s| s.parse().ok()))
+        .unwrap_or_else(|| panic!("{key} = {value}"))
+}
+
+fn string(span: &Value, key: &str) -> Option<String> {
+    span["attributes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["key"] == key)
+        .map(|a| a["value"]["stringValue"].as_str().unwrap().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_context_stage_runs_between_rerank_and_prompt_and_its_timing_is_its_span() {
+    record_spans();
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let (status, body) = app
+        .post(
+            "/v1/rag/query",
+            &json!({"query": "What is the capital of Zorbia?", "max_tokens": 24, "rerank_top_n": 3}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let spans = last_trace(&app).await;
+    let root = span(&spans, "POST /v1/rag/query");
+    let (rerank, context, prompt) = (
+        span(&spans, "rerank"),
+        span(&spans, "context"),
+        span(&spans, "prompt"),
+    );
+    for s in [rerank, context, prompt] {
+        assert_eq!(s["parentSpanId"], root["spanId"], "{}", s["name"]);
+    }
+    assert!(nanos(context, "startTimeUnixNano") >= nanos(rerank, "endTimeUnixNano"));
+    assert!(nanos(context, "endTimeUnixNano") <= nanos(prompt, "startTimeUnixNano"));
+    // The sentence embeddings are the context stage's own work, under its span.
+    assert!(spans.iter().any(|s| s["parentSpanId"] == context["spanId"]
+        && s["name"].as_str().unwrap().starts_with("forward")
+        || s["parentSpanId"] == context["spanId"]
+            && s["name"].as_str().unwrap().starts_with("tokenize")));
+
+    assert_eq!(
+        string(context, "rag.context.mode").as_deref(),
+        Some("sentences")
+    );
+    assert_eq!(
+        string(context, "rag.context.method").as_deref(),
+        Some("hybrid")
+    );
+    let budget = int(context, "rag.context.budget");
+    let (s_in, s_out) = (
+        int(context, "rag.context.sentences_in"),
+        int(context, "rag.context.sentences_out"),
+    );
+    let (t_in, t_out) = (
+        int(context, "rag.context.tokens_in"),
+        int(context, "rag.context.tokens_out"),
+    );
+    assert!(s_in >= s_out && s_out >= 1, "{s_in} {s_out}");
+    assert!(t_in >= t_out && t_out >= 1, "{t_in} {t_out}");
+    // The budget follows the passages asked for: the default per-passage budget × 3.
+    assert_eq!(budget % 3, 0, "{budget}");
+    assert!(
+        t_out <= budget || s_out == 1,
+        "{t_out} tokens over a budget of {budget}"
+    );
+    assert_eq!(
+        int(context, "rag.context.passages_out") as usize,
+        body["sources"].as_array().unwrap().len()
+    );
+
+    let span_ms =
+        (nanos(context, "endTimeUnixNano") - nanos(context, "startTimeUnixNano")) as f64 / 1e6;
+    let timing = body["timings"]["context_ms"].as_f64().unwrap();
+    assert!(
+        (timing - span_ms).abs() < 0.01,
+        "timings.context_ms {timing} vs span {span_ms}"
+    );
+    // The answer still carries the fact from the kept sentence, attributed to its source.
+    assert!(
+        body["answer"].as_str().unwrap().contains("Quenta"),
+        "{body}"
+    );
+    assert_eq!(body["sources"][0]["doc_id"], "zorbia");
+}
+
+#[tokio::test]
+async fn context_off_gives_the_prompt_of_whole_passages() {
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let question = "Who invented the flumox?";
+    let (status, body) = app
+        .post(
+            "/v1/rag/query",
+            &json!({"query": question, "max_tokens": 4, "rerank_top_n": 3, "context": "off"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let sources: Vec<&str> = body["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(sources.len(), 3, "every passage is kept: {body}");
+    // The prompt is the one the prompt builder makes of the whole passages.
+    let generator = ragscope::app::load_generator(
+        &models_dir().join("SmolLM2-135M-Instruct"),
+        &candle_core::Device::Cpu,
+        2048,
+    )
+    .unwrap();
+    let expected = ragscope::prompt::build(&generator, &[], question, &sources, 4).unwrap();
+    assert_eq!(
+        body["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+        expected.tokens.len()
+    );
+
+    // With sentences the prompt is shorter than that.
+    let (_, short) = app
+        .post(
+            "/v1/rag/query",
+            &json!({"query": question, "max_tokens": 4, "rerank_top_n": 3, "context_budget": 24}),
+        )
+        .await;
+    assert!(
+        short["usage"]["prompt_tokens"].as_u64().unwrap() < expected.tokens.len() as u64,
+        "{short}"
+    );
+}
+
+#[tokio::test]
+async fn bad_context_fields_are_refused_by_name() {
+    let app = spawn_app().await;
+    for (body, field) in [
+        (json!({"query": "q", "context": "all"}), "context"),
+        (
+            json!({"query": "q", "context_method": "magic"}),
+            "context_method",
+        ),
+        (json!({"query": "q", "context_budget": 0}), "context_budget"),
+    ] {
+        let (status, error) = app.post("/v1/rag/query", &body).await;
+        assert_eq!(status, 400, "{error}");
+        assert!(error.to_string().contains(field), "{error}");
+    }
+    let (status, error) = app
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "ragscope", "messages": [{"role": "user", "content": "q"}], "context": "nope"}),
+        )
+        .await;
+    assert_eq!(status, 400, "{error}");
+    assert!(error.to_string().contains("context"), "{error}");
+}
