@@ -35,9 +35,9 @@ const SCRIPT: &str = include_str!("page/app.js");
 const STYLE: &str = include_str!("page/style.css");
 
 /// One colour per per-stage service, in [`stage_services`] order (queue, embed, retrieve,
-/// rerank, prompt, generate, respond); spans outside any stage get [`OTHER_COLOUR`].
-const PALETTE: [&str; 7] = [
-    "#9aa5b8", "#4e79a7", "#59a14f", "#e2b93b", "#b07aa1", "#f28e2b", "#5fb3ad",
+/// rerank, context, prompt, generate, respond); spans outside any stage get [`OTHER_COLOUR`].
+const PALETTE: [&str; 8] = [
+    "#9aa5b8", "#4e79a7", "#59a14f", "#e2b93b", "#b07aa1", "#f28e2b", "#5fb3ad", "#9c755f",
 ];
 const OTHER_COLOUR: &str = "#6b7280";
 

@@ -204,7 +204,8 @@ fn unit_scale(scores: &[f32]) -> Vec<f32> {
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &s| {
             (lo.min(s), hi.max(s))
         });
-    if !(hi > lo) {
+    // Also covers an empty list and NaN scores (no ordering between them).
+    if hi.partial_cmp(&lo) != Some(std::cmp::Ordering::Greater) {
         return vec![0.0; scores.len()];
     }
     scores.iter().map(|s| (s - lo) / (hi - lo)).collect()

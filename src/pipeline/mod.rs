@@ -184,8 +184,8 @@ impl Pipeline {
             .collect())
     }
 
-    /// 4. The context: the sentences (or whole passages) of the reranked passages that the
-    /// prompt gets, within the request's token budget.
+    /// 4. The context: the sentences (or whole passages) of the reranked passages that
+    ///    the prompt gets, within the request's token budget.
     fn select_context(
         &self,
         run: &mut StageRunner,

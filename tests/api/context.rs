@@ -85,10 +85,11 @@ async fn the_context_stage_runs_between_rerank_and_prompt_and_its_timing_is_its_
     assert!(nanos(context, "startTimeUnixNano") >= nanos(rerank, "endTimeUnixNano"));
     assert!(nanos(context, "endTimeUnixNano") <= nanos(prompt, "startTimeUnixNano"));
     // The sentence embeddings are the context stage's own work, under its span.
-    assert!(spans.iter().any(|s| s["parentSpanId"] == context["spanId"]
-        && s["name"].as_str().unwrap().starts_with("forward")
-        || s["parentSpanId"] == context["spanId"]
-            && s["name"].as_str().unwrap().starts_with("tokenize")));
+    assert!(spans.iter().any(|s| {
+        let name = s["name"].as_str().unwrap();
+        s["parentSpanId"] == context["spanId"]
+            && (name.starts_with("forward") || name.starts_with("tokenize"))
+    }));
 
     assert_eq!(
         string(context, "rag.context.mode").as_deref(),
