@@ -125,12 +125,15 @@ async fn a_thousand_requests_nest_exactly_and_the_stages_cover_each_request() {
         (1.0 - mean) * 100.0
     );
     assert!(violations.is_empty(), "{violations:?}");
-    // Over all requests the stages account for >= 98% of request time; single requests can
+    // Over all requests the stages account for >= 97.5% of request time; single requests can
     // lose a few ms to the OS descheduling a thread between two stages, which is reported
-    // above (worst request) rather than hidden.
-    assert!(mean >= 0.98, "mean coverage {mean:.4}");
+    // above (worst request) rather than hidden. These fake requests last ~14 ms and cross
+    // eight stage boundaries (the context stage made it eight) of some 15-80 µs each, so the
+    // residual measured 1.7-2.0% (alone and beside the whole suite): the bound leaves that
+    // margin, and a stage that went missing (a whole stage's ms) still fails it.
+    assert!(mean >= 0.975, "mean coverage {mean:.4}");
     assert!(
-        coverages[N / 2] >= 0.98,
+        coverages[N / 2] >= 0.975,
         "median coverage {:.4}",
         coverages[N / 2]
     );
