@@ -337,6 +337,7 @@ pub fn ready_state(pipeline: Pipeline, request_timeout: std::time::Duration) -> 
         ui: Arc::default(),
         auth: Arc::default(),
         shutdown_grace: Duration::from_secs(30),
+        tenants: Arc::default(),
     };
     let _ = state.pipeline.set(Arc::new(pipeline));
     state.readiness.set_ready();
@@ -349,6 +350,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let auth = Arc::new(api::auth::ApiKeys::from_args(&args.auth)?);
+    let tenants =
+        crate::tenant::Tenants::new(&args.tenants, &auth.tenants()).map_err(anyhow::Error::msg)?;
     let listeners = Listeners::bind(&args.server).await?;
     tracing::info!("listening on http://{}", listeners.http.local_addr()?);
     if let Some(grpc) = &listeners.grpc {
@@ -363,6 +366,7 @@ pub async fn serve(
         ui: Arc::new(crate::api::page::UiLinks::from_args(&args.ui)),
         auth,
         shutdown_grace: args.server.shutdown_grace(),
+        tenants: Arc::new(tenants),
     };
     let loading = state.clone();
     let max_body_bytes = args.server.max_body_bytes;

@@ -318,6 +318,23 @@ pub struct AuthArgs {
     pub api_key_file: Option<PathBuf>,
 }
 
+/// Tenants' quotas (see `crate::tenant`).
+#[derive(Debug, Clone, Default, Args)]
+pub struct TenantArgs {
+    /// A tenant's quota, `NAME:rps=R,burst=B,tokens=T,token_burst=TB,share=S` (any of them;
+    /// `*` for every tenant without its own). Repeatable; the variable takes a `;`-separated list.
+    #[arg(
+        long = "tenant-quota",
+        env = "RAGSCOPE_TENANT_QUOTAS",
+        value_delimiter = ';'
+    )]
+    pub quotas: Vec<String>,
+    /// With API keys off, the W3C baggage member that names a request's tenant (e.g.
+    /// `tenant`); it is the client's claim, so with keys on only the key's tenant counts.
+    #[arg(long = "tenant-baggage-key", env = "RAGSCOPE_TENANT_BAGGAGE_KEY")]
+    pub baggage_key: Option<String>,
+}
+
 /// Keys are secrets: a debug print shows how many there are, never what they are.
 impl std::fmt::Debug for AuthArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -347,6 +364,8 @@ pub struct ServeArgs {
     pub ui: UiArgs,
     #[command(flatten)]
     pub auth: AuthArgs,
+    #[command(flatten)]
+    pub tenants: TenantArgs,
 }
 
 /// Links out of the waterfall page (`GET /`) to the same trace and profile in other tools.

@@ -37,4 +37,5 @@ pub mod prompt;
 pub mod rerank;
 pub mod retrieve;
 pub mod telemetry;
+pub mod tenant;
 pub mod worker;

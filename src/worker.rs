@@ -6,7 +6,9 @@
 //! configured maximum, or that could not finish before its deadline, is refused at once (the
 //! API answers 429 with a `Retry-After` from the same prediction), as is any job beyond the
 //! queue's capacity. So an admitted request waits about as long as the limit at most, and a
-//! refused one costs nothing: no embedding or tokenisation has run. Each job's wait is a
+//! refused one costs nothing: no embedding or tokenisation has run. Before all of these, a job
+//! must fit its tenant's quota ([`crate::tenant`]): its request and token buckets and its share
+//! of the queue. Each job's wait is a
 //! `queue` stage under the span that submitted it. How a running model then shares the cores
 //! between requests is `generate::schedule`'s policy.
 
@@ -24,6 +26,7 @@ use crate::telemetry::clock::{self, millis};
 use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, metric, StageKind};
 use crate::telemetry::span::Stage;
+use crate::tenant::{OverQuota, Tenant};
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -54,6 +57,12 @@ pub enum Refusal {
     MaxWait,
     /// The predicted wait plus the job's own service time would pass its deadline.
     Deadline,
+    /// The tenant's request bucket is empty (`rps`).
+    TenantRequests,
+    /// The tenant's token bucket is in debt (`tokens`).
+    TenantTokens,
+    /// The tenant's jobs hold its share of the queue already (`share`).
+    TenantShare,
 }
 
 impl Refusal {
@@ -63,6 +72,9 @@ impl Refusal {
             Refusal::QueueFull => "queue_full",
             Refusal::MaxWait => "queue_wait",
             Refusal::Deadline => "deadline",
+            Refusal::TenantRequests => "tenant_rps",
+            Refusal::TenantTokens => "tenant_tokens",
+            Refusal::TenantShare => "tenant_queue_share",
         }
     }
 }
@@ -92,6 +104,15 @@ impl std::fmt::Display for Refused {
                 f,
                 "the server is at capacity: the expected wait for a model worker ({wait:.0} ms) and the usual service time would pass this request's deadline"
             ),
+            Refusal::TenantRequests => write!(f, "this tenant's request rate quota is used up"),
+            Refusal::TenantTokens => write!(
+                f,
+                "this tenant's token quota (prompt + output tokens per second) is used up"
+            ),
+            Refusal::TenantShare => write!(
+                f,
+                "this tenant's requests hold its share of the model queue already"
+            ),
         }?;
         write!(f, "; retry after {} s", self.retry_after_s)
     }
@@ -101,8 +122,8 @@ impl std::fmt::Display for Refused {
 struct Ledger {
     /// EWMA of measured service times, seconds, per [`JobKind`]; `None` until one was measured.
     service: [Option<f64>; JobKind::COUNT],
-    /// Queued jobs in arrival order.
-    queued: VecDeque<(u64, JobKind)>,
+    /// Queued jobs in arrival order, with their tenant's name.
+    queued: VecDeque<(u64, JobKind, Option<Arc<str>>)>,
     /// Jobs running now, with their start.
     running: Vec<(u64, JobKind, Instant)>,
     next_id: u64,
@@ -153,7 +174,7 @@ impl Ledger {
                 .map_or((0, 0.0), |(i, &t)| (i, t))
         };
         let first_free = earliest(&free).1;
-        for &(_, kind) in &self.queued {
+        for &(_, kind, _) in &self.queued {
             let (i, t) = earliest(&free);
             free[i] = t + self.service_of(kind);
         }
@@ -161,17 +182,26 @@ impl Ledger {
     }
 
     fn remove_queued(&mut self, id: u64) -> Option<JobKind> {
-        let at = self.queued.iter().position(|&(i, _)| i == id)?;
-        self.queued.remove(at).map(|(_, kind)| kind)
+        let at = self.queued.iter().position(|&(i, ..)| i == id)?;
+        self.queued.remove(at).map(|(_, kind, _)| kind)
+    }
+
+    fn queued_for(&self, tenant: &Tenant) -> usize {
+        self.queued
+            .iter()
+            .filter(|(.., t)| t.as_deref() == Some(tenant.name()))
+            .count()
     }
 }
 
-/// How long a job may wait and until when it must be done.
-#[derive(Debug, Clone, Copy)]
+/// How long a job may wait, until when it must be done, and whose quota it counts against.
+#[derive(Debug, Clone)]
 pub struct Admission {
     pub kind: JobKind,
     /// The request's deadline, when it has one.
     pub deadline: Option<Instant>,
+    /// The request's tenant ([`crate::tenant::current`] when created); ingest has no quota.
+    pub tenant: Option<Tenant>,
 }
 
 impl Admission {
@@ -179,6 +209,7 @@ impl Admission {
         Admission {
             kind,
             deadline: None,
+            tenant: crate::tenant::current().filter(|_| kind != JobKind::Ingest),
         }
     }
 
@@ -295,7 +326,8 @@ impl Workers {
         F: FnOnce() -> T + Send + 'static,
     {
         let kind = admission.kind;
-        let (id, expected) = self.admit(admission).inspect_err(|r| {
+        let tenant = admission.tenant.clone();
+        let (id, expected) = self.admit(&admission).inspect_err(|r| {
             metrics()
                 .admission_rejected
                 .add(1, &[KeyValue::new(attr::REASON, r.reason.as_str())]);
@@ -307,6 +339,11 @@ impl Workers {
             KeyValue::new(attr::QUEUE_DEPTH_AT_ENTRY, waiting as i64),
             KeyValue::new(attr::QUEUE_EXPECTED_WAIT_MS, millis(expected)),
         ]);
+        if let Some(t) = &tenant {
+            let name = KeyValue::new(attr::TENANT, t.name().to_string());
+            queue.set(name.clone());
+            parent.set(name);
+        }
         let depth = self.depth.clone();
         let ledger = self.ledger.clone();
         let job: Job = Box::new(move || {
@@ -317,6 +354,7 @@ impl Workers {
                 // A skipped job measures nothing about the service time.
                 return;
             }
+            let _tenant = crate::tenant::enter(tenant);
             let _ = done_tx.send(work());
             running.measured = true;
         });
@@ -350,9 +388,12 @@ impl Workers {
 
     /// Decides on a job arriving now and, when it is admitted, enters it in the ledger; returns
     /// its ledger id and predicted wait.
-    fn admit(&self, admission: Admission) -> Result<(u64, Duration), Refused> {
+    fn admit(&self, admission: &Admission) -> Result<(u64, Duration), Refused> {
         let now = clock::now();
         let mut l = self.ledger.lock().expect("worker ledger lock");
+        if let Some(tenant) = &admission.tenant {
+            self.admit_tenant(&l, tenant)?;
+        }
         let (wait, first_free) = l.predicted_wait(self.workers, now);
         let own = l.service_of(admission.kind);
         let refuse = |reason, allowed: f64| Refused {
@@ -380,8 +421,41 @@ impl Workers {
         }
         let id = l.next_id;
         l.next_id += 1;
-        l.queued.push_back((id, admission.kind));
+        let name = admission.tenant.as_ref().map(|t| {
+            t.take_request();
+            Arc::<str>::from(t.name())
+        });
+        l.queued.push_back((id, admission.kind, name));
         Ok((id, Duration::from_secs_f64(wait)))
+    }
+
+    /// The tenant's part of admission: its buckets, then its share of the queue.
+    fn admit_tenant(&self, l: &Ledger, tenant: &Tenant) -> Result<(), Refused> {
+        let refuse = |reason: Refusal, outcome, until: f64| {
+            tenant.count(outcome);
+            Err(Refused {
+                reason,
+                wait: Duration::ZERO,
+                allowed: Duration::ZERO,
+                retry_after_s: retry_after(until),
+            })
+        };
+        match tenant.check() {
+            Err(OverQuota::Requests { retry_after: until }) => {
+                return refuse(Refusal::TenantRequests, "rps", until)
+            }
+            Err(OverQuota::Tokens { retry_after: until }) => {
+                return refuse(Refusal::TenantTokens, "tokens", until)
+            }
+            Ok(()) => {}
+        }
+        match tenant.queue_share(self.capacity) {
+            Some(share) if l.queued_for(tenant) >= share => {
+                let first_free = l.predicted_wait(self.workers, Instant::now()).1;
+                refuse(Refusal::TenantShare, "queue_share", first_free)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Stops taking jobs and waits for the queued ones to finish.
@@ -528,7 +602,7 @@ mod tests {
         // One worker busy for 1 s more, one idle: a job now starts at once.
         assert_eq!(l.predicted_wait(2, now), (0.0, 0.0));
         for id in 1..=3 {
-            l.queued.push_back((id, JobKind::Query));
+            l.queued.push_back((id, JobKind::Query, None));
         }
         // The three queued jobs start at 0, 1 and 1 s; the fourth at 2 s.
         let (wait, first_free) = l.predicted_wait(2, now);
@@ -544,7 +618,7 @@ mod tests {
         let started = now - Duration::from_secs(3);
         let mut l = Ledger {
             service: [None; JobKind::COUNT],
-            queued: VecDeque::from([(1, JobKind::Query)]),
+            queued: VecDeque::from([(1, JobKind::Query, None)]),
             running: vec![(0, JobKind::Query, started)],
             next_id: 2,
         };
@@ -562,21 +636,21 @@ mod tests {
         let w = Workers::new(1, 16).with_max_wait(Duration::from_millis(100));
         let query = Admission::new(JobKind::Query);
         // Teach the estimate: a query takes about 300 ms.
-        w.submit(query, &root(), || {
+        w.submit(query.clone(), &root(), || {
             std::thread::sleep(Duration::from_millis(300))
         })
         .unwrap()
         .await
         .unwrap();
         // Idle, but 300 ms of service cannot finish inside a 50 ms deadline.
-        let soon = query.by(Instant::now() + Duration::from_millis(50));
+        let soon = query.clone().by(Instant::now() + Duration::from_millis(50));
         let refused = w.submit(soon, &root(), || ()).unwrap_err();
         assert_eq!(refused.reason, Refusal::Deadline);
         assert!(refused.to_string().contains("deadline"), "{refused}");
         // Busy for ~300 ms more: above the 100 ms limit.
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let busy = w
-            .submit(query, &root(), move || release_rx.recv().unwrap())
+            .submit(query.clone(), &root(), move || release_rx.recv().unwrap())
             .unwrap();
         while w.depth() > 0 {
             tokio::time::sleep(Duration::from_millis(1)).await;
@@ -600,5 +674,54 @@ mod tests {
         let l = w.ledger.lock().unwrap();
         assert!(l.running.is_empty() && l.queued.is_empty());
         assert_eq!(l.service[JobKind::Embed.index()], None);
+    }
+
+    #[tokio::test]
+    async fn a_tenant_is_held_to_its_quota_and_share_without_touching_others() {
+        use crate::config::TenantArgs;
+        use crate::tenant::{scope, Tenants};
+        let args = TenantArgs {
+            quotas: vec!["noisy:rps=1000,burst=3,share=0.25".into()],
+            baggage_key: None,
+        };
+        let tenants = Tenants::new(&args, &["quiet".into()]).unwrap();
+        let w = Workers::new(1, 8);
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        // The one worker is busy, so what follows queues.
+        let busy = w
+            .submit(any(), &root(), move || release_rx.recv().unwrap())
+            .unwrap();
+        while w.depth() > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let submit = |name: &str| {
+            let tenant = tenants.get(name);
+            let w = &w;
+            async move { scope(tenant, async { w.submit(any(), &root(), || ()) }).await }
+        };
+        // A quarter of 8: two queued jobs, then the share refuses a third.
+        let queued = [
+            submit("noisy").await.unwrap(),
+            submit("noisy").await.unwrap(),
+        ];
+        let refused = submit("noisy").await.unwrap_err();
+        assert_eq!(refused.reason, Refusal::TenantShare);
+        // The bucket's burst of 3 is spent too (two queued and the busy job's none: only
+        // admitted jobs take a token), and the quiet tenant is admitted all the same.
+        let quiet = submit("quiet").await.unwrap();
+        release_tx.send(()).unwrap();
+        busy.await.unwrap();
+        for rx in queued {
+            rx.await.unwrap();
+        }
+        quiet.await.unwrap();
+        submit("noisy").await.unwrap().await.unwrap();
+        let refused = submit("noisy").await.unwrap_err();
+        assert_eq!(refused.reason, Refusal::TenantRequests);
+        assert!(
+            refused.to_string().contains("request rate quota"),
+            "{refused}"
+        );
+        assert_eq!(refused.retry_after_s, 1);
     }
 }

@@ -4,7 +4,8 @@
 //! `/ready` and `/metrics` stay open. HTTP takes `Authorization: Bearer <key>` in [`require_key`];
 //! gRPC the `authorization` metadata in [`grpc_interceptor`]. Keys are compared as SHA-256
 //! digests in constant time against every configured key, so neither timing nor length says
-//! which part matched, and no key is ever logged or put on a span.
+//! which part matched, and no key is ever logged or put on a span. `KEY tenant=NAME` charges the
+//! key's requests to a tenant ([`crate::tenant`]).
 
 use std::sync::Arc;
 
@@ -35,7 +36,14 @@ pub struct Caller(pub Scope);
 /// The configured keys, as digests; empty means authentication is off.
 #[derive(Default)]
 pub struct ApiKeys {
-    keys: Vec<([u8; 32], Scope)>,
+    keys: Vec<Key>,
+}
+
+/// One configured key: its digest, scope and tenant.
+struct Key {
+    digest: [u8; 32],
+    scope: Scope,
+    tenant: Option<String>,
 }
 
 /// Never prints a key, not even its digest.
@@ -91,21 +99,37 @@ impl ApiKeys {
         !self.keys.is_empty()
     }
 
-    /// The scope of `token`, or `None`. Every configured key is compared, whatever matched.
-    fn scope_of(&self, token: &str) -> Option<Scope> {
+    /// The configured key `token` is, or `None`. Every configured key is compared, whatever
+    /// matched; of equal keys the one with the higher scope wins.
+    fn find(&self, token: &str) -> Option<&Key> {
         let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let mut found = None;
-        for (key, scope) in &self.keys {
+        let mut found: Option<&Key> = None;
+        for key in &self.keys {
             let same = key
+                .digest
                 .iter()
                 .zip(&digest)
                 .fold(0u8, |acc, (a, b)| acc | (a ^ b))
                 == 0;
-            if same {
-                found = found.max(Some(*scope));
+            if same && found.is_none_or(|f| f.scope < key.scope) {
+                found = Some(key);
             }
         }
         found
+    }
+
+    fn scope_of(&self, token: &str) -> Option<Scope> {
+        self.find(token).map(|k| k.scope)
+    }
+
+    /// The tenant `token`'s key charges to, if it names one.
+    pub fn tenant_of(&self, token: &str) -> Option<String> {
+        self.find(token).and_then(|k| k.tenant.clone())
+    }
+
+    /// Every tenant a key names.
+    pub fn tenants(&self) -> Vec<String> {
+        self.keys.iter().filter_map(|k| k.tenant.clone()).collect()
     }
 
     /// Authenticates an `Authorization` value (`Bearer <key>`) for a route that needs `needs`:
@@ -165,9 +189,26 @@ impl ApiKeys {
     }
 }
 
-/// `SECRET` or `admin:SECRET` (`user:SECRET` says the default out loud).
-fn parse(spec: &str) -> Result<([u8; 32], Scope), String> {
-    let spec = spec.trim();
+/// `SECRET` or `admin:SECRET` (`user:SECRET` says the default out loud), optionally followed by
+/// ` tenant=NAME`.
+fn parse(spec: &str) -> Result<Key, String> {
+    let mut words = spec.split_whitespace();
+    let spec = words.next().unwrap_or("");
+    let mut tenant = None;
+    for option in words {
+        match option.split_once('=') {
+            Some(("tenant", name)) => {
+                crate::tenant::check_name(name)?;
+                tenant = Some(name.to_string());
+            }
+            _ => {
+                return Err(
+                    "after the key only ` tenant=NAME` may follow (an API key has no spaces)"
+                        .into(),
+                )
+            }
+        }
+    }
     let (scope, key) = match spec.split_once(':') {
         Some(("admin", key)) => (Scope::Admin, key),
         Some(("user", key)) => (Scope::User, key),
@@ -181,7 +222,11 @@ fn parse(spec: &str) -> Result<([u8; 32], Scope), String> {
             "an API key must be printable ASCII without spaces (it travels in a header)".into(),
         );
     }
-    Ok((Sha256::digest(key.as_bytes()).into(), scope))
+    Ok(Key {
+        digest: Sha256::digest(key.as_bytes()).into(),
+        scope,
+        tenant,
+    })
 }
 
 /// The scope a route needs, or `None` for the open ones (probes and the scrape).
@@ -285,10 +330,26 @@ mod tests {
     }
 
     #[test]
+    fn a_key_may_name_its_tenant() {
+        let keys = ApiKeys::from_specs(&["k1 tenant=acme", "admin:k2 tenant=ops", "k3"]).unwrap();
+        assert_eq!(keys.tenant_of("k1").as_deref(), Some("acme"));
+        assert_eq!(keys.tenant_of("k2").as_deref(), Some("ops"));
+        assert_eq!(keys.tenant_of("k3"), None);
+        assert_eq!(keys.tenant_of("k1 tenant=acme"), None);
+        assert!(matches!(
+            keys.check(Some("Bearer k2"), Scope::Admin),
+            Ok(Scope::Admin)
+        ));
+        assert_eq!(keys.tenants(), ["acme", "ops"]);
+    }
+
+    #[test]
     fn bad_key_specs_are_refused_without_echoing_them() {
         assert!(ApiKeys::from_specs(&["admin:"]).is_err());
         let e = ApiKeys::from_specs(&["has space"]).unwrap_err();
         assert!(!e.contains("has space"), "{e}");
+        let e = ApiKeys::from_specs(&["k tenant=bad/name"]).unwrap_err();
+        assert!(e.contains("tenant name"), "{e}");
         assert!(!ApiKeys::default().is_on());
         assert_eq!(
             format!("{:?}", ApiKeys::from_specs(&["s3cret"]).unwrap()),

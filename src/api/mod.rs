@@ -53,6 +53,8 @@ pub struct AppState {
     pub auth: Arc<auth::ApiKeys>,
     /// How long a shutdown lets the requests in flight finish.
     pub shutdown_grace: Duration,
+    /// Tenants and their quotas; none configured: everyone is `default`, unlimited.
+    pub tenants: Arc<crate::tenant::Tenants>,
 }
 
 /// What `/ready` and the gRPC health service report while the server starts.
@@ -159,7 +161,12 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         // The waterfall page and the stage-event stream; untraced like the other debug views.
         .merge(page::routes())
         .fallback(not_found)
-        // Outermost first: refused while shutting down, then the API key, then the route.
+        // Outermost first: refused while shutting down, then the API key, then the route, run
+        // as its tenant's.
+        .layer(crate::tenant::TenantLayer {
+            tenants: state.tenants.clone(),
+            keys: state.auth.clone(),
+        })
         .layer(middleware::from_fn_with_state(keyed, auth::require_key))
         .layer(middleware::from_fn_with_state(
             draining,

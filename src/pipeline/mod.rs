@@ -410,6 +410,7 @@ impl Pipeline {
         // The prompt is counted once however many choices share it.
         let cached_tokens = first.cached_tokens;
         let completion_tokens = generated.iter().map(|g| g.tokens.len()).sum();
+        crate::tenant::charge(prompt_tokens + completion_tokens);
         let choices: Vec<Choice> = generated
             .into_iter()
             .map(|g| Choice {

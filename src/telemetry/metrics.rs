@@ -37,6 +37,10 @@ pub struct Metrics {
     pub admission_rejected: Counter<u64>,
     /// Requests refused by API-key checks, by `reason` (missing, invalid, scope).
     pub auth_rejected: Counter<u64>,
+    /// Model jobs per tenant, by `outcome` (admitted or the quota that refused them).
+    pub tenant_requests: Counter<u64>,
+    /// Prompt + output tokens charged per tenant.
+    pub tenant_tokens: Counter<u64>,
 }
 
 /// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
@@ -148,6 +152,16 @@ impl Metrics {
                 .u64_counter(metric::AUTH_REJECTED)
                 .with_unit("{request}")
                 .with_description("Requests refused for a missing, unknown or under-scoped API key")
+                .build(),
+            tenant_requests: meter
+                .u64_counter(metric::TENANT_REQUESTS)
+                .with_unit("{request}")
+                .with_description("Model jobs per tenant, admitted or refused by its quota")
+                .build(),
+            tenant_tokens: meter
+                .u64_counter(metric::TENANT_TOKENS)
+                .with_unit("{token}")
+                .with_description("Prompt and output tokens charged to each tenant")
                 .build(),
         }
     }

@@ -309,6 +309,8 @@ names! {
         RESULT = "result",
         REASON = "reason",
         KIND = "kind",
+        TENANT = "rag.tenant",
+        OUTCOME = "outcome",
         VERSION = "version",
         SERVICE_NAME = "service.name",
         SERVICE_VERSION = "service.version",
@@ -345,6 +347,8 @@ names! {
         QUEUE_EXPECTED_WAIT = "ragscope.queue.expected_wait",
         ADMISSION_REJECTED = "ragscope.admission.rejected",
         AUTH_REJECTED = "ragscope.auth.rejected",
+        TENANT_REQUESTS = "ragscope.tenant.requests",
+        TENANT_TOKENS = "ragscope.tenant.tokens",
     }
 }
 

@@ -394,6 +394,7 @@ async fn health_reports_serving_only_once_the_pipeline_is_ready() {
         ui: Arc::default(),
         auth: Arc::default(),
         shutdown_grace: Duration::from_secs(30),
+        tenants: Arc::default(),
     };
     let app = crate::helpers::serve_state(state.clone(), 1 << 20, None).await;
     for service in ["", "ragscope.v1.Rag"] {

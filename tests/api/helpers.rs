@@ -160,6 +160,9 @@ async fn serve(
     state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
     state.ui = Arc::new(ragscope::api::page::UiLinks::from_args(&args.ui));
     state.auth = Arc::new(ragscope::api::auth::ApiKeys::from_args(&args.auth).expect("key flags"));
+    state.tenants = Arc::new(
+        ragscope::tenant::Tenants::new(&args.tenants, &state.auth.tenants()).expect("tenant flags"),
+    );
     state.shutdown_grace = args.server.shutdown_grace();
     serve_state(state, args.server.max_body_bytes, tmp).await
 }

@@ -25,4 +25,5 @@ mod rotel;
 mod stack;
 mod stages;
 mod store_conformance;
+mod tenants;
 mod trace;

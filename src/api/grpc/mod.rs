@@ -69,6 +69,10 @@ pub async fn serve(
     let reflection = reflection().build_v1().expect(valid);
     let readiness = state.readiness.clone();
     let interceptor = super::auth::grpc_interceptor(state.auth.clone(), readiness.clone());
+    let tenants = crate::tenant::TenantLayer {
+        tenants: state.tenants.clone(),
+        keys: state.auth.clone(),
+    };
     let rag = RagServer::new(RagService { state })
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(max_message_bytes);
@@ -76,6 +80,7 @@ pub async fn serve(
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
         .layer(trace::TraceLayer { readiness })
+        .layer(tenants)
         .add_service(rag)
         .add_service(health)
         .add_service(reflection)
