@@ -14,8 +14,9 @@ use crate::helpers::{repo_dir, spawn_app};
 fn clients_python() -> Option<PathBuf> {
     let python = match std::env::var_os("RAGSCOPE_CLIENTS_PYTHON") {
         Some(p) => PathBuf::from(p),
-        None => PathBuf::from(std::env::var_os("HOME")?)
-            .join(".cache/ragscope/venv-clients/bin/python"),
+        None => {
+            PathBuf::from(std::env::var_os("HOME")?).join(".cache/ragscope/venv-clients/bin/python")
+        }
     };
     let imports = std::process::Command::new(&python)
         .args(["-c", "import openai, langchain_openai"])
@@ -33,7 +34,9 @@ async fn run_client(script: &str) {
             std::env::var_os("RAGSCOPE_REQUIRE_CLIENTS").is_none(),
             "the clients' venv is missing, and scripts/test requires it"
         );
-        println!("SKIPPED: no python with openai and langchain-openai (scripts/test installs them)");
+        println!(
+            "SKIPPED: no python with openai and langchain-openai (scripts/test installs them)"
+        );
         return;
     };
     let app = spawn_app().await;
