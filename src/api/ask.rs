@@ -56,7 +56,7 @@ pub struct Asked {
 }
 
 /// How the answer is decoded beyond temperature and top-p; every field is neutral by default.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Decoding {
     pub stop: Vec<String>,
     /// Independent answers (`n`).
@@ -96,7 +96,7 @@ pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
 
 impl Decoding {
     /// Checks the settings; errors name the field.
-    fn check(&self) -> Result<(), ApiError> {
+    pub fn check(&self) -> Result<(), ApiError> {
         if self.stop.len() > MAX_STOP {
             return Err(ApiError::field(
                 "stop",
@@ -158,6 +158,28 @@ impl Decoding {
             }
         }
         Ok(())
+    }
+
+    /// The sampler's settings: this request's where it gives them, else `base`'s (the
+    /// server's RAG defaults, or the neutral ones for the generator alone).
+    pub fn sampling(
+        &self,
+        temperature: f64,
+        top_p: Option<f64>,
+        seed: Option<u64>,
+        base: Sampling,
+    ) -> Sampling {
+        let float = |asked: Option<f64>, default: f32| asked.map_or(default, |v| v as f32);
+        Sampling {
+            temperature,
+            top_p,
+            seed: seed.unwrap_or(0),
+            presence_penalty: float(self.presence_penalty, base.presence_penalty),
+            frequency_penalty: float(self.frequency_penalty, base.frequency_penalty),
+            repetition_penalty: float(self.repetition_penalty, base.repetition_penalty),
+            no_repeat_ngram: self.no_repeat_ngram_size.unwrap_or(base.no_repeat_ngram),
+            penalize_prompt: self.penalize_prompt.unwrap_or(base.penalize_prompt),
+        }
     }
 }
 
@@ -235,7 +257,7 @@ pub fn rag_request(
         .map_err(|(field, message)| ApiError::field(field, message))?;
     // The server's decoding defaults (`--repetition-penalty`, `--no-repeat-ngram`) where the
     // request leaves a setting out.
-    let server = defaults.sampling();
+    let sampling = decoding.sampling(temperature, top_p, seed, defaults.sampling());
     Ok(RagRequest {
         query,
         history,
@@ -243,24 +265,7 @@ pub fn rag_request(
         rerank_top_n,
         max_tokens,
         context,
-        sampling: Sampling {
-            temperature,
-            top_p,
-            seed: seed.unwrap_or(0),
-            presence_penalty: decoding
-                .presence_penalty
-                .map_or(server.presence_penalty, |v| v as f32),
-            frequency_penalty: decoding
-                .frequency_penalty
-                .map_or(server.frequency_penalty, |v| v as f32),
-            repetition_penalty: decoding
-                .repetition_penalty
-                .map_or(server.repetition_penalty, |v| v as f32),
-            no_repeat_ngram: decoding
-                .no_repeat_ngram_size
-                .unwrap_or(server.no_repeat_ngram),
-            penalize_prompt: decoding.penalize_prompt.unwrap_or(server.penalize_prompt),
-        },
+        sampling,
         stop: decoding.stop,
         logprobs: decoding.logprobs,
         choices: decoding.n.unwrap_or(1),

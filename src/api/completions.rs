@@ -1,9 +1,11 @@
 //! `POST /v1/completions`, OpenAI's legacy text completions: the generator alone on the prompt
 //! as written (the plain path, [`Pipeline::start_plain`]), or RAG over it with the RAG model
-//! id. `echo` with `logprobs` returns the prompt's own token logprobs (the first one null),
-//! from one scoring pass ([`Pipeline::score_prompt`]): what lm-eval's loglikelihood tasks send
-//! (`echo: true, logprobs: 1, max_tokens: 0 or 1`, the prompt as token ids). Fields that would
-//! change the answer and are not implemented are refused by name.
+//! id. `stop`, `n` (one job per prompt whose choices decode side by side), the penalties and
+//! `logprobs` (top-k per generated position, in the legacy shape) are honoured; `echo` with
+//! `logprobs` adds the prompt's own token logprobs (the first one null), from one scoring
+//! pass ([`Pipeline::score_prompt`]): what lm-eval's loglikelihood tasks send (`echo: true,
+//! logprobs: 1, max_tokens: 0 or 1`, the prompt as token ids). Fields that would change the
+//! answer and are not implemented are refused by name.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,17 +20,17 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
-use super::ask::{self, Asked};
+use super::ask::{self, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::openai::{
-    check_model, is_empty, is_zero, refuse_unhonoured, unix_now, StreamOptions, Unsupported,
+    check_model, is_empty, refuse_unhonoured, unix_now, StreamOptions, Unsupported,
     RAG_MODEL_ALIASES,
 };
 use super::tokenize::{check_token_ids, model_error};
 use super::{AppState, RequestStage};
 use crate::generate::tokenizer::Utf8Stream;
-use crate::generate::{Generator, Sampling, TokenLogprob, MAX_TOP_LOGPROBS};
+use crate::generate::{Generator, Sampling, TokenLogprob};
 use crate::pipeline::{Pipeline, PipelineError, RagAnswer, RagRequest, Usage};
 
 /// Suffix of the plain model id (`SmolLM2-135M-Instruct-plain`): the generator alone, listed in
@@ -43,8 +45,6 @@ pub fn plain_model(pipeline: &Pipeline) -> String {
 
 /// Most prompts one request may hold.
 const MAX_PROMPTS: usize = 64;
-/// Most choices per prompt.
-const MAX_N: usize = 16;
 
 #[derive(Debug, Deserialize)]
 pub struct CompletionBody {
@@ -55,11 +55,14 @@ pub struct CompletionBody {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
+    /// Choices per prompt, 1 to [`ask::MAX_CHOICES`]; choice `i` samples with `seed + i`.
     pub n: Option<usize>,
-    /// A string or a list of up to 4 strings.
+    /// A string or a list of up to 4 strings: a choice ends before the first.
     pub stop: Option<Value>,
-    /// How many alternatives per position, 0 to [`MAX_TOP_LOGPROBS`].
+    /// How many alternatives per position, 0 to [`crate::generate::MAX_TOP_LOGPROBS`].
     pub logprobs: Option<usize>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
     #[serde(default)]
     pub echo: bool,
     #[serde(default)]
@@ -78,8 +81,6 @@ const COMPLETION_UNSUPPORTED: &[Unsupported] = &[
     ("suffix", "null or empty", is_empty),
     ("best_of", "1", |v| v.as_f64() == Some(1.0)),
     ("logit_bias", "empty", is_empty),
-    ("presence_penalty", "0", is_zero),
-    ("frequency_penalty", "0", is_zero),
 ];
 
 /// One prompt: its tokens, and its text for `echo`.
@@ -154,39 +155,6 @@ fn prompts(
         .collect()
 }
 
-/// `stop` as a list of strings (OpenAI allows up to 4).
-fn stop_strings(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
-    let list = match v {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                s.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| ApiError::field(&format!("stop[{i}]"), "must be a string"))
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(ApiError::field(
-                "stop",
-                "must be a string or a list of strings",
-            ))
-        }
-    };
-    if list.len() > 4 {
-        return Err(ApiError::field(
-            "stop",
-            format!("at most 4 strings, got {}", list.len()),
-        ));
-    }
-    if let Some(i) = list.iter().position(String::is_empty) {
-        return Err(ApiError::field(&format!("stop[{i}]"), "must not be empty"));
-    }
-    Ok(list)
-}
-
 /// One token of a choice's `logprobs`: its bytes, its logprob (`None` for the first prompt
 /// token, which nothing predicts) and the alternatives.
 struct Scored {
@@ -259,6 +227,8 @@ struct Plan {
     logprobs: Option<usize>,
     echo: bool,
     include_usage: bool,
+    /// Stop strings, `n`, logprobs and penalties, checked.
+    decoding: Decoding,
 }
 
 fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
@@ -267,27 +237,21 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
     let rag = RAG_MODEL_ALIASES.contains(&body.model.as_str());
     let generator = pipeline.generator.as_ref();
     let prompts = prompts(generator, pipeline, &body.prompt)?;
-    let n = body.n.unwrap_or(1);
-    if !(1..=MAX_N).contains(&n) {
+    let decoding = Decoding {
+        stop: ask::stop_strings(body.stop.as_ref())?,
+        n: body.n,
+        logprobs: body.logprobs,
+        presence_penalty: body.presence_penalty,
+        frequency_penalty: body.frequency_penalty,
+        ..Decoding::default()
+    };
+    decoding.check()?;
+    if body.logprobs.is_some() && rag {
         return Err(ApiError::field(
-            "n",
-            format!("must be between 1 and {MAX_N}, got {n}"),
-        ));
-    }
-    if let Some(k) = body.logprobs {
-        if k > MAX_TOP_LOGPROBS {
-            return Err(ApiError::field(
-                "logprobs",
-                format!("must be between 0 and {MAX_TOP_LOGPROBS}, got {k}"),
-            ));
-        }
-        if rag {
-            return Err(ApiError::field(
-                "logprobs",
-                format!("only with the plain model {:?}", plain_model(pipeline)),
-            )
-            .with_code("unsupported_parameter"));
-        }
+            "logprobs",
+            format!("only with the plain model {:?}", plain_model(pipeline)),
+        )
+        .with_code("unsupported_parameter"));
     }
     let max_tokens = body.max_tokens.unwrap_or(pipeline.defaults.max_tokens);
     let window = generator.context_window();
@@ -316,25 +280,11 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
             "must be at least 1 with the RAG model",
         ));
     }
-    let stop = stop_strings(&body.stop)?;
-    if !stop.is_empty() {
-        return Err(
-            ApiError::field("stop", "not supported yet; leave it out or send []")
-                .with_code("unsupported_parameter"),
-        );
-    }
-    if body.logprobs.is_some() && max_tokens > 0 {
-        return Err(ApiError::field(
-            "logprobs",
-            "only for the echoed prompt yet: send max_tokens 0 with echo",
-        )
-        .with_code("unsupported_parameter"));
-    }
     Ok(Plan {
         model: body.model.clone(),
         rag,
         prompts,
-        n,
+        n: body.n.unwrap_or(1),
         max_tokens,
         logprobs: body.logprobs,
         echo: body.echo,
@@ -343,12 +293,15 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
+        decoding,
     })
 }
 
-/// The generated tokens of an answer, scored.
-fn generated_logprobs(_generator: &dyn Generator, _a: &RagAnswer) -> Vec<Scored> {
-    Vec::new()
+/// What one prompt got: its scored tokens (with `echo` and `logprobs`) and its generated
+/// choices (none with `max_tokens: 0`).
+struct Completed {
+    scores: Option<Vec<TokenLogprob>>,
+    answer: Option<RagAnswer>,
 }
 
 use super::openai::openai_finish as finish_reason;
@@ -369,73 +322,50 @@ pub async fn completions(
             return Err(ApiError::field("prompt", "streaming takes one prompt")
                 .with_code("unsupported_parameter"));
         }
-        if plan.n > 1 {
-            return Err(
-                ApiError::field("n", "streaming takes n = 1").with_code("unsupported_parameter")
-            );
-        }
-        let scores = match (plan.echo, plan.logprobs) {
-            (true, Some(k)) => Some(
-                pipeline
-                    .score_prompt(
-                        plan.prompts[0].tokens.clone(),
-                        k,
-                        base.faults.clone(),
-                        &stage,
-                    )
-                    .await?,
-            ),
-            _ => None,
-        };
-        return stream(&pipeline, &stage, plan, scores, base, id);
+        let scores = score(&pipeline, &stage, &plan, &plan.prompts[0], &base).await?;
+        return stream(&state, &pipeline, &stage, plan, scores, base, id);
     }
+    // Every prompt is started at once, so free workers take them side by side; a prompt's `n`
+    // choices are one job whose choices decode together.
+    let completed = futures::future::try_join_all(plan.prompts.iter().map(|prompt| {
+        let (state, pipeline, stage, plan, req) = (&state, &pipeline, &stage, &plan, base.clone());
+        async move {
+            let scores = score(pipeline, stage, plan, prompt, &req).await?;
+            let answer = match plan.max_tokens {
+                0 => None,
+                _ => Some(start(state, pipeline, stage, plan, prompt, req, None)?.await?),
+            };
+            Ok::<_, ApiError>(Completed { scores, answer })
+        }
+    }))
+    .await?;
     let generator = pipeline.generator.as_ref();
     let mut choices = Vec::new();
     let mut usage = Usage::default();
     let mut finished_at = None;
-    for (pi, prompt) in plan.prompts.iter().enumerate() {
-        let scores = match (plan.echo, plan.logprobs) {
-            (true, Some(k)) => Some(
-                pipeline
-                    .score_prompt(prompt.tokens.clone(), k, base.faults.clone(), &stage)
-                    .await?,
-            ),
-            _ => None,
-        };
-        usage.prompt_tokens += prompt.tokens.len();
-        let answers: Vec<Option<RagAnswer>> = if plan.max_tokens == 0 {
-            vec![None; plan.n]
-        } else {
-            // Every choice is queued at once, so free workers generate them side by side.
-            let mut started = Vec::with_capacity(plan.n);
-            for j in 0..plan.n {
-                let mut req = base.clone();
-                req.sampling.seed = base.sampling.seed.wrapping_add(j as u64);
-                started.push(start(&state, &pipeline, &stage, &plan, prompt, req)?);
+    for (pi, (prompt, done)) in plan.prompts.iter().zip(&completed).enumerate() {
+        match &done.answer {
+            Some(a) => {
+                usage.prompt_tokens += a.usage.prompt_tokens;
+                usage.completion_tokens += a.usage.completion_tokens;
+                finished_at = Some(a.finished_at);
             }
-            futures::future::try_join_all(started)
-                .await?
-                .into_iter()
-                .map(Some)
-                .collect()
-        };
-        for (j, answer) in answers.into_iter().enumerate() {
+            None => usage.prompt_tokens += prompt.tokens.len(),
+        }
+        for j in 0..plan.n {
+            let choice = done.answer.as_ref().map(|a| &a.choices[j]);
             let echoed = if plan.echo { prompt.text.as_str() } else { "" };
-            let (generated, finish) = match &answer {
-                Some(a) => {
-                    usage.completion_tokens += a.usage.completion_tokens;
-                    finished_at = Some(a.finished_at);
-                    (a.answer.as_str(), finish_reason(a.finish_reason))
-                }
+            let (generated, finish) = match choice {
+                Some(c) => (c.text.as_str(), finish_reason(c.finish_reason)),
                 None => ("", "length"),
             };
             let logprobs = plan.logprobs.map(|_| {
-                let mut scored = match &scores {
+                let mut scored = match &done.scores {
                     Some(s) => scored_prompt(generator, &prompt.tokens, s),
                     None => Vec::new(),
                 };
-                if let Some(a) = &answer {
-                    scored.extend(generated_logprobs(generator, a));
+                if let Some(c) = choice {
+                    scored.extend(c.logprobs.iter().map(Scored::from_logprob));
                 }
                 legacy_logprobs(&scored, 0)
             });
@@ -463,7 +393,24 @@ pub async fn completions(
     ))
 }
 
-/// Queues one choice: the plain path on the prompt's tokens, or RAG over its text.
+/// The prompt's own token logprobs when `echo` and `logprobs` ask for them.
+async fn score(
+    pipeline: &Arc<Pipeline>,
+    stage: &RequestStage,
+    plan: &Plan,
+    prompt: &Prompt,
+    req: &RagRequest,
+) -> Result<Option<Vec<TokenLogprob>>, ApiError> {
+    let (true, Some(k)) = (plan.echo, plan.logprobs) else {
+        return Ok(None);
+    };
+    let scores = pipeline
+        .score_prompt(prompt.tokens.clone(), k, req.faults.clone(), stage)
+        .await?;
+    Ok(Some(scores))
+}
+
+/// Queues one prompt's choices: the plain path on its tokens, or RAG over its text.
 fn start(
     state: &AppState,
     pipeline: &Arc<Pipeline>,
@@ -471,21 +418,23 @@ fn start(
     plan: &Plan,
     prompt: &Prompt,
     req: RagRequest,
+    events: Option<mpsc::UnboundedSender<crate::pipeline::Event>>,
 ) -> Result<BoxFuture<'static, Result<RagAnswer, PipelineError>>, ApiError> {
     if !plan.rag {
         return Ok(pipeline
-            .start_plain(req, prompt.tokens.clone(), stage, None)?
+            .start_plain(req, prompt.tokens.clone(), stage, events)?
             .boxed());
     }
-    Ok(pipeline
-        .start_query(rag_request(state, pipeline, prompt, req)?, stage, None)?
-        .boxed())
+    let rag = rag_request(state, pipeline, plan, prompt, req)?;
+    Ok(pipeline.start_query(rag, stage, events)?.boxed())
 }
 
-/// The RAG request for a prompt: its text is the question; generation settings from `req`.
+/// The RAG request for a prompt: its text is the question; generation settings from `req`
+/// and the plan's decoding (the server's RAG decoding defaults where it gives none).
 fn rag_request(
     state: &AppState,
     pipeline: &Pipeline,
+    plan: &Plan,
     prompt: &Prompt,
     req: RagRequest,
 ) -> Result<RagRequest, ApiError> {
@@ -499,7 +448,7 @@ fn rag_request(
         top_p: req.sampling.top_p,
         seed: Some(req.sampling.seed),
         filter: None,
-        decoding: ask::Decoding::default(),
+        decoding: plan.decoding.clone(),
         context: Default::default(),
     };
     let rag = ask::rag_request(pipeline, state, asked).map_err(|e| match e.param.as_deref() {
@@ -516,48 +465,32 @@ fn rag_request(
     })
 }
 
-/// Generation settings of a completion, checked; errors name the field.
+/// Generation settings of a completion for the generator alone: what the request asks for
+/// and otherwise neutral (no server RAG defaults), so it compares with other servers.
 fn generation_request(
     state: &AppState,
     pipeline: &Pipeline,
     plan: &Plan,
     body: &CompletionBody,
 ) -> Result<RagRequest, ApiError> {
-    sampling_request(
-        state,
-        pipeline,
-        plan.max_tokens,
-        body.temperature,
-        body.top_p,
-        body.seed,
-    )
-}
-
-/// A plain request's generation settings, checked; errors name the field.
-fn sampling_request(
-    state: &AppState,
-    pipeline: &Pipeline,
-    max_tokens: usize,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    seed: Option<u64>,
-) -> Result<RagRequest, ApiError> {
-    let temperature = ask::check_sampling(temperature, top_p)?;
+    let temperature = ask::check_sampling(body.temperature, body.top_p)?;
     let mut req =
         RagRequest::with_defaults(String::new(), &pipeline.defaults, state.request_timeout);
-    req.max_tokens = max_tokens;
-    req.sampling = Sampling {
-        temperature,
-        top_p,
-        seed: seed.unwrap_or(0),
-        ..Sampling::default()
-    };
+    req.max_tokens = plan.max_tokens;
+    req.sampling = plan
+        .decoding
+        .sampling(temperature, body.top_p, body.seed, Sampling::default());
+    req.stop = plan.decoding.stop.clone();
+    req.logprobs = plan.logprobs;
+    req.choices = plan.n;
     Ok(req)
 }
 
-/// Streams one choice as `text_completion` chunks: the echoed prompt first, then each piece
-/// of text, a last chunk with the finish reason, `usage` if asked for, then `[DONE]`.
+/// Streams one prompt's `n` choices as `text_completion` chunks (`index` per choice): the
+/// echoed prompt first, then each piece of text as it comes, each choice's finish reason,
+/// `usage` if asked for, then `[DONE]`.
 fn stream(
+    state: &AppState,
     pipeline: &Arc<Pipeline>,
     stage: &RequestStage,
     plan: Plan,
@@ -569,21 +502,23 @@ fn stream(
     let prompt = &plan.prompts[0];
     let (tx, rx) = mpsc::unbounded_channel();
     let answer = if plan.max_tokens == 0 {
+        drop(tx);
         None
     } else {
-        Some(pipeline.start_plain(req, prompt.tokens.clone(), stage, Some(tx))?)
+        Some(start(state, pipeline, stage, &plan, prompt, req, Some(tx))?)
     };
     let events = ask::stream_events(stage, rx, answer);
     let created = unix_now();
     let model = plan.model.clone();
-    let chunk = move |text: &str, logprobs: Value, finish: Value| {
+    let chunk = move |index: usize, text: &str, logprobs: Value, finish: Value| {
         json!({
             "id": id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         })
     };
+    let n = plan.n;
     let mut first = Vec::new();
-    let mut offset = 0;
+    let mut offsets = vec![0; n];
     if plan.echo {
         let logprobs = match &prompt_scores {
             Some(s) => {
@@ -592,8 +527,8 @@ fn stream(
             }
             None => Value::Null,
         };
-        offset = prompt.text.chars().count();
-        first.push(chunk(&prompt.text, logprobs, Value::Null));
+        offsets = vec![prompt.text.chars().count(); n];
+        first.extend((0..n).map(|j| chunk(j, &prompt.text, logprobs.clone(), Value::Null)));
     }
     let prompt_tokens = prompt.tokens.len();
     let (want_logprobs, include_usage) = (plan.logprobs.is_some(), plan.include_usage);
@@ -604,19 +539,26 @@ fn stream(
         }
         futures::pin_mut!(events);
         let mut usage = Usage { prompt_tokens, completion_tokens: 0, total_tokens: prompt_tokens, prompt_tokens_details: Default::default() };
-        let mut finish = "length";
+        let mut finishes = vec!["length"; n];
         while let Some(event) = events.next().await {
             match event {
                 ask::AnswerEvent::Sources(_) => {}
                 ask::AnswerEvent::Token(piece) => {
-                    let text = piece.text;
-                    let logprobs = if want_logprobs { legacy_logprobs(&[], offset) } else { Value::Null };
-                    offset += text.chars().count();
-                    yield chunk(&text, logprobs, Value::Null);
+                    let Some(offset) = offsets.get_mut(piece.choice) else { continue };
+                    let logprobs = if want_logprobs {
+                        let scored: Vec<Scored> = piece.logprobs.iter().map(Scored::from_logprob).collect();
+                        legacy_logprobs(&scored, *offset)
+                    } else {
+                        Value::Null
+                    };
+                    *offset += piece.text.chars().count();
+                    yield chunk(piece.choice, &piece.text, logprobs, Value::Null);
                 }
                 ask::AnswerEvent::Done(a) => {
                     usage = a.usage;
-                    finish = finish_reason(a.finish_reason);
+                    for (f, c) in finishes.iter_mut().zip(&a.choices) {
+                        *f = finish_reason(c.finish_reason);
+                    }
                 }
                 ask::AnswerEvent::Failed(e) => {
                     super::stream_failed(&stage, &e);
@@ -625,9 +567,11 @@ fn stream(
                 }
             }
         }
-        yield chunk("", Value::Null, json!(finish));
+        for (j, finish) in finishes.into_iter().enumerate() {
+            yield chunk(j, "", Value::Null, json!(finish));
+        }
         if include_usage {
-            let mut last = chunk("", Value::Null, Value::Null);
+            let mut last = chunk(0, "", Value::Null, Value::Null);
             last["choices"] = json!([]);
             last["usage"] = json!(usage);
             yield last;

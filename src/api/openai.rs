@@ -100,10 +100,6 @@ const CHAT_UNSUPPORTED: &[Unsupported] = &[
     ("web_search_options", "null", |_| false),
 ];
 
-pub(super) fn is_zero(v: &Value) -> bool {
-    v.as_f64() == Some(0.0)
-}
-
 pub(super) fn is_empty(v: &Value) -> bool {
     match v {
         Value::String(s) => s.is_empty(),
@@ -119,29 +115,58 @@ pub(super) fn refuse_unhonoured(
     extra: &Map<String, Value>,
     unsupported: &[Unsupported],
 ) -> Result<(), ApiError> {
+    refuse_unhonoured_in("", extra, unsupported)
+}
+
+/// [`refuse_unhonoured`] for an object inside the body: errors name `{path}.{field}`.
+fn refuse_unhonoured_in(
+    path: &str,
+    extra: &Map<String, Value>,
+    unsupported: &[Unsupported],
+) -> Result<(), ApiError> {
     for (name, value) in extra {
+        let param = match path {
+            "" => name.clone(),
+            _ => format!("{path}.{name}"),
+        };
         match unsupported.iter().find(|(n, _, _)| n == name) {
             Some((_, _, neutral)) if value.is_null() || neutral(value) => {}
             Some((_, neutral, _)) => {
                 return Err(ApiError::field(
-                    name,
+                    &param,
                     format!("not supported by this server; leave it out or send {neutral}"),
                 )
                 .with_code("unsupported_parameter"))
             }
             None => {
-                return Err(ApiError::field(name, "unknown field").with_code("unknown_parameter"))
+                return Err(ApiError::field(&param, "unknown field").with_code("unknown_parameter"))
             }
         }
     }
     Ok(())
 }
 
+/// One of `messages`. `role` and `content` make the turn; `name` is accepted and ignored (a
+/// participant's label, which the chat template has no place for).
 #[derive(Debug, Deserialize)]
 pub struct ChatMessageBody {
     pub role: String,
     pub content: Option<Value>,
+    pub name: Option<String>,
+    /// Everything else, refused by name (`messages[2].tool_calls`) with [`MESSAGE_UNSUPPORTED`].
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
+
+/// Message fields that would change the answer (a tool exchange, audio, a refusal that the
+/// model would not see); each is refused unless its value is neutral.
+const MESSAGE_UNSUPPORTED: &[Unsupported] = &[
+    ("tool_calls", "empty", is_empty),
+    ("tool_call_id", "null", |_| false),
+    ("function_call", "null", |_| false),
+    ("audio", "null", |_| false),
+    ("refusal", "null", |_| false),
+];
 
 pub(super) fn unix_now() -> u64 {
     SystemTime::now()
@@ -149,50 +174,88 @@ pub(super) fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The conversation of a request's `messages`, roles checked; errors name `messages[i]`.
+/// The conversation of a request's `messages`, roles and fields checked; errors name
+/// `messages[i]` and the field. `developer` (OpenAI's newer name for the system turn) is
+/// rendered as `system`, the role the model was trained with; tool and function turns are
+/// refused: this server calls no tools.
 pub(super) fn chat_messages(bodies: &[ChatMessageBody]) -> Result<Vec<ChatMessage>, ApiError> {
     let mut messages = Vec::with_capacity(bodies.len());
     for (i, m) in bodies.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "developer" | "tool"
-        ) {
-            return Err(ApiError::field(
-                &format!("messages[{i}].role"),
-                format!("unknown role {:?}", m.role),
-            ));
+        let path = format!("messages[{i}]");
+        refuse_unhonoured_in(&path, &m.extra, MESSAGE_UNSUPPORTED)?;
+        let role = match m.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            "tool" | "function" => {
+                return Err(ApiError::field(
+                    &format!("{path}.role"),
+                    format!(
+                        "{:?} turns are not supported: this server calls no tools",
+                        m.role
+                    ),
+                )
+                .with_code("unsupported_parameter"))
+            }
+            other => {
+                return Err(ApiError::field(
+                    &format!("{path}.role"),
+                    format!("unknown role {other:?}; use system, developer, user or assistant"),
+                ))
+            }
+        };
+        if m.content.as_ref().is_none_or(Value::is_null) && role != "assistant" {
+            return Err(ApiError::field(&format!("{path}.content"), "must be given"));
         }
-        messages.push(ChatMessage::new(&m.role, content_text(i, &m.content)?));
+        messages.push(ChatMessage::new(role, content_text(&path, &m.content)?));
     }
     Ok(messages)
 }
 
-/// Text of a message's content: a string, or the text parts of a content array.
-fn content_text(i: usize, content: &Option<Value>) -> Result<String, ApiError> {
-    match content {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| {
-                match (
-                    p.get("type").and_then(Value::as_str),
-                    p.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(t)) => Ok(t.to_string()),
-                    _ => Err(ApiError::field(
-                        &format!("messages[{i}].content"),
-                        "only text content parts are supported",
-                    )),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(|v| v.join("\n")),
-        Some(_) => Err(ApiError::field(
-            &format!("messages[{i}].content"),
-            "must be a string or an array of content parts",
-        )),
+/// Text of a message's content: a string, or the text parts of a content array joined by
+/// newlines. Other parts (images, audio, files) are refused by index.
+fn content_text(path: &str, content: &Option<Value>) -> Result<String, ApiError> {
+    let parts = match content {
+        None | Some(Value::Null) => return Ok(String::new()),
+        Some(Value::String(s)) => return Ok(s.clone()),
+        Some(Value::Array(parts)) => parts,
+        Some(_) => {
+            return Err(ApiError::field(
+                &format!("{path}.content"),
+                "must be a string or an array of content parts",
+            ))
+        }
+    };
+    let mut texts = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let at = format!("{path}.content[{j}]");
+        let Some(fields) = part.as_object() else {
+            return Err(ApiError::field(&at, "must be a content part object"));
+        };
+        match fields.get("type").and_then(Value::as_str) {
+            Some("text") => {}
+            Some(kind @ ("image_url" | "input_audio" | "file" | "refusal")) => {
+                return Err(ApiError::field(
+                    &format!("{at}.type"),
+                    format!("{kind:?} parts are not supported: this model reads text only"),
+                )
+                .with_code("unsupported_parameter"))
+            }
+            _ => return Err(ApiError::field(&format!("{at}.type"), "must be \"text\"")),
+        }
+        if let Some(key) = fields
+            .keys()
+            .find(|k| !matches!(k.as_str(), "type" | "text"))
+        {
+            return Err(ApiError::field(&format!("{at}.{key}"), "unknown field")
+                .with_code("unknown_parameter"));
+        }
+        match fields.get("text").and_then(Value::as_str) {
+            Some(t) => texts.push(t),
+            None => return Err(ApiError::field(&format!("{at}.text"), "must be a string")),
+        }
     }
+    Ok(texts.join("\n"))
 }
 
 pub(super) fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiError> {

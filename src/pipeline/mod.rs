@@ -67,11 +67,33 @@ impl Pipeline {
         impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
         PipelineError,
     > {
+        self.start_job(req, request, events, Pipeline::answer)
+    }
+
+    /// Queues `job` (a whole answer: RAG or plain) on a model worker, admitted by `req`'s
+    /// deadline; the future yields what it returns.
+    fn start_job(
+        self: &Arc<Self>,
+        req: RagRequest,
+        request: &Arc<Stage>,
+        events: Option<UnboundedSender<Event>>,
+        job: impl FnOnce(
+                &Pipeline,
+                &RagRequest,
+                &Stage,
+                Option<&UnboundedSender<Event>>,
+            ) -> Result<RagAnswer, PipelineError>
+            + Send
+            + 'static,
+    ) -> Result<
+        impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
+        PipelineError,
+    > {
         let this = self.clone();
         let stage = request.clone();
         let admission = Admission::new(JobKind::Query).by(req.deadline);
         let rx = self.workers.submit(admission, request, move || {
-            this.answer(&req, &stage, events.as_ref())
+            job(&this, &req, &stage, events.as_ref())
         })?;
         Ok(async move { rx.await.map_err(|_| PipelineError::WorkerGone)? })
     }

@@ -16,7 +16,7 @@ use crate::generate::TokenLogprob;
 use crate::telemetry::clock::millis;
 use crate::telemetry::names::StageKind;
 use crate::telemetry::span::Stage;
-use crate::worker::{Admission, JobKind};
+use crate::worker::JobKind;
 
 impl Pipeline {
     /// Generates from `prompt` as given, with `req`'s generation settings (its query and
@@ -32,13 +32,9 @@ impl Pipeline {
         impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
         PipelineError,
     > {
-        let this = self.clone();
-        let stage = request.clone();
-        let admission = Admission::new(JobKind::Query).by(req.deadline);
-        let rx = self.workers.submit(admission, request, move || {
-            this.plain(&req, &prompt, &stage, events.as_ref())
-        })?;
-        Ok(async move { rx.await.map_err(|_| PipelineError::WorkerGone)? })
+        self.start_job(req, request, events, move |this, req, stage, events| {
+            this.plain(req, &prompt, stage, events)
+        })
     }
 
     /// On a worker thread: only the generation stage. The text is returned exactly as

@@ -418,6 +418,192 @@ async fn completions_generate_from_the_prompt_as_written() {
     app.stop().await;
 }
 
+/// The streamed chunks of a completion, `[DONE]` checked and dropped.
+async fn completion_chunks(app: &TestApp, body: Value) -> Vec<Value> {
+    let r = app
+        .client
+        .post(app.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let events = crate::query::sse_events(&r.text().await.unwrap());
+    assert_eq!(events.last().unwrap().1, "[DONE]");
+    events[..events.len() - 1]
+        .iter()
+        .map(|(_, d)| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// The streamed text of choice `index`.
+fn streamed_text(chunks: &[Value], index: usize) -> String {
+    chunks
+        .iter()
+        .flat_map(|c| c["choices"].as_array().unwrap())
+        .filter(|c| c["index"] == index)
+        .filter_map(|c| c["text"].as_str())
+        .collect()
+}
+
+/// lm-eval 0.4.13's loglikelihood request exactly (`max_tokens: 1`, `echo`, `logprobs: 1`,
+/// `temperature: 0`, `seed`): the prompt's token logprobs, then the generated token's; what
+/// lm-eval sums (`token_logprobs[ctxlen:-1]`) is the scoring pass's, as with `max_tokens: 0`.
+#[tokio::test]
+async fn lm_eval_loglikelihood_request_gets_prompt_and_generated_logprobs() {
+    let app = spawn_app().await;
+    let context = token_ids(&app, "The capital of France is").await;
+    let prompt = [context.clone(), token_ids(&app, " Paris").await].concat();
+    let ask = |max_tokens: usize| {
+        json!({"model": format!("{MODEL}-plain"), "prompt": [prompt.clone()], "temperature": 0,
+               "max_tokens": max_tokens, "logprobs": 1, "seed": 1234, "echo": true})
+    };
+    let out = complete(&app, ask(1)).await;
+    let c = &out["choices"][0];
+    let lp = &c["logprobs"];
+    let n = prompt.len();
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), n + 1, "{lp}");
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(out["usage"]["completion_tokens"], 1);
+    // The generated token is greedy: it is its position's best alternative.
+    let last = lp["token_logprobs"][n].as_f64().unwrap();
+    let top = lp["top_logprobs"][n].as_object().unwrap();
+    assert_eq!(top.len(), 1);
+    assert!((top.values().next().unwrap().as_f64().unwrap() - last).abs() < 1e-6);
+    let generated = lp["tokens"][n].as_str().unwrap();
+    let text = c["text"].as_str().unwrap();
+    assert!(text.ends_with(generated), "{text:?} / {generated:?}");
+    assert_eq!(
+        lp["text_offset"][n].as_u64().unwrap() as usize,
+        text.chars().count() - generated.chars().count()
+    );
+    let continuation = |v: &Value, to: usize| -> f64 {
+        v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()[context.len()..to]
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .sum()
+    };
+    let scored_only = complete(&app, ask(0)).await;
+    assert!((continuation(&out, n) - continuation(&scored_only, n)).abs() < 1e-4);
+    app.stop().await;
+}
+
+/// Generated tokens' logprobs in the legacy shape, stop strings cut the text before them,
+/// and `n` choices are seeded per choice, streamed and not.
+#[tokio::test]
+async fn completions_honour_logprobs_stop_and_n_while_generating() {
+    let app = spawn_app().await;
+    let prompt =
+        "<|im_start|>user\nDescribe the sea in one sentence.<|im_end|>\n<|im_start|>assistant\n";
+    let base = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12});
+    let with = |extra: Value| {
+        let mut b = base.clone();
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let out = complete(&app, with(json!({"logprobs": 3}))).await;
+    let c = &out["choices"][0];
+    let text = c["text"].as_str().unwrap().to_string();
+    let lp = &c["logprobs"];
+    let tokens = lp["tokens"].as_array().unwrap();
+    assert_eq!(
+        tokens.len() as u64,
+        out["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    let joined: String = tokens.iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(joined, text);
+    let mut at = 0;
+    for k in 0..tokens.len() {
+        assert_eq!(lp["text_offset"][k].as_u64().unwrap() as usize, at);
+        at += tokens[k].as_str().unwrap().chars().count();
+        let chosen = lp["token_logprobs"][k].as_f64().unwrap();
+        let top = lp["top_logprobs"][k].as_object().unwrap();
+        assert!((1..=3).contains(&top.len()), "{top:?}");
+        // Greedy: the best alternative is the chosen token.
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
+        assert!(
+            (best - chosen).abs() < 1e-6,
+            "token {k}: {chosen} vs {top:?}"
+        );
+    }
+    // Streamed: the same tokens and offsets, spread over the chunks.
+    let chunks = completion_chunks(&app, with(json!({"logprobs": 3, "stream": true}))).await;
+    assert_eq!(streamed_text(&chunks, 0), text);
+    let streamed: Vec<(Value, Value)> = chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["logprobs"].is_null())
+        .flat_map(|c| {
+            let l = &c["choices"][0]["logprobs"];
+            let t = l["tokens"].as_array().unwrap().clone();
+            let o = l["text_offset"].as_array().unwrap().clone();
+            t.into_iter().zip(o)
+        })
+        .collect();
+    let expected: Vec<(Value, Value)> = tokens
+        .iter()
+        .cloned()
+        .zip(lp["text_offset"].as_array().unwrap().iter().cloned())
+        .collect();
+    assert_eq!(streamed, expected);
+
+    // A stop string from the middle of the free text: the text ends before it.
+    let words: Vec<&str> = text.split(' ').collect();
+    assert!(words.len() > 3, "{text:?}");
+    let stop = format!(" {}", words[words.len() / 2]);
+    let expected = &text[..text.find(&stop).unwrap()];
+    for stops in [json!(stop), json!(["never-said", stop])] {
+        let cut = complete(&app, with(json!({"stop": stops, "echo": true}))).await;
+        assert_eq!(cut["choices"][0]["text"], format!("{prompt}{expected}"));
+        assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+        let chunks = completion_chunks(&app, with(json!({"stop": stops, "stream": true}))).await;
+        assert_eq!(streamed_text(&chunks, 0), expected);
+        let finish = chunks
+            .iter()
+            .rev()
+            .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+        assert_eq!(finish, Some("stop"));
+    }
+
+    // n choices in one job: choice i is what n = 1 gives with seed + i; streamed under its
+    // own index, each finishing once.
+    let sampled = with(json!({"n": 3, "temperature": 1.0, "seed": 21, "max_tokens": 8}));
+    let a = complete(&app, sampled.clone()).await;
+    let texts: Vec<String> = (0..3)
+        .map(|i| {
+            assert_eq!(a["choices"][i]["index"], i);
+            a["choices"][i]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    let third = complete(
+        &app,
+        with(json!({"temperature": 1.0, "seed": 23, "max_tokens": 8})),
+    )
+    .await;
+    assert_eq!(third["choices"][0]["text"], texts[2]);
+    let mut streamed = sampled.clone();
+    streamed["stream"] = json!(true);
+    streamed["echo"] = json!(true);
+    let chunks = completion_chunks(&app, streamed).await;
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(streamed_text(&chunks, i), format!("{prompt}{t}"));
+        let finishes = chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().unwrap())
+            .filter(|c| c["index"] == i && c["finish_reason"].is_string())
+            .count();
+        assert_eq!(finishes, 1);
+    }
+    app.stop().await;
+}
+
 #[tokio::test]
 async fn completions_refuse_what_they_do_not_honour_by_name() {
     let app = spawn_app().await;

@@ -3,6 +3,7 @@
 mod attribution;
 mod auth;
 mod catalogue;
+mod clients;
 mod completions;
 mod context;
 mod coverage;

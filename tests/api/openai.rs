@@ -602,3 +602,165 @@ async fn the_chat_span_records_the_decoding_request() {
 fn chat_body_plain() -> Value {
     chat(json!({}))
 }
+
+/// A chat body whose `messages` are `messages`.
+fn chat_with_messages(messages: Value) -> Value {
+    let mut body = chat(json!({}));
+    body["messages"] = messages;
+    body
+}
+
+/// Fields inside `messages[]` that would change the answer, unknown ones and roles this
+/// server does not serve are refused with the path of the field; neutral values pass.
+#[tokio::test]
+async fn message_fields_are_refused_by_path_unless_harmless() {
+    let app = spawn_fake_app(FakeGenerator::new(4)).await;
+    let user = json!({"role": "user", "content": "What is the capital of Zorbia?"});
+    let with = |extra: Value| {
+        let mut m = user.clone();
+        m.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        m
+    };
+    let call = json!([{"id": "c1", "type": "function",
+                       "function": {"name": "f", "arguments": "{}"}}]);
+    let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}});
+    let cases = [
+        // (messages, param, code)
+        (
+            json!([{"role": "assistant", "content": null, "tool_calls": call}, user]),
+            "messages[0].tool_calls",
+            "unsupported_parameter",
+        ),
+        (
+            json!([{"role": "tool", "tool_call_id": "c1", "content": "4"}, user]),
+            "messages[0].tool_call_id",
+            "unsupported_parameter",
+        ),
+        (
+            json!([{"role": "tool", "content": "4"}, user]),
+            "messages[0].role",
+            "unsupported_parameter",
+        ),
+        (
+            json!([{"role": "function", "name": "f", "content": "4"}, user]),
+            "messages[0].role",
+            "unsupported_parameter",
+        ),
+        (
+            json!([{"role": "assistant", "content": null,
+                    "function_call": {"name": "f", "arguments": "{}"}}, user]),
+            "messages[0].function_call",
+            "unsupported_parameter",
+        ),
+        (
+            json!([{"role": "assistant", "content": null, "audio": {"id": "a1"}}, user]),
+            "messages[0].audio",
+            "unsupported_parameter",
+        ),
+        (
+            json!([{"role": "assistant", "content": "", "refusal": "I can't."}, user]),
+            "messages[0].refusal",
+            "unsupported_parameter",
+        ),
+        (
+            json!([with(
+                json!({"content": [{"type": "text", "text": "Look:"}, image]})
+            )]),
+            "messages[0].content[1].type",
+            "unsupported_parameter",
+        ),
+        (
+            json!([with(json!({"content": [{"type": "input_audio",
+                                             "input_audio": {"data": "AA==", "format": "wav"}}]}))]),
+            "messages[0].content[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            json!([with(
+                json!({"content": [{"type": "text", "text": "x", "detail": "high"}]})
+            )]),
+            "messages[0].content[0].detail",
+            "unknown_parameter",
+        ),
+        (
+            json!([with(json!({"weight": 2}))]),
+            "messages[0].weight",
+            "unknown_parameter",
+        ),
+        (
+            json!([{"role": "narrator", "content": "Once"}, user]),
+            "messages[0].role",
+            "invalid_request_error",
+        ),
+        (
+            json!([{"role": "system"}, user]),
+            "messages[0].content",
+            "invalid_request_error",
+        ),
+    ];
+    for (messages, param, code) in cases {
+        let (status, response) = app
+            .post(
+                "/v1/chat/completions",
+                &chat_with_messages(messages.clone()),
+            )
+            .await;
+        assert_eq!(status, 400, "{messages}: {response}");
+        let err = &response["error"];
+        assert_eq!(err["param"], param, "{messages}: {response}");
+        if code != "invalid_request_error" {
+            assert_eq!(err["code"], code, "{messages}: {response}");
+        }
+        assert!(
+            err["message"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{param}: ")),
+            "{response}"
+        );
+    }
+    // Harmless: a `name`, neutral tool fields, a developer turn, text parts.
+    let fine = json!([
+        {"role": "developer", "content": "Answer briefly.", "name": "ops"},
+        {"role": "assistant", "content": "Hello.", "tool_calls": [], "refusal": null},
+        with(json!({"name": "ada", "content": [{"type": "text", "text": "Capital?"}]})),
+    ]);
+    let (status, response) = app
+        .post("/v1/chat/completions", &chat_with_messages(fine))
+        .await;
+    assert_eq!(status, 200, "{response}");
+    app.stop().await;
+}
+
+/// What the accepted message fields do to the prompt, read back from `/tokenize` with
+/// `messages` (the prompt chat renders): text parts are joined by newlines, `developer`
+/// renders as `system`, and `name` changes nothing.
+#[tokio::test]
+async fn message_text_parts_developer_and_name_render_as_documented() {
+    let app = spawn_app().await;
+    let tokens = |messages: Value| {
+        let app = &app;
+        async move {
+            let body = json!({"model": "SmolLM2-135M-Instruct", "messages": messages});
+            let (status, out) = app.post("/tokenize", &body).await;
+            assert_eq!(status, 200, "{body} → {out}");
+            out["tokens"].clone()
+        }
+    };
+    let plain = tokens(json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour.\nOne word."},
+    ]))
+    .await;
+    let dressed = tokens(json!([
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}], "name": "ops"},
+        {"role": "user", "name": "ada", "content": [
+            {"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]},
+    ]))
+    .await;
+    assert!(plain.as_array().is_some_and(|t| !t.is_empty()));
+    assert_eq!(plain, dressed);
+    app.stop().await;
+}
