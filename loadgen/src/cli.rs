@@ -131,12 +131,32 @@ pub struct Shape {
     pub requests: Option<u64>,
 }
 
+/// The isolation check: who else used the CPU during the run, and keeping the client apart.
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+pub struct IsolationArgs {
+    /// The server's pid, when it runs on this machine under another port owner (unset: found
+    /// from the listening port of a local --url; a remote server's `/metrics` otherwise).
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// Pin the load generator's threads to these CPUs (a taskset list: `3`, `2-3`); pin the
+    /// server to the others with `taskset -c`. Needs cores to spare: on 2 cores the check flags
+    /// the client's share instead.
+    #[arg(long)]
+    pub pin_client: Option<String>,
+    /// Flag the run when the client or the other processes took more than this share of the
+    /// box's CPU capacity.
+    #[arg(long, default_value_t = 0.10)]
+    pub isolation_threshold: f64,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     #[command(flatten)]
     pub target: Target,
     #[command(flatten)]
     pub shape: Shape,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
     /// Output directory (created): requests.jsonl, summary.json, report.html.
     #[arg(long, default_value = "loadgen-out")]
     pub out: PathBuf,
@@ -153,6 +173,8 @@ pub struct KneeArgs {
     #[command(flatten)]
     #[serde(skip)]
     pub target: Target,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
     /// Offered rate of the first step, requests per second.
     #[arg(long, default_value_t = 0.25)]
     pub start_rate: f64,
@@ -202,6 +224,12 @@ pub struct GateArgs {
     /// Output directory of the gate's load run.
     #[arg(long, default_value = "loadgen-gate")]
     pub out: PathBuf,
+    /// Confidence of the gate's decisions: "regression" and "no regression" each need at least
+    /// this; between the two the gate says "inconclusive" and how many more requests would do.
+    #[arg(long, default_value_t = 0.95)]
+    pub confidence: f64,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
     #[arg(long)]
     pub quiet: bool,
 }

@@ -9,8 +9,11 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::{json, Value};
 
-use crate::cli::{Cli, Command, GateArgs, KneeArgs, Mode, ReportArgs, RunArgs, Target};
-use crate::gate::{self, Baseline};
+use crate::cli::{
+    Cli, Command, GateArgs, IsolationArgs, KneeArgs, Mode, ReportArgs, RunArgs, Target,
+};
+use crate::gate::{self, Baseline, Decision, Measured};
+use crate::isolation::{self, Isolation, Sampler};
 use crate::knee::{self, StepResult, Thresholds};
 use crate::record::{self, RequestRecord};
 use crate::report::{self, Attribution};
@@ -19,13 +22,23 @@ use crate::schedule::{load_queries, Arrivals, Phase, Phases};
 use crate::stats::PhaseStats;
 use crate::summary::Summary;
 
-/// Runs a subcommand. `Ok(false)` means the gate found a regression.
-pub async fn dispatch(command: Command) -> anyhow::Result<bool> {
+/// Exit status of a gate that found a regression.
+pub const EXIT_REGRESSION: u8 = 1;
+/// Exit status of a gate whose evidence was too thin to decide.
+pub const EXIT_INCONCLUSIVE: u8 = 3;
+
+/// Runs a subcommand and returns its exit status: 0, or for `gate` [`EXIT_REGRESSION`] or
+/// [`EXIT_INCONCLUSIVE`].
+pub async fn dispatch(command: Command) -> anyhow::Result<u8> {
     match command {
-        Command::Run(a) => run(&a).await.map(|_| true),
-        Command::Knee(a) => knee(&a).await.map(|_| true),
-        Command::Gate(a) => gate(&a).await,
-        Command::Report(a) => report(&a).map(|_| true),
+        Command::Run(a) => run(&a).await.map(|_| 0),
+        Command::Knee(a) => knee(&a).await.map(|_| 0),
+        Command::Gate(a) => gate(&a).await.map(|d| match d {
+            Decision::NoRegression => 0,
+            Decision::Regression => EXIT_REGRESSION,
+            Decision::Inconclusive => EXIT_INCONCLUSIVE,
+        }),
+        Command::Report(a) => report(&a).map(|_| 0),
     }
 }
 
@@ -99,6 +112,45 @@ fn stop_on_ctrl_c(runner: &Arc<Runner>) {
     });
 }
 
+/// Pins the client if asked and starts the isolation sampler.
+async fn start_isolation(url: &str, a: &IsolationArgs) -> anyhow::Result<Sampler> {
+    if !(a.isolation_threshold > 0.0 && a.isolation_threshold <= 1.0) {
+        bail!("--isolation-threshold must be in (0, 1]");
+    }
+    if let Some(cpus) = &a.pin_client {
+        isolation::pin_client(cpus)?;
+        if isolation::cpus() < 4 {
+            eprintln!(
+                "note: {} CPUs: pinning leaves the server few cores of its own; the isolation check reports the client's share either way",
+                isolation::cpus()
+            );
+        }
+    }
+    Ok(Sampler::start(
+        url,
+        a.server_pid,
+        a.isolation_threshold,
+        a.pin_client.clone(),
+    )
+    .await)
+}
+
+fn print_isolation(i: &Isolation) {
+    println!(
+        "isolation: {} CPUs; client {:.1}%, server {}, others {:.1}%, steal {:.1}% of the box; load ≤ {}",
+        i.cpus,
+        i.client_share * 100.0,
+        i.server_cores
+            .map_or("unknown".into(), |c| format!("{c:.2} cores")),
+        i.others_share * 100.0,
+        i.steal_share * 100.0,
+        i.load_1m_max.map_or("–".into(), |l| format!("{l:.2}")),
+    );
+    for f in &i.flags {
+        println!("  FLAG: {f}");
+    }
+}
+
 /// Runs one load and returns its summary and records, without writing anything.
 pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord>)> {
     check_target(&a.target)?;
@@ -123,7 +175,9 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let plan = Plan::from_shape(s, a.target.seed);
+    let sampler = start_isolation(&a.target.url, &a.isolation).await?;
     let ran = runner.run(&plan, String::new()).await;
+    let isolation = sampler.finish().await;
     drop(printer);
     let steady: Vec<&RequestRecord> = ran
         .records
@@ -135,13 +189,14 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
     let summary = Summary {
         tool: "ragscope-loadgen".into(),
         command: "run".into(),
-        config: merged(&[json!(a.target), json!(a.shape)]),
+        config: merged(&[json!(a.target), json!(a.shape), json!(a.isolation)]),
         started_unix_ms,
         phases: Some(plan.phases),
         requests_by_phase: Summary::count_phases(&ran.records),
         steady: Some(stats),
         steps: Vec::new(),
         knee: None,
+        isolation,
         gate: None,
     };
     Ok((summary, ran.records))
@@ -150,10 +205,16 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
 fn print_steady(s: &PhaseStats) {
     let p = |p: Option<crate::stats::Percentiles>| {
         p.map_or("–".into(), |p| {
-            format!(
-                "p50 {:.0} p90 {:.0} p95 {:.0} p99 {:.0} p99.9 {:.0}",
-                p.p50, p.p90, p.p95, p.p99, p.p99_9
-            )
+            let c = &p.ci;
+            let mut line = format!(
+                "n {} p50 {:.0} [{:.0}, {:.0}] p95 {:.0} [{:.0}, {:.0}] p99 {:.0} [{:.0}, {:.0}] p99.9 {:.0} [{:.0}, {:.0}]",
+                p.count, p.p50, c.p50.lo, c.p50.hi, p.p95, c.p95.lo, c.p95.hi, p.p99, c.p99.lo,
+                c.p99.hi, p.p99_9, c.p99_9.lo, c.p99_9.hi
+            );
+            for (name, beyond) in p.thin_tails() {
+                line.push_str(&format!(" ({name}: {beyond:.1} samples beyond it, too few)"));
+            }
+            line
         })
     };
     println!(
@@ -169,6 +230,7 @@ fn print_steady(s: &PhaseStats) {
     println!("  TTFT ms  {}", p(s.ttft_ms));
     println!("  TPOT ms  {}", p(s.tpot_ms));
     println!("  e2e ms   {}", p(s.e2e_ms));
+    println!("  (intervals: bootstrap 95%, 1000 resamples, seeded)");
 }
 
 pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
@@ -177,6 +239,9 @@ pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
     write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
     if let Some(s) = &summary.steady {
         print_steady(s);
+    }
+    if let Some(i) = &summary.isolation {
+        print_isolation(i);
     }
     println!("wrote {}", a.out.join("report.html").display());
     Ok(summary)
@@ -209,6 +274,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
     stop_on_ctrl_c(&runner);
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
+    let sampler = start_isolation(&a.target.url, &a.isolation).await?;
     let mut steps: Vec<StepResult> = Vec::new();
     let mut records = Vec::new();
     for i in 0..a.max_steps {
@@ -258,6 +324,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
             break;
         }
     }
+    let isolation = sampler.finish().await;
     drop(printer);
     let found = knee::find_knee(&steps, &th);
     println!(
@@ -280,8 +347,12 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
         steady: None,
         steps,
         knee: Some(found),
+        isolation,
         gate: None,
     };
+    if let Some(i) = &summary.isolation {
+        print_isolation(i);
+    }
     write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
     println!("wrote {}", a.out.join("report.html").display());
     Ok(summary)
@@ -305,8 +376,11 @@ pub fn gate_run_args(b: &Baseline, url: &str, queries: &str, out: &str) -> anyho
     }
 }
 
-/// Runs the baseline's load; `Ok(false)` on a regression.
-pub async fn gate(a: &GateArgs) -> anyhow::Result<bool> {
+/// Runs the baseline's load and decides at `--confidence`.
+pub async fn gate(a: &GateArgs) -> anyhow::Result<Decision> {
+    if !(a.confidence > 0.5 && a.confidence < 1.0) {
+        bail!("--confidence must be in (0.5, 1)");
+    }
     let b = Baseline::read(&a.baseline)?;
     let mut args = gate_run_args(
         &b,
@@ -315,22 +389,30 @@ pub async fn gate(a: &GateArgs) -> anyhow::Result<bool> {
         &a.out.to_string_lossy(),
     )?;
     args.quiet |= a.quiet;
+    args.isolation = a.isolation.clone();
     let (mut summary, records) = run_load(&args).await?;
     let steady = summary.steady.clone().context("no steady phase")?;
     print_steady(&steady);
-    let rows = gate::compare(&b, &steady);
-    let pass = rows.iter().all(|r| r.ok);
+    if let Some(i) = &summary.isolation {
+        print_isolation(i);
+    }
+    let steady_records: Vec<&RequestRecord> = records
+        .iter()
+        .filter(|r| r.phase == Phase::Steady)
+        .collect();
+    let rows = gate::compare(&b, &Measured::of(&steady_records, &steady), a.confidence);
     summary.command = "gate".into();
     summary.gate = Some(rows.clone());
     write_outputs(&args.out, &summary, &records, None)?;
     print!("{}", gate::table(&rows));
     println!(
-        "gate: {} (baseline {}; report {})",
-        if pass { "pass" } else { "REGRESSION" },
+        "gate: {} at {:.0}% confidence (baseline {}; report {})",
+        gate::verdict_text(&rows),
+        a.confidence * 100.0,
         a.baseline.display(),
         args.out.join("report.html").display()
     );
-    Ok(pass)
+    Ok(gate::verdict(&rows).0)
 }
 
 pub fn report(a: &ReportArgs) -> anyhow::Result<()> {

@@ -6,6 +6,8 @@
 //! - [`sse`] and [`client`]: one streaming request, timed (TTFT, time per output token, end to end).
 //! - [`runner`]: open- and closed-loop load with warm-up, steady and cool-down phases, and progress.
 //! - [`record`] and [`stats`]: the per-request JSON lines and the percentiles summarising them.
+//! - [`confidence`]: bootstrap intervals, the Beta posterior of an error rate: how sure a figure is.
+//! - [`isolation`]: who else used the CPU during a run (the client, the server, neighbours, steal).
 //! - [`knee`]: stepping the offered rate up until latency or errors pass a threshold.
 //! - [`gate`]: comparing a small fixed load against a checked-in baseline.
 //! - [`summary`]: `summary.json`, gathering the steady-phase figures and the knee or gate outcome.
@@ -17,7 +19,9 @@
 pub mod cli;
 pub mod client;
 pub mod commands;
+pub mod confidence;
 pub mod gate;
+pub mod isolation;
 pub mod knee;
 pub mod record;
 pub mod report;

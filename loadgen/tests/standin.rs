@@ -179,11 +179,12 @@ fn queries_path() -> String {
         .into_owned()
 }
 
+/// Runs the load generator; true for exit status 0.
 async fn loadgen(args: &[&str]) -> bool {
     let mut argv = vec!["ragscope-loadgen"];
     argv.extend_from_slice(args);
     let cli = Cli::try_parse_from(argv).expect("valid flags");
-    commands::dispatch(cli.command).await.expect("command runs")
+    commands::dispatch(cli.command).await.expect("command runs") == 0
 }
 
 fn summary(dir: &Path) -> Value {
@@ -605,12 +606,13 @@ async fn gate_passes_within_thresholds_and_fails_on_a_regression() {
     .await;
     let out = tempfile::tempdir().unwrap();
     let q = queries_path();
+    // 120 requests, 84 of them successful: enough for a p95's 95% upper bound (72).
     let baseline = |p95: f64, name: &str| {
         let path = out.path().join(name);
         let b = json!({
             "comment": "test baseline",
-            "load": ["--rate", "100", "--requests", "20", "--duration", "60", "--seed", "2"],
-            "expected": {"p95_ttft_ms": p95, "rps": 0.001, "error_rate": 0.3},
+            "load": ["--rate", "200", "--requests", "120", "--duration", "60", "--seed", "2"],
+            "expected": {"p95_ttft_ms": p95, "rps": 0.001, "error_rate": 0.6},
             "thresholds": {"p95_ttft_max_ratio": 1.0, "rps_min_ratio": 0.5, "error_rate_max_increase": 0.05}
         });
         std::fs::write(&path, b.to_string()).unwrap();
@@ -656,8 +658,49 @@ async fn gate_passes_within_thresholds_and_fails_on_a_regression() {
     );
     let rows = summary(&dir)["gate"].clone();
     assert_eq!(rows[0]["ok"], false);
+    assert_eq!(rows[0]["decision"], "regression");
     assert_eq!(rows[1]["ok"], true);
     assert_eq!(rows[2]["ok"], true);
+    // The generous limits on 20 requests (14 successful): too few for any upper bound of the
+    // p95, so the gate says so (exit 3) instead of passing.
+    let small = out.path().join("small.json");
+    let mut b: Value = serde_json::from_str(&std::fs::read_to_string(&generous).unwrap()).unwrap();
+    b["load"] = json!([
+        "--rate",
+        "100",
+        "--requests",
+        "20",
+        "--duration",
+        "60",
+        "--seed",
+        "2"
+    ]);
+    std::fs::write(&small, b.to_string()).unwrap();
+    let dir = out.path().join("gate-small");
+    let argv = [
+        "ragscope-loadgen",
+        "gate",
+        "--baseline",
+        small.to_str().unwrap(),
+        "--url",
+        &url,
+        "--queries",
+        &q,
+        "--out",
+        dir.to_str().unwrap(),
+        "--quiet",
+    ];
+    let cli = Cli::try_parse_from(argv).unwrap();
+    let status = commands::dispatch(cli.command).await.unwrap();
+    assert_eq!(status, commands::EXIT_INCONCLUSIVE);
+    let rows = summary(&dir)["gate"].clone();
+    assert_eq!(rows[0]["decision"], "inconclusive");
+    assert!(
+        rows[0]["more_requests"].as_u64().unwrap() >= 72 - 14,
+        "{rows}"
+    );
+    // The isolation check ran alongside (the stand-in is this process: no server pid).
+    assert!(summary(&dir)["isolation"]["cpus"].as_u64().unwrap() >= 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
