@@ -30,6 +30,41 @@ pub enum Command {
     Gate(GateArgs),
     /// Rebuild report.html from an existing output directory.
     Report(ReportArgs),
+    /// Experiments that show a measurement trap on a real server.
+    #[command(subcommand)]
+    Experiment(Experiment),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Experiment {
+    /// Inject exponential and Pareto(α=1.5) delays of the same mean into one stage and compare
+    /// the measured P99 (with its interval) with what light-tailed assumptions predict.
+    Tails(TailsArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct TailsArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The stage the delays go into (its time is read from the server's `done` timings).
+    #[arg(long, default_value = "retrieval", value_parser = ["embeddings", "retrieval", "rerank", "prompt"])]
+    pub stage: String,
+    /// Mean of both injected delays, milliseconds.
+    #[arg(long, default_value_t = 100.0)]
+    pub mean_ms: f64,
+    /// Requests per distribution (a P99 needs ≥ 1000 to rest on 10 samples beyond it).
+    #[arg(long, default_value_t = 500)]
+    pub requests: u64,
+    /// Concurrent closed-loop users.
+    #[arg(long, default_value_t = 1)]
+    pub users: usize,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+    /// Output directory: one run per distribution under it, and tails.json.
+    #[arg(long, default_value = "loadgen-tails")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// Which streaming API the requests go to.
@@ -95,6 +130,10 @@ pub struct Target {
     /// Open loop: requests in flight beyond this are not sent and count as `dropped`.
     #[arg(long, default_value_t = 512)]
     pub max_in_flight: usize,
+    /// A fault plan sent with every request as the `x-ragscope-fault` header (JSON, as in the
+    /// README's "Fault and latency injection"; the server needs `--faults true --fault-header true`).
+    #[arg(long)]
+    pub fault: Option<String>,
 }
 
 /// How the load arrives and how long it lasts.

@@ -10,11 +10,14 @@ use clap::Parser;
 use serde_json::{json, Value};
 
 use crate::cli::{
-    Cli, Command, GateArgs, IsolationArgs, KneeArgs, Mode, ReportArgs, RunArgs, Target,
+    Cli, Command, Experiment, GateArgs, IsolationArgs, KneeArgs, Mode, ReportArgs, RunArgs,
+    TailsArgs, Target,
 };
+use crate::experiment;
 use crate::gate::{self, Baseline, Decision, Measured};
 use crate::isolation::{self, Isolation, Sampler};
 use crate::knee::{self, StepResult, Thresholds};
+use crate::notebook;
 use crate::record::{self, RequestRecord};
 use crate::report::{self, Attribution};
 use crate::runner::{Plan, ProgressPrinter, Runner};
@@ -39,7 +42,40 @@ pub async fn dispatch(command: Command) -> anyhow::Result<u8> {
             Decision::Inconclusive => EXIT_INCONCLUSIVE,
         }),
         Command::Report(a) => report(&a).map(|_| 0),
+        Command::Experiment(Experiment::Tails(a)) => tails(&a).await.map(|_| 0),
     }
+}
+
+/// `experiment tails`: one closed-loop run per delay distribution, then the comparison.
+pub async fn tails(a: &TailsArgs) -> anyhow::Result<Vec<experiment::Arm>> {
+    if !positive(a.mean_ms) || a.requests == 0 || a.users == 0 {
+        bail!("--mean-ms must be positive, --requests and --users at least 1");
+    }
+    let mut arms = Vec::new();
+    for (name, plan, injected_p99) in experiment::plans(&a.stage, a.mean_ms) {
+        eprintln!("tails: {name} delays into {} ({plan})", a.stage);
+        let args = experiment::arm_args(a, &plan, name);
+        let (mut summary, records) = run_load(&args).await?;
+        summary.command = format!("experiment tails ({name})");
+        write_outputs(&args.out, &summary, &records, None)?;
+        let times = experiment::stage_times(&records, &a.stage);
+        if times.is_empty() {
+            bail!(
+                "{name}: no successful request reported a {} time; is the server running with --faults true --fault-header true?",
+                a.stage
+            );
+        }
+        if let Some(i) = &summary.isolation {
+            print_isolation(i);
+        }
+        arms.push(experiment::analyse(name, plan, &times, injected_p99));
+    }
+    print!("{}", experiment::table(&arms));
+    std::fs::create_dir_all(&a.out)?;
+    let path = a.out.join("tails.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&arms)? + "\n")?;
+    println!("wrote {}", path.display());
+    Ok(arms)
 }
 
 fn unix_ms() -> u64 {
@@ -78,7 +114,7 @@ fn read_attribution(path: Option<&Path>) -> anyhow::Result<Option<Attribution>> 
     path.map(Attribution::read).transpose()
 }
 
-/// Writes the three output files.
+/// Writes the output files: requests.jsonl, summary.json, report.html, report.ipynb.
 pub fn write_outputs(
     dir: &Path,
     summary: &Summary,
@@ -95,6 +131,7 @@ pub fn write_outputs(
         dir.join("report.html"),
         report::render(summary, records, attribution),
     )?;
+    std::fs::write(dir.join("report.ipynb"), notebook::render(summary))?;
     Ok(())
 }
 
@@ -428,6 +465,7 @@ pub fn report(a: &ReportArgs) -> anyhow::Result<()> {
         &path,
         report::render(&summary, &records, attribution.as_ref()),
     )?;
+    std::fs::write(a.from.join("report.ipynb"), notebook::render(&summary))?;
     println!("wrote {}", path.display());
     Ok(())
 }

@@ -12,7 +12,10 @@
 //! - [`gate`]: comparing a small fixed load against a checked-in baseline.
 //! - [`summary`]: `summary.json`, gathering the steady-phase figures and the knee or gate outcome.
 //! - [`report`] and [`svg`]: the self-contained HTML report, plots drawn here as inline SVG.
-//! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`.
+//! - [`notebook`]: the same report as a Jupyter notebook that loads the run's files.
+//! - [`experiment`]: `experiment tails`, heavy against light tails injected into one stage.
+//! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`,
+//!   `report.ipynb`.
 //!
 //! This crate deliberately links no model code: it must be cheap to build and run next to a server.
 
@@ -20,9 +23,11 @@ pub mod cli;
 pub mod client;
 pub mod commands;
 pub mod confidence;
+pub mod experiment;
 pub mod gate;
 pub mod isolation;
 pub mod knee;
+pub mod notebook;
 pub mod record;
 pub mod report;
 pub mod runner;

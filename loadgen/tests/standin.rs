@@ -187,6 +187,52 @@ async fn loadgen(args: &[&str]) -> bool {
     commands::dispatch(cli.command).await.expect("command runs") == 0
 }
 
+/// Validates a notebook against the nbformat 4 schema with Python's `nbformat` (scripts/test
+/// installs it in a venv and sets RAGSCOPE_NOTEBOOK_PYTHON; required with RAGSCOPE_REQUIRE_NBFORMAT).
+fn validate_notebook(path: &Path) {
+    let python = std::env::var_os("RAGSCOPE_NOTEBOOK_PYTHON")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            let venv = std::path::PathBuf::from(std::env::var_os("HOME")?)
+                .join(".cache/ragscope/venv-notebook/bin/python");
+            venv.exists().then_some(venv)
+        });
+    let Some(python) = python else {
+        assert!(
+            std::env::var_os("RAGSCOPE_REQUIRE_NBFORMAT").is_none(),
+            "nbformat's Python not found (RAGSCOPE_NOTEBOOK_PYTHON)"
+        );
+        println!(
+            "SKIPPED the notebook validation: no Python with nbformat (scripts/test installs it)"
+        );
+        return;
+    };
+    let out = std::process::Command::new(python)
+        .args([
+            "-c",
+            "import sys, nbformat; nb = nbformat.read(sys.argv[1], as_version=4); nbformat.validate(nb); \
+             print(len(nb.cells), sum(c.cell_type == 'code' for c in nb.cells))",
+        ])
+        .arg(path)
+        .output()
+        .expect("running Python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{} is not a valid notebook: {stdout}{}",
+        path.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let counts: Vec<usize> = stdout
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    assert!(
+        counts.len() == 2 && counts[1] >= 6,
+        "cells, code cells: {stdout}"
+    );
+}
+
 fn summary(dir: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).unwrap()).unwrap()
 }
@@ -329,6 +375,12 @@ async fn open_loop_counts_requests_errors_by_kind_and_traces() {
     assert!(html.contains("Server stage time per request"));
     assert!(!html.contains("<script"));
     assert!(html.matches("<svg").count() >= 3);
+    // Every percentile with its interval; 28 requests cannot support a P99.
+    assert!(html.contains("95% bootstrap confidence intervals"));
+    assert!(html.contains("p99 rests on"));
+    assert!(html.contains("<h2>Isolation"));
+    assert!(steady["ttft_ms"]["ci"]["p99"]["hi"].as_f64().is_some());
+    validate_notebook(&dir.join("report.ipynb"));
 
     // `report --from` rebuilds the page, adding the attribution when given.
     let attribution = out.path().join("attribution.json");
