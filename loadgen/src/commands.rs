@@ -151,7 +151,7 @@ fn stop_on_ctrl_c(runner: &Arc<Runner>) {
 
 /// Pins the client if asked and starts the isolation sampler.
 async fn start_isolation(url: &str, a: &IsolationArgs) -> anyhow::Result<Sampler> {
-    if !(a.isolation_threshold > 0.0 && a.isolation_threshold <= 1.0) {
+    if !positive(a.isolation_threshold) || a.isolation_threshold > 1.0 {
         bail!("--isolation-threshold must be in (0, 1]");
     }
     if let Some(cpus) = &a.pin_client {
@@ -415,7 +415,7 @@ pub fn gate_run_args(b: &Baseline, url: &str, queries: &str, out: &str) -> anyho
 
 /// Runs the baseline's load and decides at `--confidence`.
 pub async fn gate(a: &GateArgs) -> anyhow::Result<Decision> {
-    if !(a.confidence > 0.5 && a.confidence < 1.0) {
+    if !positive(a.confidence - 0.5) || !positive(1.0 - a.confidence) {
         bail!("--confidence must be in (0.5, 1)");
     }
     let b = Baseline::read(&a.baseline)?;

@@ -162,7 +162,7 @@ pub fn samples_beyond(n: usize, q: f64) -> f64 {
 /// Requests a sample of `n` would need for an interval of half-width `half_width` to shrink to
 /// `target` (intervals narrow as 1/√n). `None` when no size would do (a zero target).
 pub fn needed_for(n: usize, half_width: f64, target: f64) -> Option<u64> {
-    if !(target > 0.0) || !half_width.is_finite() {
+    if target.is_nan() || target <= 0.0 || !half_width.is_finite() {
         return None;
     }
     let ratio = half_width / target;

@@ -831,7 +831,7 @@ pub async fn run(args: AttributeArgs) -> Result<()> {
         bail!("no spans found in the given source");
     }
     let report = match args.window {
-        Some(w) if !(w > 0.0) => bail!("--window must be a positive number of seconds"),
+        Some(w) if w.is_nan() || w <= 0.0 => bail!("--window must be a positive number of seconds"),
         Some(w) => analyse_windows(&spans, &args.root, w, args.slo_ms),
         None => analyse(&spans, &args.root),
     };
