@@ -638,9 +638,11 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
             &run.end_to_end_samples_ms,
             confidence::SEED,
         ),
+        // A signed share: the end-to-end change may be negative (a faster run).
         explained_share: significant
             .as_ref()
-            .map_or(0.0, |(_, d)| ratio(*d, e2e_p50)),
+            .filter(|_| e2e_p50 != 0.0)
+            .map_or(0.0, |(_, d)| d / e2e_p50),
         explained_by: significant.map(|(s, _)| s),
         largest_move: largest.map(|(s, _)| s),
         p99_explained_by: p99.map(|(s, _)| s),
@@ -787,6 +789,21 @@ pub fn comparison_table(c: &Comparison) -> String {
             out,
             "\nthe largest raw move is {}, but it is within that stage's own noise",
             c.largest_move.as_deref().unwrap_or_default()
+        );
+    }
+    // Significant changes against the end-to-end direction explain nothing of it, but they are
+    // real (an injected delay hidden by a larger speed-up elsewhere): list them.
+    for s in c
+        .stages
+        .iter()
+        .filter(|s| s.significant && s.critical_p50_delta_ms * c.end_to_end_p50_delta_ms < 0.0)
+    {
+        let _ = writeln!(
+            out,
+            "\nalso significant, against the end-to-end change: {} {:+.2} ms ({:.1}× its noise)",
+            s.stage,
+            s.critical_p50_delta_ms,
+            s.signal_to_noise.abs()
         );
     }
     match &c.explained_by {
