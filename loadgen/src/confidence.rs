@@ -18,11 +18,22 @@ pub const SEED: u64 = 17;
 /// A tail percentile resting on fewer samples beyond it than this is flagged as thin.
 pub const MIN_TAIL_SAMPLES: f64 = 10.0;
 
-/// A two-sided confidence interval.
+/// A two-sided confidence interval. An unbounded side is written as JSON `null` (JSON has no
+/// infinity) and read back as -∞ (`lo`) or +∞ (`hi`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Interval {
+    #[serde(deserialize_with = "null_is_minus_infinity")]
     pub lo: f64,
+    #[serde(deserialize_with = "null_is_infinity")]
     pub hi: f64,
+}
+
+fn null_is_minus_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NEG_INFINITY))
+}
+
+fn null_is_infinity<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::INFINITY))
 }
 
 impl Interval {
@@ -369,6 +380,10 @@ mod tests {
         let twelve: Vec<f64> = (1..=12).map(f64::from).collect();
         let i = order_statistic_interval(&twelve, 0.95, 0.95);
         assert!(i.hi.is_infinite() && i.lo.is_finite(), "{i:?}");
+        // JSON has no infinity: written as null, read back as the unbounded side.
+        let json = serde_json::to_string(&i).unwrap();
+        assert!(json.contains("\"hi\":null"), "{json}");
+        assert_eq!(serde_json::from_str::<Interval>(&json).unwrap(), i);
         // The bootstrap stops at the largest sample and looks deceptively sure.
         let b = quantile_intervals(&twelve, &[0.95], RESAMPLES, CONFIDENCE, SEED)[0];
         assert!(b.hi <= 12.0);
