@@ -550,9 +550,18 @@ pub struct AttributeArgs {
     /// Also write the report as JSON (the load generator's report reads it).
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// A report written earlier with --json: say which stage explains the change.
+    /// A report written earlier with --json: say which stage's change is significant (a
+    /// bootstrap interval of its per-request difference that excludes zero) and explains the
+    /// end-to-end change.
     #[arg(long)]
     pub baseline: Option<PathBuf>,
+    /// Split the requests into windows of this many seconds (by start time) and name, per
+    /// window, the stage that owns its SLO violations (see --slo-ms).
+    #[arg(long)]
+    pub window: Option<f64>,
+    /// The end-to-end SLO for --window, in milliseconds: requests slower than this violate it.
+    #[arg(long, default_value_t = 5000.0)]
+    pub slo_ms: f64,
 }
 
 /// A socket address, or `off` for a listener that is not started.

@@ -30,6 +30,41 @@ pub enum Command {
     Gate(GateArgs),
     /// Rebuild report.html from an existing output directory.
     Report(ReportArgs),
+    /// Experiments that show a measurement trap on a real server.
+    #[command(subcommand)]
+    Experiment(Experiment),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Experiment {
+    /// Inject exponential and Pareto(α=1.5) delays of the same mean into one stage and compare
+    /// the measured P99 (with its interval) with what light-tailed assumptions predict.
+    Tails(TailsArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct TailsArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The stage the delays go into (its time is read from the server's `done` timings).
+    #[arg(long, default_value = "retrieval", value_parser = ["embeddings", "retrieval", "rerank", "prompt"])]
+    pub stage: String,
+    /// Mean of both injected delays, milliseconds.
+    #[arg(long, default_value_t = 100.0)]
+    pub mean_ms: f64,
+    /// Requests per distribution (a P99 needs ≥ 1000 to rest on 10 samples beyond it).
+    #[arg(long, default_value_t = 500)]
+    pub requests: u64,
+    /// Concurrent closed-loop users.
+    #[arg(long, default_value_t = 1)]
+    pub users: usize,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+    /// Output directory: one run per distribution under it, and tails.json.
+    #[arg(long, default_value = "loadgen-tails")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// Which streaming API the requests go to.
@@ -95,6 +130,10 @@ pub struct Target {
     /// Open loop: requests in flight beyond this are not sent and count as `dropped`.
     #[arg(long, default_value_t = 512)]
     pub max_in_flight: usize,
+    /// A fault plan sent with every request as the `x-ragscope-fault` header (JSON, as in the
+    /// README's "Fault and latency injection"; the server needs `--faults true --fault-header true`).
+    #[arg(long)]
+    pub fault: Option<String>,
 }
 
 /// How the load arrives and how long it lasts.
@@ -131,12 +170,32 @@ pub struct Shape {
     pub requests: Option<u64>,
 }
 
+/// The isolation check: who else used the CPU during the run, and keeping the client apart.
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+pub struct IsolationArgs {
+    /// The server's pid, when it runs on this machine under another port owner (unset: found
+    /// from the listening port of a local --url; a remote server's `/metrics` otherwise).
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+    /// Pin the load generator's threads to these CPUs (a taskset list: `3`, `2-3`); pin the
+    /// server to the others with `taskset -c`. Needs cores to spare: on 2 cores the check flags
+    /// the client's share instead.
+    #[arg(long)]
+    pub pin_client: Option<String>,
+    /// Flag the run when the client or the other processes took more than this share of the
+    /// box's CPU capacity.
+    #[arg(long, default_value_t = 0.10)]
+    pub isolation_threshold: f64,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     #[command(flatten)]
     pub target: Target,
     #[command(flatten)]
     pub shape: Shape,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
     /// Output directory (created): requests.jsonl, summary.json, report.html.
     #[arg(long, default_value = "loadgen-out")]
     pub out: PathBuf,
@@ -153,6 +212,8 @@ pub struct KneeArgs {
     #[command(flatten)]
     #[serde(skip)]
     pub target: Target,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
     /// Offered rate of the first step, requests per second.
     #[arg(long, default_value_t = 0.25)]
     pub start_rate: f64,
@@ -202,6 +263,12 @@ pub struct GateArgs {
     /// Output directory of the gate's load run.
     #[arg(long, default_value = "loadgen-gate")]
     pub out: PathBuf,
+    /// Confidence of the gate's decisions: "regression" and "no regression" each need at least
+    /// this; between the two the gate says "inconclusive" and how many more requests would do.
+    #[arg(long, default_value_t = 0.95)]
+    pub confidence: f64,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
     #[arg(long)]
     pub quiet: bool,
 }

@@ -9,9 +9,15 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::{json, Value};
 
-use crate::cli::{Cli, Command, GateArgs, KneeArgs, Mode, ReportArgs, RunArgs, Target};
-use crate::gate::{self, Baseline};
+use crate::cli::{
+    Cli, Command, Experiment, GateArgs, IsolationArgs, KneeArgs, Mode, ReportArgs, RunArgs,
+    TailsArgs, Target,
+};
+use crate::experiment;
+use crate::gate::{self, Baseline, Decision, Measured};
+use crate::isolation::{self, Isolation, Sampler};
 use crate::knee::{self, StepResult, Thresholds};
+use crate::notebook;
 use crate::record::{self, RequestRecord};
 use crate::report::{self, Attribution};
 use crate::runner::{Plan, ProgressPrinter, Runner};
@@ -19,14 +25,57 @@ use crate::schedule::{load_queries, Arrivals, Phase, Phases};
 use crate::stats::PhaseStats;
 use crate::summary::Summary;
 
-/// Runs a subcommand. `Ok(false)` means the gate found a regression.
-pub async fn dispatch(command: Command) -> anyhow::Result<bool> {
+/// Exit status of a gate that found a regression.
+pub const EXIT_REGRESSION: u8 = 1;
+/// Exit status of a gate whose evidence was too thin to decide.
+pub const EXIT_INCONCLUSIVE: u8 = 3;
+
+/// Runs a subcommand and returns its exit status: 0, or for `gate` [`EXIT_REGRESSION`] or
+/// [`EXIT_INCONCLUSIVE`].
+pub async fn dispatch(command: Command) -> anyhow::Result<u8> {
     match command {
-        Command::Run(a) => run(&a).await.map(|_| true),
-        Command::Knee(a) => knee(&a).await.map(|_| true),
-        Command::Gate(a) => gate(&a).await,
-        Command::Report(a) => report(&a).map(|_| true),
+        Command::Run(a) => run(&a).await.map(|_| 0),
+        Command::Knee(a) => knee(&a).await.map(|_| 0),
+        Command::Gate(a) => gate(&a).await.map(|d| match d {
+            Decision::NoRegression => 0,
+            Decision::Regression => EXIT_REGRESSION,
+            Decision::Inconclusive => EXIT_INCONCLUSIVE,
+        }),
+        Command::Report(a) => report(&a).map(|_| 0),
+        Command::Experiment(Experiment::Tails(a)) => tails(&a).await.map(|_| 0),
     }
+}
+
+/// `experiment tails`: one closed-loop run per delay distribution, then the comparison.
+pub async fn tails(a: &TailsArgs) -> anyhow::Result<Vec<experiment::Arm>> {
+    if !positive(a.mean_ms) || a.requests == 0 || a.users == 0 {
+        bail!("--mean-ms must be positive, --requests and --users at least 1");
+    }
+    let mut arms = Vec::new();
+    for (name, plan, injected_p99) in experiment::plans(&a.stage, a.mean_ms) {
+        eprintln!("tails: {name} delays into {} ({plan})", a.stage);
+        let args = experiment::arm_args(a, &plan, name);
+        let (mut summary, records) = run_load(&args).await?;
+        summary.command = format!("experiment tails ({name})");
+        write_outputs(&args.out, &summary, &records, None)?;
+        let times = experiment::stage_times(&records, &a.stage);
+        if times.is_empty() {
+            bail!(
+                "{name}: no successful request reported a {} time; is the server running with --faults true --fault-header true?",
+                a.stage
+            );
+        }
+        if let Some(i) = &summary.isolation {
+            print_isolation(i);
+        }
+        arms.push(experiment::analyse(name, plan, &times, injected_p99));
+    }
+    print!("{}", experiment::table(&arms));
+    std::fs::create_dir_all(&a.out)?;
+    let path = a.out.join("tails.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&arms)? + "\n")?;
+    println!("wrote {}", path.display());
+    Ok(arms)
 }
 
 fn unix_ms() -> u64 {
@@ -65,7 +114,7 @@ fn read_attribution(path: Option<&Path>) -> anyhow::Result<Option<Attribution>> 
     path.map(Attribution::read).transpose()
 }
 
-/// Writes the three output files.
+/// Writes the output files: requests.jsonl, summary.json, report.html, report.ipynb.
 pub fn write_outputs(
     dir: &Path,
     summary: &Summary,
@@ -82,6 +131,7 @@ pub fn write_outputs(
         dir.join("report.html"),
         report::render(summary, records, attribution),
     )?;
+    std::fs::write(dir.join("report.ipynb"), notebook::render(summary))?;
     Ok(())
 }
 
@@ -97,6 +147,45 @@ fn stop_on_ctrl_c(runner: &Arc<Runner>) {
             }
         }
     });
+}
+
+/// Pins the client if asked and starts the isolation sampler.
+async fn start_isolation(url: &str, a: &IsolationArgs) -> anyhow::Result<Sampler> {
+    if !positive(a.isolation_threshold) || a.isolation_threshold > 1.0 {
+        bail!("--isolation-threshold must be in (0, 1]");
+    }
+    if let Some(cpus) = &a.pin_client {
+        isolation::pin_client(cpus)?;
+        if isolation::cpus() < 4 {
+            eprintln!(
+                "note: {} CPUs: pinning leaves the server few cores of its own; the isolation check reports the client's share either way",
+                isolation::cpus()
+            );
+        }
+    }
+    Ok(Sampler::start(
+        url,
+        a.server_pid,
+        a.isolation_threshold,
+        a.pin_client.clone(),
+    )
+    .await)
+}
+
+fn print_isolation(i: &Isolation) {
+    println!(
+        "isolation: {} CPUs; client {:.1}%, server {}, others {:.1}%, steal {:.1}% of the box; load ≤ {}",
+        i.cpus,
+        i.client_share * 100.0,
+        i.server_cores
+            .map_or("unknown".into(), |c| format!("{c:.2} cores")),
+        i.others_share * 100.0,
+        i.steal_share * 100.0,
+        i.load_1m_max.map_or("–".into(), |l| format!("{l:.2}")),
+    );
+    for f in &i.flags {
+        println!("  FLAG: {f}");
+    }
 }
 
 /// Runs one load and returns its summary and records, without writing anything.
@@ -123,7 +212,9 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let plan = Plan::from_shape(s, a.target.seed);
+    let sampler = start_isolation(&a.target.url, &a.isolation).await?;
     let ran = runner.run(&plan, String::new()).await;
+    let isolation = sampler.finish().await;
     drop(printer);
     let steady: Vec<&RequestRecord> = ran
         .records
@@ -135,13 +226,14 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
     let summary = Summary {
         tool: "ragscope-loadgen".into(),
         command: "run".into(),
-        config: merged(&[json!(a.target), json!(a.shape)]),
+        config: merged(&[json!(a.target), json!(a.shape), json!(a.isolation)]),
         started_unix_ms,
         phases: Some(plan.phases),
         requests_by_phase: Summary::count_phases(&ran.records),
         steady: Some(stats),
         steps: Vec::new(),
         knee: None,
+        isolation,
         gate: None,
     };
     Ok((summary, ran.records))
@@ -150,10 +242,16 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
 fn print_steady(s: &PhaseStats) {
     let p = |p: Option<crate::stats::Percentiles>| {
         p.map_or("–".into(), |p| {
-            format!(
-                "p50 {:.0} p90 {:.0} p95 {:.0} p99 {:.0} p99.9 {:.0}",
-                p.p50, p.p90, p.p95, p.p99, p.p99_9
-            )
+            let c = &p.ci;
+            let mut line = format!(
+                "n {} p50 {:.0} [{:.0}, {:.0}] p95 {:.0} [{:.0}, {:.0}] p99 {:.0} [{:.0}, {:.0}] p99.9 {:.0} [{:.0}, {:.0}]",
+                p.count, p.p50, c.p50.lo, c.p50.hi, p.p95, c.p95.lo, c.p95.hi, p.p99, c.p99.lo,
+                c.p99.hi, p.p99_9, c.p99_9.lo, c.p99_9.hi
+            );
+            for (name, beyond) in p.thin_tails() {
+                line.push_str(&format!(" ({name}: {beyond:.1} samples beyond it, too few)"));
+            }
+            line
         })
     };
     println!(
@@ -169,6 +267,7 @@ fn print_steady(s: &PhaseStats) {
     println!("  TTFT ms  {}", p(s.ttft_ms));
     println!("  TPOT ms  {}", p(s.tpot_ms));
     println!("  e2e ms   {}", p(s.e2e_ms));
+    println!("  (intervals: bootstrap 95%, 1000 resamples, seeded)");
 }
 
 pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
@@ -177,6 +276,9 @@ pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
     write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
     if let Some(s) = &summary.steady {
         print_steady(s);
+    }
+    if let Some(i) = &summary.isolation {
+        print_isolation(i);
     }
     println!("wrote {}", a.out.join("report.html").display());
     Ok(summary)
@@ -209,6 +311,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
     stop_on_ctrl_c(&runner);
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
+    let sampler = start_isolation(&a.target.url, &a.isolation).await?;
     let mut steps: Vec<StepResult> = Vec::new();
     let mut records = Vec::new();
     for i in 0..a.max_steps {
@@ -258,6 +361,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
             break;
         }
     }
+    let isolation = sampler.finish().await;
     drop(printer);
     let found = knee::find_knee(&steps, &th);
     println!(
@@ -280,8 +384,12 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
         steady: None,
         steps,
         knee: Some(found),
+        isolation,
         gate: None,
     };
+    if let Some(i) = &summary.isolation {
+        print_isolation(i);
+    }
     write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
     println!("wrote {}", a.out.join("report.html").display());
     Ok(summary)
@@ -305,8 +413,11 @@ pub fn gate_run_args(b: &Baseline, url: &str, queries: &str, out: &str) -> anyho
     }
 }
 
-/// Runs the baseline's load; `Ok(false)` on a regression.
-pub async fn gate(a: &GateArgs) -> anyhow::Result<bool> {
+/// Runs the baseline's load and decides at `--confidence`.
+pub async fn gate(a: &GateArgs) -> anyhow::Result<Decision> {
+    if !positive(a.confidence - 0.5) || !positive(1.0 - a.confidence) {
+        bail!("--confidence must be in (0.5, 1)");
+    }
     let b = Baseline::read(&a.baseline)?;
     let mut args = gate_run_args(
         &b,
@@ -315,22 +426,30 @@ pub async fn gate(a: &GateArgs) -> anyhow::Result<bool> {
         &a.out.to_string_lossy(),
     )?;
     args.quiet |= a.quiet;
+    args.isolation = a.isolation.clone();
     let (mut summary, records) = run_load(&args).await?;
     let steady = summary.steady.clone().context("no steady phase")?;
     print_steady(&steady);
-    let rows = gate::compare(&b, &steady);
-    let pass = rows.iter().all(|r| r.ok);
+    if let Some(i) = &summary.isolation {
+        print_isolation(i);
+    }
+    let steady_records: Vec<&RequestRecord> = records
+        .iter()
+        .filter(|r| r.phase == Phase::Steady)
+        .collect();
+    let rows = gate::compare(&b, &Measured::of(&steady_records, &steady), a.confidence);
     summary.command = "gate".into();
     summary.gate = Some(rows.clone());
     write_outputs(&args.out, &summary, &records, None)?;
     print!("{}", gate::table(&rows));
     println!(
-        "gate: {} (baseline {}; report {})",
-        if pass { "pass" } else { "REGRESSION" },
+        "gate: {} at {:.0}% confidence (baseline {}; report {})",
+        gate::verdict_text(&rows),
+        a.confidence * 100.0,
         a.baseline.display(),
         args.out.join("report.html").display()
     );
-    Ok(pass)
+    Ok(gate::verdict(&rows).0)
 }
 
 pub fn report(a: &ReportArgs) -> anyhow::Result<()> {
@@ -346,6 +465,7 @@ pub fn report(a: &ReportArgs) -> anyhow::Result<()> {
         &path,
         report::render(&summary, &records, attribution.as_ref()),
     )?;
+    std::fs::write(a.from.join("report.ipynb"), notebook::render(&summary))?;
     println!("wrote {}", path.display());
     Ok(())
 }

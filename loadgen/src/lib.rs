@@ -6,19 +6,28 @@
 //! - [`sse`] and [`client`]: one streaming request, timed (TTFT, time per output token, end to end).
 //! - [`runner`]: open- and closed-loop load with warm-up, steady and cool-down phases, and progress.
 //! - [`record`] and [`stats`]: the per-request JSON lines and the percentiles summarising them.
+//! - [`confidence`]: bootstrap intervals, the Beta posterior of an error rate: how sure a figure is.
+//! - [`isolation`]: who else used the CPU during a run (the client, the server, neighbours, steal).
 //! - [`knee`]: stepping the offered rate up until latency or errors pass a threshold.
 //! - [`gate`]: comparing a small fixed load against a checked-in baseline.
 //! - [`summary`]: `summary.json`, gathering the steady-phase figures and the knee or gate outcome.
 //! - [`report`] and [`svg`]: the self-contained HTML report, plots drawn here as inline SVG.
-//! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`.
+//! - [`notebook`]: the same report as a Jupyter notebook that loads the run's files.
+//! - [`experiment`]: `experiment tails`, heavy against light tails injected into one stage.
+//! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`,
+//!   `report.ipynb`.
 //!
 //! This crate deliberately links no model code: it must be cheap to build and run next to a server.
 
 pub mod cli;
 pub mod client;
 pub mod commands;
+pub mod confidence;
+pub mod experiment;
 pub mod gate;
+pub mod isolation;
 pub mod knee;
+pub mod notebook;
 pub mod record;
 pub mod report;
 pub mod runner;

@@ -1,5 +1,5 @@
 //! `ragscope-loadgen`: parse the command line, run the subcommand, exit non-zero on failure
-//! (and, for `gate`, on a performance regression).
+//! (and, for `gate`, 1 on a performance regression, 3 when the evidence is inconclusive).
 
 use std::process::ExitCode;
 
@@ -11,8 +11,7 @@ use ragscope_loadgen::commands;
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     match commands::dispatch(cli.command).await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+        Ok(status) => ExitCode::from(status),
         Err(e) => {
             eprintln!("ragscope-loadgen: {e:#}");
             ExitCode::from(2)

@@ -99,6 +99,9 @@ pub fn render(
     if let Some(rows) = &summary.gate {
         gate_section(&mut h, rows);
     }
+    if let Some(i) = &summary.isolation {
+        isolation_section(&mut h, i);
+    }
     if !summary.steps.is_empty() {
         knee_section(&mut h, summary);
     }
@@ -181,14 +184,28 @@ fn headline(h: &mut String, s: &crate::stats::PhaseStats) {
         h,
         "<table><tr><th>ms</th><th>count</th><th>mean</th><th>p50</th><th>p90</th><th>p95</th><th>p99</th><th>p99.9</th><th>max</th></tr>"
     );
-    for (name, p) in [
+    let rows = [
         ("TTFT", s.ttft_ms),
         ("time per output token", s.tpot_ms),
         ("end to end", s.e2e_ms),
-    ] {
+    ];
+    for (name, p) in rows {
         percentile_row(h, name, p);
     }
-    h.push_str("</table>");
+    h.push_str("</table><p class=\"note\">Brackets: 95% bootstrap confidence intervals (1000 resamples, seeded).</p>");
+    for (name, p) in rows {
+        let Some(p) = p else { continue };
+        for (tail, beyond) in p.thin_tails() {
+            let _ = write!(
+                h,
+                "<p class=\"bad\">{} {tail} rests on {beyond:.1} samples beyond it (of {}): fewer than {:.0}, so it is close to the largest few values, not a percentile. Run at least {:.0} requests.</p>",
+                escape(name),
+                p.count,
+                crate::confidence::MIN_TAIL_SAMPLES,
+                crate::confidence::MIN_TAIL_SAMPLES / (1.0 - if tail == "p99" { 0.99 } else { 0.999 })
+            );
+        }
+    }
     if !s.errors_by_kind.is_empty() {
         let _ = write!(h, "<table><tr><th>error kind</th><th>count</th></tr>");
         for (k, v) in &s.errors_by_kind {
@@ -201,10 +218,21 @@ fn headline(h: &mut String, s: &crate::stats::PhaseStats) {
 fn percentile_row(h: &mut String, name: &str, p: Option<Percentiles>) {
     match p {
         Some(p) => {
+            let c = |v: f64, i: crate::confidence::Interval| {
+                format!("{v:.1}<br><small>[{:.1}, {:.1}]</small>", i.lo, i.hi)
+            };
             let _ = write!(
                 h,
-                "<tr><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td></tr>",
-                escape(name), p.count, p.mean, p.p50, p.p90, p.p95, p.p99, p.p99_9, p.max
+                "<tr><td>{}</td><td>{}</td><td>{:.1}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td></tr>",
+                escape(name),
+                p.count,
+                p.mean,
+                c(p.p50, p.ci.p50),
+                c(p.p90, p.ci.p90),
+                c(p.p95, p.ci.p95),
+                c(p.p99, p.ci.p99),
+                c(p.p99_9, p.ci.p99_9),
+                p.max
             );
         }
         None => {
@@ -218,26 +246,120 @@ fn percentile_row(h: &mut String, name: &str, p: Option<Percentiles>) {
 }
 
 fn gate_section(h: &mut String, rows: &[crate::gate::Row]) {
-    let pass = rows.iter().all(|r| r.ok);
+    use crate::gate::Decision;
+    let (verdict, _) = crate::gate::verdict(rows);
     let _ = write!(
         h,
-        "<h2>Gate: <span class=\"{}\">{}</span></h2><table><tr><th>metric</th><th>baseline</th><th>measured</th><th>limit</th><th>result</th></tr>",
-        if pass { "ok" } else { "bad" },
-        if pass { "pass" } else { "REGRESSION" }
+        "<h2>Gate: <span class=\"{}\">{}</span></h2><table><tr><th>metric</th><th>baseline</th><th>measured</th><th>interval</th><th>limit</th><th>decision</th></tr>",
+        if verdict == Decision::Regression { "bad" } else { "ok" },
+        escape(&crate::gate::verdict_text(rows))
     );
     for r in rows {
+        let (class, text) = match (r.decision, r.more_requests) {
+            (Decision::Regression, _) => ("bad", "REGRESSION".to_string()),
+            (Decision::NoRegression, _) => ("ok", "no regression".to_string()),
+            (Decision::Inconclusive, Some(n)) => {
+                ("", format!("inconclusive: need {n} more requests"))
+            }
+            (Decision::Inconclusive, None) => ("", "inconclusive".to_string()),
+        };
         let _ = write!(
             h,
-            "<tr><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td></tr>",
+            "<tr><td>{}</td><td>{:.3}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"{class}\">{}</td></tr>",
             escape(&r.metric),
             r.baseline,
             r.measured.map_or("none".into(), |v| format!("{v:.3}")),
+            r.interval.map_or("–".into(), |i| format!("[{:.3}, {:.3}]", i.lo, i.hi)),
             escape(&r.limit),
-            if r.ok { "ok" } else { "bad" },
-            if r.ok { "ok" } else { "REGRESSION" }
+            escape(&text)
         );
     }
-    h.push_str("</table>");
+    h.push_str("</table><p class=\"note\">A row decides only when its whole interval lies on one side of the limit (bootstrap for the percentile, a Poisson count for the rate, the Beta posterior for the error rate).</p>");
+}
+
+/// The isolation check: the box's CPU split during the run, flags, and the split over time.
+fn isolation_section(h: &mut String, i: &crate::isolation::Isolation) {
+    let _ = write!(
+        h,
+        "<h2>Isolation: <span class=\"{}\">{}</span></h2>",
+        if i.isolated() { "ok" } else { "bad" },
+        if i.isolated() {
+            "the server had the box"
+        } else {
+            "the server shared the box"
+        }
+    );
+    for f in &i.flags {
+        let _ = write!(h, "<p class=\"bad\">{}</p>", escape(f));
+    }
+    let pct = |x: f64| format!("{:.1}%", x * 100.0);
+    let _ = write!(
+        h,
+        "<table><tr><th>CPUs</th><th>seconds</th><th>client</th><th>server</th><th>server cores</th><th>others</th><th>steal</th><th>max load (1 min)</th><th>threshold</th></tr><tr><td>{}</td><td>{:.1}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr></table>",
+        i.cpus,
+        i.seconds,
+        pct(i.client_share),
+        i.server_share.map_or("–".into(), pct),
+        i.server_cores.map_or("unknown".into(), |c| format!("{c:.2}")),
+        pct(i.others_share),
+        pct(i.steal_share),
+        i.load_1m_max.map_or("–".into(), |l| format!("{l:.2}")),
+        pct(i.threshold)
+    );
+    if !i.neighbours.is_empty() {
+        let _ = write!(
+            h,
+            "<table><tr><th>busiest other process</th><th>pid</th><th>share of the box</th></tr>"
+        );
+        for n in &i.neighbours {
+            let _ = write!(
+                h,
+                "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&n.name),
+                n.pid,
+                pct(n.share)
+            );
+        }
+        h.push_str("</table>");
+    }
+    let _ = write!(
+        h,
+        "<p class=\"note\">Shares of the box's whole CPU capacity ({} CPUs = 100%). Server: {}.</p>",
+        i.cpus,
+        match &i.server_source {
+            crate::isolation::ServerSource::Proc { pid } => format!("/proc/{pid}/stat"),
+            crate::isolation::ServerSource::Metrics => "its /metrics (process_cpu_time_seconds_total)".into(),
+            crate::isolation::ServerSource::Unknown => "remote and reporting no CPU time".into(),
+        }
+    );
+    if i.samples.len() >= 2 {
+        let series =
+            |name: &str, f: fn(&crate::isolation::Sample) -> Option<f64>, style: usize| Series {
+                name: name.into(),
+                points: i
+                    .samples
+                    .iter()
+                    .filter_map(|s| Some((s.t_s, f(s)? * 100.0)))
+                    .collect(),
+                color: PALETTE[style % PALETTE.len()],
+                style: Style::Line,
+            };
+        let chart = Chart {
+            title: "CPU share of the box over the run".into(),
+            x_label: "seconds".into(),
+            y_label: "% of the box".into(),
+            series: vec![
+                series("client", |s| Some(s.client), 0),
+                series("server", |s| s.server, 1),
+                series("others", |s| Some(s.others), 2),
+                series("steal", |s| Some(s.steal), 3),
+            ],
+            bands: Vec::new(),
+            hlines: vec![(i.threshold * 100.0, "threshold".into())],
+            y_from_zero: true,
+        };
+        h.push_str(&svg::line_chart(&chart));
+    }
 }
 
 fn knee_section(h: &mut String, s: &Summary) {

@@ -221,6 +221,11 @@ impl Runner {
             bearer.set_sensitive(true);
             headers.insert(reqwest::header::AUTHORIZATION, bearer);
         }
+        if let Some(plan) = &target.fault {
+            let value = reqwest::header::HeaderValue::from_str(plan)
+                .map_err(|_| anyhow::anyhow!("--fault: must be printable ASCII JSON"))?;
+            headers.insert("x-ragscope-fault", value);
+        }
         let http = reqwest::Client::builder()
             .default_headers(headers)
             .pool_max_idle_per_host(target.max_in_flight)

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::confidence::{self, Interval};
 use crate::record::RequestRecord;
 
 /// The `q` quantile (0..=1) of sorted values, interpolating linearly between closest ranks;
@@ -30,9 +31,36 @@ pub struct Percentiles {
     #[serde(rename = "p99.9")]
     pub p99_9: f64,
     pub max: f64,
+    /// Bootstrap intervals of the percentiles ([`confidence::CONFIDENCE`], seeded).
+    #[serde(default)]
+    pub ci: PercentileIntervals,
 }
 
+/// The confidence interval of each percentile of a [`Percentiles`].
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct PercentileIntervals {
+    pub p50: Interval,
+    pub p90: Interval,
+    pub p95: Interval,
+    pub p99: Interval,
+    #[serde(rename = "p99.9")]
+    pub p99_9: Interval,
+}
+
+/// The tail percentiles a summary checks for thin support.
+pub const TAILS: [(&str, f64); 2] = [("p99", 0.99), ("p99.9", 0.999)];
+
 impl Percentiles {
+    /// The tail percentiles (`p99`, `p99.9`) resting on fewer than
+    /// [`confidence::MIN_TAIL_SAMPLES`] samples beyond them, with that number.
+    pub fn thin_tails(&self) -> Vec<(&'static str, f64)> {
+        TAILS
+            .iter()
+            .map(|&(name, q)| (name, confidence::samples_beyond(self.count, q)))
+            .filter(|&(_, beyond)| beyond < confidence::MIN_TAIL_SAMPLES)
+            .collect()
+    }
+
     /// `None` for no values; NaNs are ignored.
     pub fn of(values: impl IntoIterator<Item = f64>) -> Option<Percentiles> {
         let mut v: Vec<f64> = values.into_iter().filter(|x| !x.is_nan()).collect();
@@ -40,6 +68,14 @@ impl Percentiles {
             return None;
         }
         v.sort_by(f64::total_cmp);
+        let qs = [0.50, 0.90, 0.95, 0.99, 0.999];
+        let ci = confidence::quantile_intervals(
+            &v,
+            &qs,
+            confidence::RESAMPLES,
+            confidence::CONFIDENCE,
+            confidence::SEED,
+        );
         Some(Percentiles {
             count: v.len(),
             mean: v.iter().sum::<f64>() / v.len() as f64,
@@ -49,6 +85,13 @@ impl Percentiles {
             p99: percentile(&v, 0.99),
             p99_9: percentile(&v, 0.999),
             max: v[v.len() - 1],
+            ci: PercentileIntervals {
+                p50: ci[0],
+                p90: ci[1],
+                p95: ci[2],
+                p99: ci[3],
+                p99_9: ci[4],
+            },
         })
     }
 }
@@ -167,6 +210,16 @@ mod tests {
         assert!(Percentiles::of([]).is_none());
         let json = serde_json::to_value(p).unwrap();
         assert!(json.get("p99.9").is_some());
+        assert!(json["ci"].get("p99.9").is_some());
+        // Three samples: the median's interval spans them, and both tails are thin.
+        assert!(p.ci.p50.lo >= 1.0 && p.ci.p50.hi <= 3.0 && p.ci.p50.lo < p.ci.p50.hi);
+        assert_eq!(p.thin_tails().len(), 2);
+        let many = Percentiles::of((0..2000).map(f64::from)).unwrap();
+        let thin = many.thin_tails();
+        assert_eq!(thin.len(), 1);
+        assert_eq!(thin[0].0, "p99.9");
+        assert!((thin[0].1 - 2.0).abs() < 1e-9);
+        assert!(many.ci.p99.lo < many.p99 && many.p99 < many.ci.p99.hi);
     }
 
     fn rec(ok: bool, error: Option<&str>, ttft: f64) -> RequestRecord {

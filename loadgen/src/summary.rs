@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::gate::Row;
+use crate::isolation::Isolation;
 use crate::knee::{Knee, StepResult};
 use crate::record::RequestRecord;
 use crate::schedule::Phases;
@@ -33,6 +34,9 @@ pub struct Summary {
     pub steps: Vec<StepResult>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub knee: Option<Knee>,
+    /// Who else used the CPU during the run (absent where `/proc` is unreadable).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<Isolation>,
     /// Gate: the compared metrics and the verdict.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gate: Option<Vec<Row>>,

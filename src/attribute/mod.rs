@@ -19,6 +19,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::AttributeArgs;
+use ragscope_loadgen::confidence::{self, Interval};
 
 /// One finished span, whatever format it came from. Times in nanoseconds since the epoch.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,6 +89,10 @@ pub struct StageReport {
     /// Injected faults seen on the stage's spans (`rag.fault.*`), by attribute.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub faults: BTreeMap<String, usize>,
+    /// The owned time of each request the stage ran in: what a later `--baseline` comparison
+    /// resamples to tell a real change from this stage's own noise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub critical_samples_ms: Vec<f64>,
 }
 
 /// The stage that made the slowest requests slow.
@@ -119,11 +124,36 @@ pub struct Report {
     pub critical_path: Vec<(String, f64)>,
     #[serde(default)]
     pub tail: Option<TailDriver>,
+    /// Every request's end-to-end time (for `--baseline` intervals).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub end_to_end_samples_ms: Vec<f64>,
+    /// With `--window`: per time window, who owns the SLO violations.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub windows: Vec<WindowReport>,
+}
+
+/// One time window of `--window`: its requests, how many broke the SLO, and which stage owned
+/// the violating requests' excess time.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WindowReport {
+    /// Seconds from the first request's start.
+    pub from_s: f64,
+    pub to_s: f64,
+    pub requests: usize,
+    pub violations: usize,
+    /// The stage whose owned time in the violating requests exceeds its median over the whole
+    /// run by the most, and by how much on average (ms). None without violations.
+    pub owner: Option<String>,
+    pub owner_excess_ms: f64,
+    /// The violating requests' mean end-to-end time minus the SLO.
+    pub over_slo_ms: f64,
 }
 
 /// One request's numbers, per stage path.
 #[derive(Debug, Default)]
 struct TraceTimes {
+    /// When the request began (ns since the epoch).
+    start_ns: i128,
     end_to_end: f64,
     residual: f64,
     /// stage → (self, inclusive, owned) in ms.
@@ -142,6 +172,81 @@ pub fn stage_name(span_name: &str) -> &str {
 
 /// Analyses every trace whose root span's name starts with one of `roots` (all roots if empty).
 pub fn analyse(spans: &[SpanRecord], roots: &[String]) -> Report {
+    let (traces, failed) = request_times(spans, roots);
+    summarise(&traces, failed)
+}
+
+/// [`analyse`], plus per window of `window_s` seconds the owner of the violations of an
+/// end-to-end SLO of `slo_ms`.
+pub fn analyse_windows(
+    spans: &[SpanRecord],
+    roots: &[String],
+    window_s: f64,
+    slo_ms: f64,
+) -> Report {
+    let (traces, failed) = request_times(spans, roots);
+    let mut report = summarise(&traces, failed);
+    // The owners are judged against the medians of the whole run.
+    report.windows = windows(&traces, window_s, slo_ms, &report.stages);
+    report
+}
+
+/// Per window: the SLO violations and the stage that owns them (see [`WindowReport`]).
+fn windows(
+    traces: &[TraceTimes],
+    window_s: f64,
+    slo_ms: f64,
+    stages: &[StageReport],
+) -> Vec<WindowReport> {
+    let Some(first) = traces.iter().map(|t| t.start_ns).min() else {
+        return Vec::new();
+    };
+    let width_ns = (window_s * 1e9).max(1.0) as i128;
+    let mut by_window: BTreeMap<i128, Vec<&TraceTimes>> = BTreeMap::new();
+    for t in traces {
+        by_window
+            .entry((t.start_ns - first) / width_ns)
+            .or_default()
+            .push(t);
+    }
+    by_window
+        .into_iter()
+        .map(|(i, ts)| {
+            let bad: Vec<&&TraceTimes> = ts.iter().filter(|t| t.end_to_end > slo_ms).collect();
+            let owner = (!bad.is_empty())
+                .then(|| {
+                    stages
+                        .iter()
+                        .map(|s| {
+                            let mean = bad
+                                .iter()
+                                .map(|t| t.stages.get(&s.stage).map_or(0.0, |v| v.2))
+                                .sum::<f64>()
+                                / bad.len() as f64;
+                            (s.stage.clone(), mean - s.critical_ms.p50)
+                        })
+                        .max_by(|a, b| a.1.total_cmp(&b.1))
+                })
+                .flatten();
+            let over = if bad.is_empty() {
+                0.0
+            } else {
+                bad.iter().map(|t| t.end_to_end - slo_ms).sum::<f64>() / bad.len() as f64
+            };
+            WindowReport {
+                from_s: i as f64 * window_s,
+                to_s: (i + 1) as f64 * window_s,
+                requests: ts.len(),
+                violations: bad.len(),
+                owner_excess_ms: owner.as_ref().map_or(0.0, |o| o.1),
+                owner: owner.map(|o| o.0),
+                over_slo_ms: over,
+            }
+        })
+        .collect()
+}
+
+fn request_times(spans: &[SpanRecord], roots: &[String]) -> (Vec<TraceTimes>, usize) {
     let mut by_trace: BTreeMap<&str, Vec<&SpanRecord>> = BTreeMap::new();
     for s in spans {
         by_trace.entry(s.trace_id.as_str()).or_default().push(s);
@@ -168,7 +273,7 @@ pub fn analyse(spans: &[SpanRecord], roots: &[String]) -> Report {
             traces.push(trace_times(spans, &ids, i));
         }
     }
-    summarise(traces, failed)
+    (traces, failed)
 }
 
 fn trace_times(spans: &[&SpanRecord], ids: &HashMap<&str, usize>, root: usize) -> TraceTimes {
@@ -198,6 +303,7 @@ fn trace_times(spans: &[&SpanRecord], ids: &HashMap<&str, usize>, root: usize) -
     let r = spans[root];
     let ms = |ns: i128| ns as f64 / 1e6;
     let mut t = TraceTimes {
+        start_ns: r.start_ns,
         end_to_end: ms(r.end_ns - r.start_ns),
         ..TraceTimes::default()
     };
@@ -299,7 +405,7 @@ fn union_length(intervals: impl Iterator<Item = (i128, i128)>) -> i128 {
     total
 }
 
-fn summarise(traces: Vec<TraceTimes>, failed: usize) -> Report {
+fn summarise(traces: &[TraceTimes], failed: usize) -> Report {
     let e2e: Vec<f64> = traces.iter().map(|t| t.end_to_end).collect();
     let total_e2e: f64 = e2e.iter().sum();
     let mut names: Vec<String> = traces
@@ -330,7 +436,7 @@ fn summarise(traces: Vec<TraceTimes>, failed: usize) -> Report {
             let column =
                 |f: fn(&(f64, f64, f64)) -> f64| runs.iter().map(|r| f(r)).collect::<Vec<_>>();
             let mut faults = BTreeMap::new();
-            for t in &traces {
+            for t in traces {
                 for (key, _) in t.faults.get(name).into_iter().flatten() {
                     *faults.entry(key.clone()).or_insert(0) += 1;
                 }
@@ -345,6 +451,7 @@ fn summarise(traces: Vec<TraceTimes>, failed: usize) -> Report {
                 share: ratio(total(|r| r.0), total_e2e),
                 critical_path_share: ratio(total(|r| r.2), total_e2e),
                 faults,
+                critical_samples_ms: column(|r| r.2),
             }
         })
         .collect();
@@ -360,9 +467,11 @@ fn summarise(traces: Vec<TraceTimes>, failed: usize) -> Report {
         end_to_end_ms: Percentiles::of(&e2e),
         residual_ms: Percentiles::of(&residual),
         residual_share: ratio(residual.iter().sum(), total_e2e),
-        tail: tail_driver(&traces, &stages),
+        tail: tail_driver(traces, &stages),
         stages,
         critical_path: median_trace.unwrap_or_default(),
+        end_to_end_samples_ms: e2e,
+        windows: Vec::new(),
     }
 }
 
@@ -411,6 +520,13 @@ pub struct StageChange {
     pub self_p99_delta_ms: f64,
     pub critical_p50_delta_ms: f64,
     pub critical_p99_delta_ms: f64,
+    /// Bootstrap interval of the change of the stage's median owned time (95%, seeded); absent
+    /// when either report has no per-request samples (written before they were kept).
+    pub critical_p50_interval: Option<Interval>,
+    /// The interval excludes zero: the change is more than this stage's own noise.
+    pub significant: bool,
+    /// The change over the interval's half-width: how far out of its own noise it moved.
+    pub signal_to_noise: f64,
 }
 
 /// The comparison of a run against a baseline.
@@ -418,12 +534,34 @@ pub struct StageChange {
 pub struct Comparison {
     pub end_to_end_p50_delta_ms: f64,
     pub end_to_end_p99_delta_ms: f64,
+    pub end_to_end_p50_interval: Option<Interval>,
     pub stages: Vec<StageChange>,
-    /// The stage whose p50 change explains most of the end-to-end p50 change, and how much.
+    /// The stage whose significant change explains the end-to-end p50 change: among stages
+    /// that moved significantly in the end-to-end direction, the one furthest out of its own
+    /// noise. None when no stage's change is significant.
     pub explained_by: Option<String>,
     pub explained_share: f64,
-    /// The same for p99.
+    /// The stage with the largest raw p50 move in the end-to-end direction, significant or not
+    /// (shown for contrast: on noisy large stages it is often noise).
+    pub largest_move: Option<String>,
+    /// The stage moving most at p99.
     pub p99_explained_by: Option<String>,
+    /// False when a report lacks per-request samples: then nothing is judged significant.
+    pub samples: bool,
+}
+
+/// The change of the median of two samples, as a seeded bootstrap interval.
+fn median_change(base: &[f64], run: &[f64], seed: u64) -> Option<Interval> {
+    (!base.is_empty() && !run.is_empty()).then(|| {
+        confidence::difference_interval(
+            base,
+            run,
+            0.5,
+            confidence::RESAMPLES,
+            confidence::CONFIDENCE,
+            seed,
+        )
+    })
 }
 
 pub fn compare(baseline: &Report, run: &Report) -> Comparison {
@@ -434,19 +572,43 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
             names.push(s.stage.clone());
         }
     }
+    let samples =
+        !baseline.end_to_end_samples_ms.is_empty() && !run.end_to_end_samples_ms.is_empty();
     let stages: Vec<StageChange> = names
         .iter()
-        .map(|name| {
+        .enumerate()
+        .map(|(i, name)| {
             let (b, r) = (
                 find(baseline, name).unwrap_or_default(),
                 find(run, name).unwrap_or_default(),
             );
+            let delta = r.critical_ms.p50 - b.critical_ms.p50;
+            let interval = if samples {
+                median_change(
+                    &b.critical_samples_ms,
+                    &r.critical_samples_ms,
+                    confidence::SEED + i as u64,
+                )
+            } else {
+                None
+            };
             StageChange {
                 stage: name.clone(),
                 self_p50_delta_ms: r.self_ms.p50 - b.self_ms.p50,
                 self_p99_delta_ms: r.self_ms.p99 - b.self_ms.p99,
-                critical_p50_delta_ms: r.critical_ms.p50 - b.critical_ms.p50,
+                critical_p50_delta_ms: delta,
                 critical_p99_delta_ms: r.critical_ms.p99 - b.critical_ms.p99,
+                significant: interval.is_some_and(|i| i.excludes_zero()),
+                signal_to_noise: interval.map_or(0.0, |i| {
+                    if i.half_width() > 0.0 {
+                        delta / i.half_width()
+                    } else if delta == 0.0 {
+                        0.0
+                    } else {
+                        f64::INFINITY.copysign(delta)
+                    }
+                }),
+                critical_p50_interval: interval,
             }
         })
         .collect();
@@ -460,16 +622,32 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
             .filter(|s| delta(s) * total.signum() > 0.0)
             .map(|s| (s.stage.clone(), delta(s)))
     };
-    let p50 = pick(|s| s.critical_p50_delta_ms, e2e_p50);
+    let largest = pick(|s| s.critical_p50_delta_ms, e2e_p50);
+    let significant = stages
+        .iter()
+        .filter(|s| s.significant && s.critical_p50_delta_ms * e2e_p50.signum() > 0.0)
+        .max_by(|a, b| a.signal_to_noise.abs().total_cmp(&b.signal_to_noise.abs()))
+        .map(|s| (s.stage.clone(), s.critical_p50_delta_ms));
     // Owned time, not self time: a span waiting alongside the work (`stream`) must not lead.
     let p99 = pick(|s| s.critical_p99_delta_ms, e2e_p99);
     Comparison {
         end_to_end_p50_delta_ms: e2e_p50,
         end_to_end_p99_delta_ms: e2e_p99,
-        explained_share: p50.as_ref().map_or(0.0, |(_, d)| ratio(*d, e2e_p50)),
-        explained_by: p50.map(|(s, _)| s),
+        end_to_end_p50_interval: median_change(
+            &baseline.end_to_end_samples_ms,
+            &run.end_to_end_samples_ms,
+            confidence::SEED,
+        ),
+        // A signed share: the end-to-end change may be negative (a faster run).
+        explained_share: significant
+            .as_ref()
+            .filter(|_| e2e_p50 != 0.0)
+            .map_or(0.0, |(_, d)| d / e2e_p50),
+        explained_by: significant.map(|(s, _)| s),
+        largest_move: largest.map(|(s, _)| s),
         p99_explained_by: p99.map(|(s, _)| s),
         stages,
+        samples,
     }
 }
 
@@ -538,28 +716,94 @@ pub fn table(report: &Report) -> String {
     out
 }
 
-/// The comparison as a table.
-pub fn comparison_table(c: &Comparison) -> String {
+/// The `--window` table: per window, violations of the SLO and their owner.
+pub fn windows_table(windows: &[WindowReport], slo_ms: f64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nagainst the baseline: end-to-end p50 {:+.2} ms, p99 {:+.2} ms\n",
-        c.end_to_end_p50_delta_ms, c.end_to_end_p99_delta_ms
+        "\nSLO {slo_ms:.0} ms end to end, per window:\n{:>8} {:>8} {:>9} {:>11}  owner (its excess over its median)",
+        "from s", "requests", "violated", "mean over"
+    );
+    for w in windows {
+        let _ = writeln!(
+            out,
+            "{:>8.1} {:>8} {:>9} {:>8.1} ms  {}",
+            w.from_s,
+            w.requests,
+            w.violations,
+            w.over_slo_ms,
+            w.owner.as_ref().map_or("–".into(), |o| format!(
+                "{o} ({:+.1} ms)",
+                w.owner_excess_ms
+            ))
+        );
+    }
+    out
+}
+
+/// The comparison as a table.
+pub fn comparison_table(c: &Comparison) -> String {
+    let mut out = String::new();
+    let interval = |i: Option<Interval>| {
+        i.map_or("–".to_string(), |i| {
+            format!("[{:+.1}, {:+.1}]", i.lo, i.hi)
+        })
+    };
+    let _ = writeln!(
+        out,
+        "\nagainst the baseline: end-to-end p50 {:+.2} ms {}, p99 {:+.2} ms\n",
+        c.end_to_end_p50_delta_ms,
+        interval(c.end_to_end_p50_interval),
+        c.end_to_end_p99_delta_ms
     );
     let _ = writeln!(
         out,
-        "{:<28} {:>14} {:>14} {:>16} {:>16}",
-        "stage", "Δ self p50", "Δ self p99", "Δ critical p50", "Δ critical p99"
+        "{:<28} {:>14} {:>14} {:>16} {:>22} {:>16}  significant",
+        "stage", "Δ self p50", "Δ self p99", "Δ critical p50", "95% interval", "Δ critical p99"
     );
     for s in &c.stages {
         let _ = writeln!(
             out,
-            "{:<28} {:>+11.2} ms {:>+11.2} ms {:>+13.2} ms {:>+13.2} ms",
+            "{:<28} {:>+11.2} ms {:>+11.2} ms {:>+13.2} ms {:>22} {:>+13.2} ms  {}",
             s.stage,
             s.self_p50_delta_ms,
             s.self_p99_delta_ms,
             s.critical_p50_delta_ms,
-            s.critical_p99_delta_ms
+            interval(s.critical_p50_interval),
+            s.critical_p99_delta_ms,
+            if s.significant {
+                format!("yes ({:.1}× its noise)", s.signal_to_noise.abs())
+            } else {
+                "no".into()
+            }
+        );
+    }
+    if !c.samples {
+        let _ = writeln!(
+            out,
+            "\n(a report has no per-request samples: written by an older ragscope; rewrite it with --json to judge significance)"
+        );
+    }
+    if c.largest_move.is_some() && c.largest_move != c.explained_by {
+        let _ = writeln!(
+            out,
+            "\nthe largest raw move is {}, but it is within that stage's own noise",
+            c.largest_move.as_deref().unwrap_or_default()
+        );
+    }
+    // Significant changes against the end-to-end direction explain nothing of it, but they are
+    // real (an injected delay hidden by a larger speed-up elsewhere): list them.
+    for s in c
+        .stages
+        .iter()
+        .filter(|s| s.significant && s.critical_p50_delta_ms * c.end_to_end_p50_delta_ms < 0.0)
+    {
+        let _ = writeln!(
+            out,
+            "\nalso significant, against the end-to-end change: {} {:+.2} ms ({:.1}× its noise)",
+            s.stage,
+            s.critical_p50_delta_ms,
+            s.signal_to_noise.abs()
         );
     }
     match &c.explained_by {
@@ -576,7 +820,10 @@ pub fn comparison_table(c: &Comparison) -> String {
             );
         }
         None => {
-            let _ = writeln!(out, "\nno stage moved with the end-to-end p50");
+            let _ = writeln!(
+                out,
+                "\nno stage moved significantly with the end-to-end p50"
+            );
         }
     }
     if let Some(stage) = &c.p99_explained_by {
@@ -600,7 +847,11 @@ pub async fn run(args: AttributeArgs) -> Result<()> {
     if spans.is_empty() {
         bail!("no spans found in the given source");
     }
-    let report = analyse(&spans, &args.root);
+    let report = match args.window {
+        Some(w) if w.is_nan() || w <= 0.0 => bail!("--window must be a positive number of seconds"),
+        Some(w) => analyse_windows(&spans, &args.root, w, args.slo_ms),
+        None => analyse(&spans, &args.root),
+    };
     if report.traces == 0 {
         bail!(
             "{} spans read, but no trace has a root span named {:?} (see --root)",
@@ -609,6 +860,9 @@ pub async fn run(args: AttributeArgs) -> Result<()> {
         );
     }
     print!("{}", table(&report));
+    if !report.windows.is_empty() {
+        print!("{}", windows_table(&report.windows, args.slo_ms));
+    }
     let mut out = serde_json::to_value(&report)?;
     if let Some(path) = &args.baseline {
         let text = std::fs::read_to_string(path)
@@ -726,6 +980,119 @@ mod tests {
         assert!((c.explained_share - 1.0).abs() < 1e-9);
         let embed = c.stages.iter().find(|s| s.stage == "embeddings").unwrap();
         assert_eq!(embed.self_p50_delta_ms, 0.0);
+    }
+
+    /// A request with a small rerank stage and a large prefill: root → embeddings, rerank,
+    /// chat › prefill, back to back.
+    fn rag(trace: &str, start: i128, rerank: i128, prefill: i128) -> Vec<SpanRecord> {
+        let (r, p) = (10 + rerank, 10 + rerank + prefill);
+        vec![
+            span(
+                trace,
+                "root",
+                "",
+                "POST /v1/rag/query",
+                start,
+                start + p + 5,
+            ),
+            span(trace, "e", "root", "embeddings m", start, start + 10),
+            span(trace, "r", "root", "rerank m", start + 10, start + r),
+            span(trace, "c", "root", "chat m", start + r, start + p + 5),
+            span(trace, "p", "c", "prefill", start + r, start + p),
+        ]
+    }
+
+    #[test]
+    fn the_baseline_names_the_significant_change_not_the_largest_raw_move() {
+        // 14 requests per run (the case seen here): rerank +35 ms on a ~5 ms stage; prefill a
+        // noisy 0.7-1.5 s stage whose median moves by ~+100 ms from one run to the next by
+        // chance (a different spread of the same distribution, plus the shift).
+        let frac = |x: f64| x - x.floor();
+        let noisy = |i: usize, phase: f64| (700.0 + 800.0 * frac(i as f64 * 0.618 + phase)) as i128;
+        let base: Vec<SpanRecord> = (0..14)
+            .flat_map(|i| rag(&format!("b{i}"), 0, 5 + (i % 3) as i128, noisy(i, 0.0)))
+            .collect();
+        let run: Vec<SpanRecord> = (0..14)
+            .flat_map(|i| {
+                rag(
+                    &format!("r{i}"),
+                    0,
+                    40 + (i % 3) as i128,
+                    noisy(i, 0.5) + 100,
+                )
+            })
+            .collect();
+        let (b, r) = (analyse(&base, &[]), analyse(&run, &[]));
+        assert_eq!(b.end_to_end_samples_ms.len(), 14);
+        assert_eq!(stage(&b, "rerank").critical_samples_ms.len(), 14);
+        let c = compare(&b, &r);
+        let change = |name: &str| c.stages.iter().find(|s| s.stage == name).unwrap().clone();
+        let (rerank, prefill) = (change("rerank"), change("chat › prefill"));
+        assert_eq!(rerank.critical_p50_delta_ms, 35.0);
+        assert!(rerank.significant, "{rerank:?}");
+        assert!(
+            prefill.critical_p50_delta_ms > rerank.critical_p50_delta_ms,
+            "the trap needs a larger raw move on the noisy stage: {prefill:?}"
+        );
+        assert!(!prefill.significant, "{prefill:?}");
+        assert_eq!(c.largest_move.as_deref(), Some("chat › prefill"));
+        assert_eq!(
+            c.explained_by.as_deref(),
+            Some("rerank"),
+            "{}",
+            comparison_table(&c)
+        );
+        assert!(comparison_table(&c).contains("within that stage's own noise"));
+        // The same comparison twice: the same intervals (seeded).
+        let again = compare(&b, &r);
+        assert_eq!(
+            again
+                .stages
+                .iter()
+                .map(|s| s.critical_p50_interval)
+                .collect::<Vec<_>>(),
+            c.stages
+                .iter()
+                .map(|s| s.critical_p50_interval)
+                .collect::<Vec<_>>()
+        );
+        // A report without samples (an older one) judges nothing significant.
+        let mut old = b.clone();
+        old.end_to_end_samples_ms.clear();
+        let c = compare(&old, &r);
+        assert!(!c.samples && c.explained_by.is_none());
+    }
+
+    #[test]
+    fn windows_name_the_stage_that_owns_each_bursts_violations() {
+        // Three 10 s windows: calm, a rerank burst, a prefill burst (SLO 500 ms).
+        let mut spans = Vec::new();
+        for i in 0..30i128 {
+            let start = i * 1000;
+            let (rerank, prefill) = match i / 10 {
+                1 if i % 2 == 0 => (600, 200),
+                2 if i % 2 == 0 => (5, 900),
+                _ => (5, 200),
+            };
+            spans.extend(rag(&format!("w{i}"), start, rerank, prefill));
+        }
+        let report = analyse_windows(&spans, &[], 10.0, 500.0);
+        let w = &report.windows;
+        assert_eq!(w.len(), 3, "{w:?}");
+        assert_eq!(
+            (w[0].requests, w[0].violations, w[0].owner.as_deref()),
+            (10, 0, None)
+        );
+        assert_eq!(
+            (w[1].violations, w[1].owner.as_deref()),
+            (5, Some("rerank"))
+        );
+        assert_eq!(
+            (w[2].violations, w[2].owner.as_deref()),
+            (5, Some("chat › prefill"))
+        );
+        assert!(w[2].owner_excess_ms > 600.0, "{w:?}");
+        assert!(windows_table(w, 500.0).contains("rerank"));
     }
 
     #[test]

@@ -111,6 +111,7 @@ impl Pipeline {
 
         let vector = self.embed_query(&mut run, req)?;
         let hits = self.retrieve(&mut run, req, &vector)?;
+        let retrieved_at = std::time::Instant::now();
         let mut ranked = self.rank(&mut run, &req.query, hits)?;
         ranked.truncate(req.rerank_top_n);
         let context = self.select_context(&mut run, req, &vector, &ranked)?;
@@ -124,7 +125,10 @@ impl Pipeline {
         let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
         let built = self.build_prompt(&mut run, req, &texts)?;
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
+        let gap = retrieved_at.elapsed();
         let generated = self.generate(&mut run, req, &built.tokens, events)?;
+        let window = self.generator.context_window();
+        record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
         Ok(self.finish(run, sources, generated))
     }
 
@@ -597,6 +601,68 @@ pub(crate) fn cosines(query: &[f32], vectors: &[Vec<f32>]) -> Vec<f32> {
 }
 
 /// Generation's metrics: its two stages, time to first token, time per output token, tokens.
+/// What one RAG answer was made of (issue #17's per-request metrics).
+#[derive(Debug, Clone, PartialEq)]
+struct Quality {
+    output_tokens: usize,
+    /// Prompt plus answer tokens over the context window.
+    context_fill: f64,
+    /// Prompt tokens from the prefix cache over all prompt tokens.
+    prefix_hit_ratio: f64,
+    /// End of retrieval to the start of generation (rerank, context, prompt).
+    retrieval_gap: std::time::Duration,
+    /// Mean retrieval score (cosine similarity) of the passages the prompt kept; none kept: none.
+    context_relevance: Option<f64>,
+    /// Mean log-probability of the answer's tokens; only when the request asked for logprobs.
+    answer_confidence: Option<f64>,
+}
+
+impl Quality {
+    fn of(
+        g: &Generated,
+        kept: &[Source],
+        retrieval_gap: std::time::Duration,
+        window: usize,
+    ) -> Quality {
+        let mean = |v: &mut dyn Iterator<Item = f64>| {
+            let (sum, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+            (n > 0).then(|| sum / n as f64)
+        };
+        Quality {
+            output_tokens: g.tokens.len(),
+            context_fill: (g.prompt_tokens + g.tokens.len()) as f64 / window.max(1) as f64,
+            prefix_hit_ratio: g.cached_tokens as f64 / g.prompt_tokens.max(1) as f64,
+            retrieval_gap,
+            context_relevance: mean(&mut kept.iter().map(|s| f64::from(s.retrieval_score))),
+            answer_confidence: mean(&mut g.logprobs.iter().map(|l| f64::from(l.logprob))),
+        }
+    }
+}
+
+/// Writes the quality figures on the request span and into their histograms.
+fn record_quality(request: &Stage, q: &Quality) {
+    let m = &metrics().quality;
+    let gap_ms = millis(q.retrieval_gap);
+    request.set_all([
+        KeyValue::new(attr::QUALITY_OUTPUT_TOKENS, q.output_tokens as i64),
+        KeyValue::new(attr::QUALITY_CONTEXT_FILL_RATIO, q.context_fill),
+        KeyValue::new(attr::QUALITY_PREFIX_CACHE_HIT_RATIO, q.prefix_hit_ratio),
+        KeyValue::new(attr::QUALITY_RETRIEVAL_TO_GENERATION_GAP_MS, gap_ms),
+    ]);
+    m.output_tokens.record(q.output_tokens as f64, &[]);
+    m.context_fill.record(q.context_fill, &[]);
+    m.prefix_hit_ratio.record(q.prefix_hit_ratio, &[]);
+    m.retrieval_gap.record(q.retrieval_gap.as_secs_f64(), &[]);
+    if let Some(r) = q.context_relevance {
+        request.set(KeyValue::new(attr::QUALITY_CONTEXT_RELEVANCE, r));
+        m.context_relevance.record(r, &[]);
+    }
+    if let Some(c) = q.answer_confidence {
+        request.set(KeyValue::new(attr::QUALITY_ANSWER_CONFIDENCE, c));
+        m.answer_confidence.record(c, &[]);
+    }
+}
+
 fn record_generation(t: &Timings, generated: &Generated) {
     let m = metrics();
     m.stage(StageKind::Prefill, generated.prefill);

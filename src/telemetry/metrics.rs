@@ -41,7 +41,29 @@ pub struct Metrics {
     pub tenant_requests: Counter<u64>,
     /// Prompt + output tokens charged per tenant.
     pub tenant_tokens: Counter<u64>,
+    /// Per-request quality of RAG answers (see `record_quality` in the pipeline).
+    pub quality: Quality,
 }
+
+/// Histograms of what each RAG answer was made of, one observation per request: with them a
+/// dashboard shows that answers got shorter, the context emptier or the prefix cache colder
+/// at the moment latency moved.
+pub struct Quality {
+    pub output_tokens: Histogram<f64>,
+    /// Mean log-probability of the answer's tokens (only requests that asked for logprobs).
+    pub answer_confidence: Histogram<f64>,
+    pub context_fill: Histogram<f64>,
+    pub context_relevance: Histogram<f64>,
+    pub prefix_hit_ratio: Histogram<f64>,
+    pub retrieval_gap: Histogram<f64>,
+}
+
+/// Bounds for ratios in [0, 1].
+const RATIO_BUCKETS: [f64; 10] = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9];
+/// Bounds for token counts.
+const TOKEN_BUCKETS: [f64; 10] = [1.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+/// Bounds for a mean token log-probability (≤ 0; 0 is certainty).
+const LOGPROB_BUCKETS: [f64; 9] = [-5.0, -3.0, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.1];
 
 /// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
 #[derive(Debug, Default)]
@@ -163,6 +185,7 @@ impl Metrics {
                 .with_unit("{token}")
                 .with_description("Prompt and output tokens charged to each tenant")
                 .build(),
+            quality: Quality::new(meter, &seconds),
         }
     }
 
@@ -171,6 +194,59 @@ impl Metrics {
         if let Some(label) = kind.metric_label() {
             self.stage_duration
                 .record(took.as_secs_f64(), &[KeyValue::new(attr::STAGE, label)]);
+        }
+    }
+}
+
+impl Quality {
+    fn new(
+        meter: &Meter,
+        seconds: &dyn Fn(&'static str, &'static str) -> Histogram<f64>,
+    ) -> Quality {
+        let histogram =
+            |name: &'static str, unit: &'static str, description: &'static str, bounds: &[f64]| {
+                meter
+                    .f64_histogram(name)
+                    .with_unit(unit)
+                    .with_description(description)
+                    .with_boundaries(bounds.to_vec())
+                    .build()
+            };
+        Quality {
+            output_tokens: histogram(
+                metric::ANSWER_OUTPUT_TOKENS,
+                "{token}",
+                "Tokens generated per RAG answer",
+                &TOKEN_BUCKETS,
+            ),
+            answer_confidence: histogram(
+                metric::ANSWER_CONFIDENCE,
+                "1",
+                "Mean log-probability of an answer's tokens (requests that asked for logprobs)",
+                &LOGPROB_BUCKETS,
+            ),
+            context_fill: histogram(
+                metric::CONTEXT_FILL_RATIO,
+                "1",
+                "Prompt plus answer tokens over the context window",
+                &RATIO_BUCKETS,
+            ),
+            context_relevance: histogram(
+                metric::CONTEXT_RELEVANCE,
+                "1",
+                "Mean retrieval similarity of the passages the prompt kept to the query",
+                &RATIO_BUCKETS,
+            ),
+            prefix_hit_ratio: histogram(
+                metric::PREFIX_CACHE_HIT_RATIO,
+                "1",
+                "Share of a prompt's tokens that came from the prefix cache",
+                &RATIO_BUCKETS,
+            ),
+            retrieval_gap: seconds(
+                metric::RETRIEVAL_TO_GENERATION_GAP,
+                "Time from the end of retrieval to the start of generation",
+            ),
         }
     }
 }

@@ -283,10 +283,31 @@ fn meter_provider() -> Result<SdkMeterProvider> {
     Ok(provider)
 }
 
+/// User plus system CPU seconds of this process, from `/proc/self/stat` (Linux; clock ticks at
+/// the kernel's usual 100 Hz).
+fn process_cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
 /// Gauges read at collection time: dropped spans and stage events, KV cache, prefix cache, GPU
 /// memory and build info.
 pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
+    // The server's own CPU seconds: a load generator on another box reads them from /metrics
+    // to tell how busy the server was (its isolation check).
+    let _cpu = meter
+        .f64_observable_counter(metric::PROCESS_CPU_TIME)
+        .with_unit("s")
+        .with_description("CPU time this process has used, user plus system")
+        .with_callback(|o| {
+            if let Some(s) = process_cpu_seconds() {
+                o.observe(s, &[]);
+            }
+        })
+        .build();
     let stats = export_stats();
     let _dropped = meter
         .u64_observable_counter(metric::SPANS_DROPPED)

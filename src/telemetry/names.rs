@@ -289,6 +289,13 @@ names! {
         GPU_DEVICE_MS = "gpu.device_ms",
         GPU_HOST_LAUNCH_MS = "gpu.host_launch_ms",
         GPU_GAP_MS = "gpu.gap_ms",
+        // Per-request quality of a RAG answer, on the request span (issue #17).
+        QUALITY_CONTEXT_FILL_RATIO = "rag.quality.context_fill_ratio",
+        QUALITY_PREFIX_CACHE_HIT_RATIO = "rag.quality.prefix_cache_hit_ratio",
+        QUALITY_RETRIEVAL_TO_GENERATION_GAP_MS = "rag.quality.retrieval_to_generation_gap_ms",
+        QUALITY_CONTEXT_RELEVANCE = "rag.quality.context_relevance",
+        QUALITY_ANSWER_CONFIDENCE = "rag.quality.answer_confidence",
+        QUALITY_OUTPUT_TOKENS = "rag.quality.output_tokens",
         // Documents.
         DOCUMENT_ID = "rag.document.id",
         INGEST_CHUNKS = "rag.ingest.chunks",
@@ -349,6 +356,13 @@ names! {
         AUTH_REJECTED = "ragscope.auth.rejected",
         TENANT_REQUESTS = "ragscope.tenant.requests",
         TENANT_TOKENS = "ragscope.tenant.tokens",
+        PROCESS_CPU_TIME = "process.cpu.time",
+        ANSWER_OUTPUT_TOKENS = "ragscope.answer.output_tokens",
+        ANSWER_CONFIDENCE = "ragscope.answer.confidence",
+        CONTEXT_FILL_RATIO = "ragscope.context.fill_ratio",
+        CONTEXT_RELEVANCE = "ragscope.context.relevance",
+        PREFIX_CACHE_HIT_RATIO = "ragscope.prefix_cache.hit_ratio",
+        RETRIEVAL_TO_GENERATION_GAP = "ragscope.retrieval_to_generation.gap",
     }
 }
 

@@ -20,6 +20,7 @@ mod page;
 mod prefix_cache;
 mod profile;
 mod qdrant_wire;
+mod quality;
 mod query;
 mod receiver;
 mod rotel;

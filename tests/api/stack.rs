@@ -666,6 +666,18 @@ fn prometheus_config_and_rules_pass_promtool() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // The alert rules' own unit tests: synthetic series, when each alert fires and when not.
+    let out = Command::new(&promtool)
+        .args(["test", "rules", "rules.test.yml"])
+        .current_dir(repo().join("prometheus"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "promtool test rules failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Compose mounts the rule files where the config expects them.
     let cfg = yaml(PROMETHEUS);
     let compose = read(COMPOSE);
