@@ -3,13 +3,13 @@
 //! `GET /debug/traces` so `ragscope attribute --server URL` works without a collector.
 //! Recording a span here is one short lock and a push; the oldest spans fall off the end.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use crate::telemetry::clock::unix_nanos;
-use crate::telemetry::names::attr;
-use opentelemetry::trace::{SpanKind, Status};
+use crate::telemetry::names::{attr, span};
+use opentelemetry::trace::{SpanId, SpanKind, Status, TraceId};
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
@@ -80,27 +80,47 @@ impl TraceBuffer {
         self.spans.lock().expect("trace buffer lock").clear();
     }
 
-    /// The spans of the `limit` most recently finished traces (all when `None`), as OTLP JSON.
+    /// The spans of the `limit` most recently finished request traces (all spans when `None`),
+    /// as OTLP JSON. A batched decode step is a trace of its own (`decode_step`, serving several
+    /// requests): steps never count towards the limit, and those that ran while a chosen trace
+    /// did come with it, so the latest request arrives with the steps it was batched in.
     pub fn otlp_json(&self, limit: Option<usize>) -> Json {
         let spans = self.spans.lock().expect("trace buffer lock").clone();
-        let mut last_end: HashMap<opentelemetry::trace::TraceId, SystemTime> = HashMap::new();
-        for (_, s) in &spans {
-            let end = last_end
+        let Some(n) = limit else {
+            return otlp_json(spans.iter().map(|(service, s)| (service.as_ref(), s)));
+        };
+        // Each request trace's first start and last end.
+        let mut extent: HashMap<TraceId, (SystemTime, SystemTime)> = HashMap::new();
+        for (_, s) in spans.iter().filter(|(_, s)| !is_step(s)) {
+            let e = extent
                 .entry(s.span_context.trace_id())
-                .or_insert(s.end_time);
-            *end = (*end).max(s.end_time);
+                .or_insert((s.start_time, s.end_time));
+            e.0 = e.0.min(s.start_time);
+            e.1 = e.1.max(s.end_time);
         }
-        let keep: Option<std::collections::HashSet<_>> = limit.map(|n| {
-            let mut traces: Vec<_> = last_end.into_iter().collect();
-            traces.sort_by_key(|&(_, end)| std::cmp::Reverse(end));
-            traces.into_iter().take(n).map(|(id, _)| id).collect()
-        });
+        let mut traces: Vec<_> = extent.into_iter().collect();
+        traces.sort_by_key(|&(_, (_, end))| std::cmp::Reverse(end));
+        traces.truncate(n);
+        let during = |s: &SpanData| {
+            traces
+                .iter()
+                .any(|(_, (start, end))| s.start_time <= *end && s.end_time >= *start)
+        };
+        let keep: HashSet<TraceId> = traces.iter().map(|(id, _)| *id).collect();
         let chosen = spans.iter().filter(|(_, s)| {
-            keep.as_ref()
-                .is_none_or(|k| k.contains(&s.span_context.trace_id()))
+            if is_step(s) {
+                during(s)
+            } else {
+                keep.contains(&s.span_context.trace_id())
+            }
         });
         otlp_json(chosen.map(|(service, s)| (service.as_ref(), s)))
     }
+}
+
+/// Whether a span is a batched decode step, the root of a trace of its own.
+fn is_step(s: &SpanData) -> bool {
+    s.parent_span_id == SpanId::INVALID && s.name == span::DECODE_STEP
 }
 
 /// Spans as an OTLP/JSON `ExportTraceServiceRequest`, one resource per service name.
@@ -126,7 +146,7 @@ pub fn otlp_json<'a>(spans: impl IntoIterator<Item = (&'a str, &'a SpanData)>) -
 }
 
 fn span_json(s: &SpanData) -> Json {
-    let parent = if s.parent_span_id == opentelemetry::trace::SpanId::INVALID {
+    let parent = if s.parent_span_id == SpanId::INVALID {
         String::new()
     } else {
         s.parent_span_id.to_string()
@@ -150,6 +170,12 @@ fn span_json(s: &SpanData) -> Json {
             "timeUnixNano": unix_nanos(e.timestamp).to_string(),
             "attributes": e.attributes.iter().map(attribute).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
+        "links": s.links.iter().map(|l| json!({
+            "traceId": l.span_context.trace_id().to_string(),
+            "spanId": l.span_context.span_id().to_string(),
+            "attributes": l.attributes.iter().map(attribute).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "droppedLinksCount": s.links.dropped_count,
         "status": {"code": code, "message": message},
     })
 }
@@ -172,6 +198,8 @@ fn attribute(kv: &KeyValue) -> Json {
         Value::F64(f) => json!({"doubleValue": f}),
         Value::Array(opentelemetry::Array::String(items)) => json!({"arrayValue": {"values":
             items.iter().map(|s| json!({"stringValue": s.as_str()})).collect::<Vec<_>>()}}),
+        Value::Array(opentelemetry::Array::I64(items)) => json!({"arrayValue": {"values":
+            items.iter().map(|i| json!({"intValue": i.to_string()})).collect::<Vec<_>>()}}),
         other => json!({"stringValue": other.to_string()}),
     };
     json!({"key": kv.key.as_str(), "value": value})
