@@ -276,6 +276,65 @@ mod tests {
     }
 
     #[test]
+    fn a_limited_answer_brings_the_steps_that_ran_during_its_traces_and_their_links() {
+        let buffer = TraceBuffer::new(16);
+        let step = |trace: u128, id: u64, end_s: u64| {
+            let mut s = span(trace, id, 0, end_s);
+            s.name = span::DECODE_STEP.into();
+            s.attributes = vec![KeyValue::new(
+                attr::DECODE_MEMBERS_TOKENS,
+                Value::Array(vec![1i64, 3].into()),
+            )];
+            buffer.push(Arc::from("svc"), s);
+        };
+        step(10, 100, 5); // before every request
+        let mut decode = span(1, 2, 1, 9);
+        decode.links.links.push(opentelemetry::trace::Link::new(
+            SpanContext::new(
+                TraceId::from(11u128),
+                SpanId::from(101u64),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            vec![KeyValue::new(attr::DECODE_BATCH_SIZE, 2i64)],
+            0,
+        ));
+        buffer.push(Arc::from("svc"), span(1, 1, 0, 10));
+        buffer.push(Arc::from("svc"), decode);
+        step(11, 101, 9); // during trace 1
+        step(12, 102, 30); // after it, and newer than any request
+        let latest = buffer.otlp_json(Some(1));
+        let spans = latest["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            .as_array()
+            .unwrap();
+        let ids: Vec<&str> = spans
+            .iter()
+            .map(|s| s["spanId"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            ids,
+            ["0000000000000001", "0000000000000002", "0000000000000065"],
+            "the request (not the newest step trace) and the step that ran during it"
+        );
+        let link = &spans[1]["links"][0];
+        assert_eq!(link["spanId"], "0000000000000065");
+        assert_eq!(link["attributes"][0]["value"]["intValue"], "2");
+        assert_eq!(
+            spans[2]["attributes"][0]["value"]["arrayValue"]["values"][1]["intValue"],
+            "3"
+        );
+        let all = buffer.otlp_json(None);
+        assert_eq!(
+            all["resourceSpans"][0]["scopeSpans"][0]["spans"]
+                .as_array()
+                .unwrap()
+                .len(),
+            5
+        );
+    }
+
+    #[test]
     fn keeps_the_newest_spans_and_the_latest_traces() {
         let buffer = TraceBuffer::new(3);
         for (trace, id, end) in [(1, 1, 10), (1, 2, 11), (2, 3, 20), (3, 4, 30)] {
