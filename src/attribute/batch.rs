@@ -70,15 +70,7 @@ pub fn from_otlp(attributes: Option<&Vec<Value>>) -> Option<StepRecord> {
             .and_then(scalar)
             .and_then(|s| s.parse::<f64>().ok())
     };
-    record(
-        array(attr::DECODE_MEMBERS_SPAN_IDS),
-        array(attr::DECODE_MEMBERS_TRACE_IDS),
-        array(attr::DECODE_MEMBERS_REQUEST_IDS),
-        array(attr::DECODE_MEMBERS_TOKENS),
-        number(attr::DECODE_BATCH_SIZE),
-        number(attr::DECODE_WINDOW_STEPS),
-        number(attr::DECODE_WINDOW_BUSY_MS),
-    )
+    record(array, number)
 }
 
 /// A step's facts from Jaeger tags, which carry arrays as JSON text.
@@ -105,29 +97,26 @@ pub fn from_jaeger(tags: Option<&Vec<Value>>) -> Option<StepRecord> {
         Some(Value::String(s)) => s.parse().ok(),
         _ => None,
     };
-    record(
-        array(attr::DECODE_MEMBERS_SPAN_IDS),
-        array(attr::DECODE_MEMBERS_TRACE_IDS),
-        array(attr::DECODE_MEMBERS_REQUEST_IDS),
-        array(attr::DECODE_MEMBERS_TOKENS),
-        number(attr::DECODE_BATCH_SIZE),
-        number(attr::DECODE_WINDOW_STEPS),
-        number(attr::DECODE_WINDOW_BUSY_MS),
-    )
+    record(array, number)
 }
 
+/// The step from its attributes, read by key as arrays of text and as numbers.
 fn record(
-    span_ids: Vec<String>,
-    trace_ids: Vec<String>,
-    request_ids: Vec<String>,
-    tokens: Vec<String>,
-    batch_size: Option<f64>,
-    window_steps: Option<f64>,
-    window_busy_ms: Option<f64>,
+    array: impl Fn(&str) -> Vec<String>,
+    number: impl Fn(&str) -> Option<f64>,
 ) -> Option<StepRecord> {
+    let span_ids = array(attr::DECODE_MEMBERS_SPAN_IDS);
     if span_ids.is_empty() {
         return None;
     }
+    let (trace_ids, request_ids, tokens) = (
+        array(attr::DECODE_MEMBERS_TRACE_IDS),
+        array(attr::DECODE_MEMBERS_REQUEST_IDS),
+        array(attr::DECODE_MEMBERS_TOKENS),
+    );
+    let batch_size = number(attr::DECODE_BATCH_SIZE);
+    let window_steps = number(attr::DECODE_WINDOW_STEPS);
+    let window_busy_ms = number(attr::DECODE_WINDOW_BUSY_MS);
     let at = |v: &[String], i: usize| v.get(i).cloned().unwrap_or_default();
     let members = span_ids
         .iter()

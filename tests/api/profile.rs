@@ -42,6 +42,29 @@ async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
     (url, pushes)
 }
 
+/// Spans to an in-memory exporter and CPU profiles at 100 Hz to an in-process receiver,
+/// uploaded every second: what it receives, the spans, and what to stop and flush at the end.
+async fn profiling() -> (
+    Arc<Mutex<Vec<PushRequest>>>,
+    InMemorySpanExporter,
+    opentelemetry_sdk::trace::SdkTracerProvider,
+    profile::ProfilerGuard,
+) {
+    let (url, pushes) = receiver().await;
+    let exporter = InMemorySpanExporter::default();
+    let tracer =
+        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
+    opentelemetry::global::set_tracer_provider(tracer.clone());
+    let guard = profile::start(&ProfileSettings {
+        url,
+        application: "ragscope-test".into(),
+        sample_rate: 100,
+        upload_interval: Duration::from_secs(1),
+    })
+    .unwrap();
+    (pushes, exporter, tracer, guard)
+}
+
 /// span_id label → (samples, whether any stack holds a candle frame).
 fn samples_by_span(pushes: &[PushRequest]) -> HashMap<String, (i64, bool)> {
     let mut out: HashMap<String, (i64, bool)> = HashMap::new();
@@ -92,18 +115,7 @@ fn samples_by_span(pushes: &[PushRequest]) -> HashMap<String, (i64, bool)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpu_samples_carry_the_span_ids_of_the_stages_that_ran() {
-    let (url, pushes) = receiver().await;
-    let exporter = InMemorySpanExporter::default();
-    let tracer =
-        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
-    opentelemetry::global::set_tracer_provider(tracer.clone());
-    let guard = profile::start(&ProfileSettings {
-        url,
-        application: "ragscope-test".into(),
-        sample_rate: 100,
-        upload_interval: Duration::from_secs(1),
-    })
-    .unwrap();
+    let (pushes, exporter, tracer, guard) = profiling().await;
     let app = spawn_app().await;
     app.ingest_fixtures().await;
     for q in [
@@ -215,18 +227,7 @@ async fn a_dead_profiler_costs_no_request() {
 /// pools with it), so each step has its own flame graph, and the step span says it is profiled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn samples_taken_in_a_batched_step_carry_the_steps_span_id() {
-    let (url, pushes) = receiver().await;
-    let exporter = InMemorySpanExporter::default();
-    let tracer =
-        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
-    opentelemetry::global::set_tracer_provider(tracer.clone());
-    let guard = profile::start(&ProfileSettings {
-        url,
-        application: "ragscope-test".into(),
-        sample_rate: 100,
-        upload_interval: Duration::from_secs(1),
-    })
-    .unwrap();
+    let (pushes, exporter, tracer, guard) = profiling().await;
     let app = spawn_app_with(&["--decode-step-spans", "all"]).await;
     app.ingest_fixtures().await;
     let asks = [
