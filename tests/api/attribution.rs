@@ -161,6 +161,9 @@ async fn batched_decode_time_splits_among_the_requests_that_shared_the_steps() {
         let state = ragscope::app::ready_state(pipeline, Duration::from_secs(30));
         let app = serve_state(state, 1 << 20, None).await;
         app.ingest_fixtures().await;
+        // The trace buffer is the process's: only this server's spans.
+        let r = app.client.delete(app.url("/debug/traces")).send().await;
+        assert_eq!(r.unwrap().status(), 200);
         let asks = (0..4).map(|i| {
             let body = json!({"query": format!("batched {i}"), "max_tokens": BATCHED_TOKENS});
             let (client, url) = (app.client.clone(), app.url("/v1/rag/query"));
