@@ -465,11 +465,6 @@ pub struct BenchArgs {
     /// telemetry off, with spans and metrics, and with profiling too, in interleaved rounds.
     #[arg(long)]
     pub telemetry_overhead: bool,
-    /// Instead of the stage figures, measure what batched decode step spans cost: decode
-    /// throughput with `--decode-step-spans off`, `sampled:16` and `all` (spans exported over
-    /// OTLP to a local sink), in interleaved rounds.
-    #[arg(long)]
-    pub step_span_overhead: bool,
     /// Requests per variant per round (telemetry overhead).
     #[arg(long, default_value_t = 24)]
     pub requests: usize,

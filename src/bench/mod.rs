@@ -5,7 +5,6 @@ pub(crate) mod formats;
 mod micro;
 mod overhead;
 mod peers;
-mod step_spans;
 mod streams;
 
 use std::sync::Arc;
@@ -46,9 +45,6 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     }
     if args.telemetry_overhead {
         return overhead::run(&args).await;
-    }
-    if args.step_span_overhead {
-        return step_spans::run(&args).await;
     }
     if let Some(formats) = args.weight_formats.clone() {
         return tokio::task::spawn_blocking(move || formats::run(&args, &formats)).await?;

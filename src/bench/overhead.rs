@@ -15,14 +15,14 @@ use tokio::net::TcpListener;
 use super::percentile;
 use crate::config::BenchArgs;
 
-pub(super) struct Variant {
-    pub name: &'static str,
-    pub env: Vec<(&'static str, String)>,
+struct Variant {
+    name: &'static str,
+    env: Vec<(&'static str, String)>,
 }
 
-pub(super) struct Server {
+struct Server {
     child: Child,
-    pub base: String,
+    base: String,
 }
 
 impl Drop for Server {
@@ -33,7 +33,7 @@ impl Drop for Server {
 }
 
 /// Accepts OTLP/HTTP and Pyroscope pushes and throws them away.
-pub(super) async fn sink() -> Result<String> {
+async fn sink() -> Result<String> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let app = axum::Router::new().fallback(|| async { Vec::<u8>::new() });
@@ -47,7 +47,7 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-pub(super) async fn start(variant: &Variant, args: &BenchArgs, data: &Path) -> Result<Server> {
+async fn start(variant: &Variant, args: &BenchArgs, data: &Path) -> Result<Server> {
     let port = free_port()?;
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args([
@@ -106,7 +106,7 @@ pub(super) async fn start(variant: &Variant, args: &BenchArgs, data: &Path) -> R
     Ok(server)
 }
 
-pub(super) const QUESTIONS: [&str; 4] = [
+const QUESTIONS: [&str; 4] = [
     "What does git stash pop do?",
     "How do I make a shallow clone?",
     "How do I change the last commit?",
