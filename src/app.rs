@@ -45,6 +45,10 @@ pub struct Models {
 pub fn load_models(args: &ModelArgs) -> Result<Models> {
     let device = crate::device::device(&args.device)?;
     crate::telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
+    crate::generate::schedule::set_step_trace(crate::generate::schedule::StepTrace {
+        spans: args.decode_step_spans,
+        links: args.decode_step_links,
+    });
     let embed_dir = models::resolve(
         &args.embed_model,
         &args.models_dir,

@@ -160,6 +160,15 @@ pub struct ModelArgs {
     /// 1: every step). Each timed step waits for the device once more than it would anyway.
     #[arg(long, env = "RAGSCOPE_GPU_DECODE_SAMPLE", default_value_t = 8)]
     pub gpu_decode_sample: usize,
+    /// Batched decode steps (CPU) as spans of their own, each the root of its own trace and
+    /// linked from its members' `decode` spans: `all`, `sampled:N` (one step in N, carrying the
+    /// totals of the steps since the previous one) or `off`.
+    #[arg(long, env = "RAGSCOPE_DECODE_STEP_SPANS", default_value_t = crate::generate::schedule::StepTrace::DEFAULT.spans)]
+    pub decode_step_spans: crate::generate::schedule::StepSpans,
+    /// Links a request's `decode` span keeps to the step spans it took part in (the first
+    /// ones; the rest are counted in `rag.decode.step_links.dropped`).
+    #[arg(long, env = "RAGSCOPE_DECODE_STEP_LINKS", default_value_t = crate::generate::schedule::StepTrace::DEFAULT.links, value_parser = step_links)]
+    pub decode_step_links: usize,
     /// Upper bound on prompt + generated tokens per request.
     #[arg(long, env = "RAGSCOPE_MAX_CONTEXT", default_value_t = 2048)]
     pub max_context: usize,
@@ -169,6 +178,15 @@ pub struct ModelArgs {
     /// Fetch missing models on start.
     #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
     pub fetch_models: bool,
+}
+
+/// `--decode-step-links`: within the 128 links the OpenTelemetry SDK keeps per span.
+fn step_links(v: &str) -> Result<usize, String> {
+    v.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| *n <= 128)
+        .ok_or_else(|| format!("{v:?}: expected a number of links from 0 to 128"))
 }
 
 #[derive(Debug, Clone, Args)]

@@ -291,7 +291,10 @@ fn summarise(spans: &[SpanRecord]) -> (Vec<RecentRequest>, Vec<StageStats>, Valu
             .filter(|s| !ids.contains(s.parent_id.as_str()))
             .filter(|s| s.parent_id.is_empty() || StageKind::of_span_name(&s.name).is_none())
             .min_by_key(|s| s.start_ns);
-        let Some(root) = root else { continue };
+        // A batched decode step is a trace of its own, not a request.
+        let Some(root) = root.filter(|r| r.step.is_none()) else {
+            continue;
+        };
         let mut stages: BTreeMap<&'static str, f64> = BTreeMap::new();
         let mut faults = Vec::new();
         for s in &spans {
@@ -392,6 +395,7 @@ mod tests {
             end_ns: end,
             faults: Vec::new(),
             status_code: None,
+            step: None,
         }
     }
 

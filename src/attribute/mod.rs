@@ -10,6 +10,7 @@
 //! the tail it writes alone). The owned ("critical") times of all stages plus the residual add
 //! up to the request exactly.
 
+pub mod batch;
 pub mod source;
 
 use std::collections::{BTreeMap, HashMap};
@@ -35,6 +36,8 @@ pub struct SpanRecord {
     pub faults: Vec<(String, String)>,
     /// HTTP status of a server span, when it has one.
     pub status_code: Option<i64>,
+    /// Whom a batched decode step ran for, when the span is one (`decode_step`).
+    pub step: Option<batch::StepRecord>,
 }
 
 /// Percentiles in milliseconds.
@@ -864,6 +867,10 @@ pub async fn run(args: AttributeArgs) -> Result<()> {
         print!("{}", windows_table(&report.windows, args.slo_ms));
     }
     let mut out = serde_json::to_value(&report)?;
+    if let Some(batched) = batch::analyse(&spans) {
+        print!("{}", batch::table(&batched));
+        out["batch"] = serde_json::to_value(&batched)?;
+    }
     if let Some(path) = &args.baseline {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("--baseline: reading {}", path.display()))?;
@@ -906,6 +913,7 @@ mod tests {
             end_ns: end_ms * 1_000_000,
             faults: Vec::new(),
             status_code: Some(200),
+            step: None,
         }
     }
 

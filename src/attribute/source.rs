@@ -155,6 +155,7 @@ fn otlp_span(s: &Value) -> Result<SpanRecord> {
         end_ns: nanos("endTimeUnixNano")?,
         faults,
         status_code,
+        step: super::batch::from_otlp(s["attributes"].as_array()),
     })
 }
 
@@ -214,6 +215,7 @@ pub fn parse_jaeger(doc: &Value) -> Result<Vec<SpanRecord>> {
                 end_ns: start + micros("duration")? * 1000,
                 faults,
                 status_code,
+                step: super::batch::from_jaeger(s["tags"].as_array()),
             });
         }
     }

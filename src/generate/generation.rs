@@ -264,7 +264,10 @@ impl<'a> TextGeneration<'a> {
                 deliver(text.finish(), out, on_token);
             }
         }
-        drop(session);
+        // Links to the batched steps it took part in, while the span still records.
+        if let Some(session) = session {
+            session.finish(&decode);
+        }
         let n_out = out.tokens.len();
         let done = clock::now();
         let took = done.saturating_duration_since(decode.started());

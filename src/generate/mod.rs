@@ -13,7 +13,7 @@ mod kv_cache;
 pub mod llama;
 mod prefix_cache;
 mod sampler;
-mod schedule;
+pub mod schedule;
 mod score;
 mod stop;
 mod template;

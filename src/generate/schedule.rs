@@ -18,18 +18,32 @@
 //!   shows its own tokens at their own times; the span also records the batch sizes its steps
 //!   ran in.
 //!
+//! A batched step belongs to no single request, so it is a trace of its own: a root
+//! `decode_step` span (exported under the generation stage's service) naming its members, and
+//! each member's `decode` span links to the steps it took part in (the first
+//! [`StepTrace::links`]; the rest are counted). `--decode-step-spans` bounds how many steps
+//! become spans: all, one in N (each carrying the totals of the steps it stands for, so step
+//! time can still be split among requests, `ragscope attribute`), or none. While a step that is
+//! a span runs, the CPU profile's samples carry its span id.
+//!
 //! Without the CPU decoder (the GPU, and the formats that decode on candle's ops) each request
 //! decodes on its own thread through the candle forward, each step's layers taking compute turns
 //! like a prefill's.
 
+use std::fmt;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use opentelemetry::trace::SpanContext;
+use opentelemetry::{Array, KeyValue, StringValue, Value};
+
 use super::cpu_decode::{CpuDecoder, HostKv, SeqStep};
-use crate::telemetry::names::span;
+use crate::telemetry::clock;
+use crate::telemetry::names::{attr, span, StageKind};
 use crate::telemetry::profile;
 use crate::telemetry::span::Stage;
 
@@ -39,6 +53,78 @@ pub const MAX_BATCH: usize = 16;
 /// (each is sampling or streaming its last one, normally tens of microseconds). A request
 /// whose consumer is slow misses the step instead of holding everyone back.
 const GATHER: Duration = Duration::from_millis(1);
+/// After this long without a step, the steps not yet recorded as a span are summed into one
+/// (with `sampled:N`), so no step time goes unaccounted.
+const IDLE: Duration = Duration::from_millis(50);
+
+/// Which batched decode steps become `decode_step` spans (`--decode-step-spans`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepSpans {
+    /// Every step.
+    All,
+    /// One step in N, carrying the totals (steps, busy time, tokens per member) of the steps
+    /// since the last span, itself included.
+    Sampled(u32),
+    /// None.
+    Off,
+}
+
+impl FromStr for StepSpans {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<StepSpans, String> {
+        match s.trim() {
+            "all" => Ok(StepSpans::All),
+            "off" => Ok(StepSpans::Off),
+            other => other
+                .strip_prefix("sampled:")
+                .and_then(|n| n.parse::<u32>().ok())
+                .filter(|&n| n >= 1)
+                .map(StepSpans::Sampled)
+                .ok_or_else(|| format!("{other:?}: expected all, off or sampled:N (N >= 1)")),
+        }
+    }
+}
+
+impl fmt::Display for StepSpans {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StepSpans::All => f.write_str("all"),
+            StepSpans::Sampled(n) => write!(f, "sampled:{n}"),
+            StepSpans::Off => f.write_str("off"),
+        }
+    }
+}
+
+/// How batched steps are traced: which become spans, and how many of them a request's
+/// `decode` span links to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepTrace {
+    pub spans: StepSpans,
+    /// Links per `decode` span, to its first step spans; the others are counted in
+    /// `rag.decode.step_links.dropped`.
+    pub links: usize,
+}
+
+impl StepTrace {
+    /// A 256-token answer decoding alone makes 16 step spans, not 256.
+    pub const DEFAULT: StepTrace = StepTrace {
+        spans: StepSpans::Sampled(16),
+        links: 32,
+    };
+}
+
+static STEP_TRACE: RwLock<StepTrace> = RwLock::new(StepTrace::DEFAULT);
+
+/// Sets how the batchers of models loaded from now on trace their steps (the server does this
+/// from its flags before loading the generator).
+pub fn set_step_trace(trace: StepTrace) {
+    *STEP_TRACE.write().unwrap_or_else(|p| p.into_inner()) = trace;
+}
+
+fn step_trace() -> StepTrace {
+    *STEP_TRACE.read().unwrap_or_else(|p| p.into_inner())
+}
 
 /// One model's scheduling state, shared by all its requests.
 pub(super) struct Scheduler {
@@ -47,14 +133,14 @@ pub(super) struct Scheduler {
     /// Held for each prefill layer and each batched decode step, handed over in arrival order.
     compute: Arc<parking_lot::FairMutex<()>>,
     /// Batches the decode steps of concurrent requests (with the CPU decoder).
-    batcher: Option<Batcher>,
+    batcher: Option<Batcher<CpuDecoder>>,
 }
 
 impl Scheduler {
     /// `decoder`: the CPU decoder whose steps are batched, when the model decodes on it.
     pub fn new(decoder: Option<Arc<CpuDecoder>>) -> Scheduler {
         let compute = Arc::new(parking_lot::FairMutex::new(()));
-        let batcher = decoder.map(|d| Batcher::start(d, compute.clone()));
+        let batcher = decoder.map(|d| Batcher::start(d, compute.clone(), step_trace()));
         Scheduler {
             prefill_turn: Mutex::new(()),
             compute,
@@ -83,72 +169,159 @@ impl Scheduler {
     }
 
     /// Registers a request that is about to decode, under its `decode` stage, when decode
-    /// steps are batched: its steps then go through [`Session::step`].
+    /// steps are batched: its steps then go through [`BatchSession::step`].
     pub fn session(&self, decode: &Stage) -> Option<Session<'_>> {
         self.batcher.as_ref().map(|b| b.session(decode))
     }
 }
 
+/// What a batcher runs: one decode step for a batch of sequences at once. The CPU decoder is
+/// the one the server uses; tests drive the batcher with a stand-in.
+pub trait StepEngine: Send + Sync + 'static {
+    /// One sequence's own state (its KV cache), moved to the batcher and back each step.
+    type Seq: Send + Default + 'static;
+    /// Logits per sequence.
+    fn vocab(&self) -> usize;
+    /// Refuses a step that cannot run, before it joins a batch.
+    fn check(&self, seq: &Self::Seq, pos: usize, token: u32) -> candle_core::Result<()>;
+    /// Runs `token` at `pos` of every sequence; `logits` holds `vocab()` per sequence, in order.
+    fn step(
+        &self,
+        seqs: &mut [StepInput<'_, Self::Seq>],
+        logits: &mut [f32],
+    ) -> candle_core::Result<()>;
+}
+
+/// One sequence's share of a step.
+pub struct StepInput<'a, S> {
+    pub seq: &'a mut S,
+    pub pos: usize,
+    pub token: u32,
+}
+
+impl StepEngine for CpuDecoder {
+    type Seq = HostKv;
+
+    fn vocab(&self) -> usize {
+        CpuDecoder::vocab(self)
+    }
+
+    fn check(&self, kv: &HostKv, pos: usize, token: u32) -> candle_core::Result<()> {
+        CpuDecoder::check(self, kv, pos, token)
+    }
+
+    fn step(
+        &self,
+        seqs: &mut [StepInput<'_, HostKv>],
+        logits: &mut [f32],
+    ) -> candle_core::Result<()> {
+        let mut steps: Vec<SeqStep<'_>> = seqs
+            .iter_mut()
+            .map(|s| SeqStep {
+                kv: &mut *s.seq,
+                pos: s.pos,
+                token: s.token,
+            })
+            .collect();
+        CpuDecoder::step(self, &mut steps, logits)
+    }
+}
+
+/// Who a step ran for: a decoding request, as its step spans name it.
+struct Member {
+    request_id: String,
+    trace_id: String,
+    /// The request's `decode` span.
+    span_id: String,
+    /// The request's decode span: a batch of one that is no span of its own labels its CPU
+    /// profile with it.
+    profile: Option<profile::SpanTarget>,
+}
+
 /// One request's step, sent to the batcher and back.
-struct Job {
-    kv: HostKv,
+struct Job<S> {
+    seq: S,
     pos: usize,
     token: u32,
     logits: Vec<f32>,
-    /// The request's decode span: a batch of one labels its CPU profile with it.
-    profile: Option<profile::SpanTarget>,
-    reply: mpsc::SyncSender<Done>,
+    member: Arc<Member>,
+    reply: mpsc::SyncSender<Done<S>>,
 }
 
-struct Done {
-    kv: HostKv,
+struct Done<S> {
+    seq: S,
     logits: Vec<f32>,
     batch: usize,
     result: candle_core::Result<()>,
+    /// The step's span and this request's place in the batch, when the step is a span.
+    step: Option<(SpanContext, usize)>,
 }
 
 /// The batcher thread and the channel feeding it.
-struct Batcher {
-    tx: Mutex<Option<Sender<Job>>>,
+pub struct Batcher<E: StepEngine> {
+    tx: Mutex<Option<Sender<Job<E::Seq>>>>,
     /// Requests between their first and last decode step.
     active: Arc<AtomicUsize>,
+    links: usize,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-impl Batcher {
+impl<E: StepEngine> Batcher<E> {
+    /// A batcher over `engine` with a compute lock of its own.
+    pub fn new(engine: Arc<E>, trace: StepTrace) -> Batcher<E> {
+        Self::start(engine, Arc::new(parking_lot::FairMutex::new(())), trace)
+    }
+
     /// `compute`: taken for each step, shared with the model's prefill layers.
-    pub fn start(decoder: Arc<CpuDecoder>, compute: Arc<parking_lot::FairMutex<()>>) -> Batcher {
+    fn start(
+        engine: Arc<E>,
+        compute: Arc<parking_lot::FairMutex<()>>,
+        trace: StepTrace,
+    ) -> Batcher<E> {
         let (tx, rx) = mpsc::channel();
         let active = Arc::new(AtomicUsize::new(0));
         let seen = active.clone();
         let thread = std::thread::Builder::new()
             .name("decode-batcher".into())
-            .spawn(move || run(&decoder, &rx, &seen, &compute))
+            .spawn(move || run(&*engine, &rx, &seen, &compute, trace.spans))
             .expect("spawning the decode batcher");
         Batcher {
             tx: Mutex::new(Some(tx)),
             active,
+            links: trace.links,
             thread: Mutex::new(Some(thread)),
         }
     }
 
     /// Registers a request that is about to decode, under its `decode` stage; it counts as
     /// active until dropped.
-    pub fn session(&self, decode: &Stage) -> Session<'_> {
+    pub fn session(&self, decode: &Stage) -> BatchSession<'_, E> {
         self.active.fetch_add(1, Ordering::Relaxed);
         let (reply, done) = mpsc::sync_channel(1);
-        Session {
-            batcher: self,
+        let member = Member {
+            request_id: decode
+                .inherited(attr::REQUEST_ID)
+                .map(|v| v.to_string())
+                .unwrap_or_default(),
+            trace_id: decode.trace_id().unwrap_or_default(),
+            span_id: decode.span_id().unwrap_or_default(),
             profile: profile::enabled()
                 .then(|| profile::target(decode))
                 .flatten(),
+        };
+        BatchSession {
+            batcher: self,
+            member: Arc::new(member),
             reply,
             done,
+            steps: 0,
+            step_spans: 0,
+            links: Vec::new(),
         }
     }
 }
 
-impl Drop for Batcher {
+impl<E: StepEngine> Drop for Batcher<E> {
     fn drop(&mut self) {
         self.tx.lock().expect("batcher lock").take();
         if let Some(t) = self.thread.lock().expect("batcher lock").take() {
@@ -157,31 +330,40 @@ impl Drop for Batcher {
     }
 }
 
+/// The CPU decoder's session, as the model's decode loop holds it.
+pub(crate) type Session<'a> = BatchSession<'a, CpuDecoder>;
+
 /// A decoding request's handle on the batcher.
-pub(super) struct Session<'a> {
-    batcher: &'a Batcher,
-    profile: Option<profile::SpanTarget>,
+pub struct BatchSession<'a, E: StepEngine> {
+    batcher: &'a Batcher<E>,
+    member: Arc<Member>,
     /// Every step's answer comes back on this one channel.
-    reply: mpsc::SyncSender<Done>,
-    done: Receiver<Done>,
+    reply: mpsc::SyncSender<Done<E::Seq>>,
+    done: Receiver<Done<E::Seq>>,
+    /// Batched steps taken.
+    steps: usize,
+    /// Of those, the steps that were spans.
+    step_spans: usize,
+    /// Links to the first step spans, for the `decode` span.
+    links: Vec<(SpanContext, Vec<KeyValue>)>,
 }
 
-impl Session<'_> {
-    /// Runs `token` at `pos` of `kv` in the next batched step; `logits` receives the vocabulary's
-    /// logits. Returns the number of sequences the step ran for.
+impl<E: StepEngine> BatchSession<'_, E> {
+    /// Runs `token` at `pos` of `seq` in the next batched step; `logits` receives the
+    /// vocabulary's logits. Returns the number of sequences the step ran for.
     pub fn step(
         &mut self,
-        kv: &mut HostKv,
+        seq: &mut E::Seq,
         pos: usize,
         token: u32,
         logits: &mut Vec<f32>,
     ) -> candle_core::Result<usize> {
         let job = Job {
-            kv: std::mem::take(kv),
+            seq: std::mem::take(seq),
             pos,
             token,
             logits: std::mem::take(logits),
-            profile: self.profile.clone(),
+            member: self.member.clone(),
             reply: self.reply.clone(),
         };
         let gone = || candle_core::Error::Msg("the decode batcher stopped".into());
@@ -191,31 +373,180 @@ impl Session<'_> {
         };
         sent?;
         let done = self.done.recv().map_err(|_| gone())?;
-        *kv = done.kv;
+        *seq = done.seq;
         *logits = done.logits;
+        if done.result.is_ok() {
+            self.steps += 1;
+            if let Some((cx, slot)) = done.step {
+                self.step_spans += 1;
+                if self.links.len() < self.batcher.links {
+                    self.links.push((
+                        cx,
+                        vec![
+                            KeyValue::new(attr::DECODE_BATCH_SIZE, done.batch as i64),
+                            KeyValue::new(attr::DECODE_BATCH_SLOT, slot as i64),
+                            // The first token comes from the prefill: step k gives token k + 1.
+                            KeyValue::new(attr::GEN_AI_TOKEN_INDEX, self.steps as i64),
+                        ],
+                    ));
+                }
+            }
+        }
         done.result.map(|()| done.batch)
+    }
+
+    /// Puts the links to the step spans this request took part in, and how many steps there
+    /// were, on its `decode` span (call before it ends).
+    pub fn finish(self, decode: &Stage) {
+        if self.steps == 0 {
+            return;
+        }
+        decode.set_all([
+            KeyValue::new(attr::DECODE_STEPS, self.steps as i64),
+            KeyValue::new(attr::DECODE_STEP_SPANS, self.step_spans as i64),
+            KeyValue::new(
+                attr::DECODE_STEP_LINKS_DROPPED,
+                (self.step_spans - self.links.len()) as i64,
+            ),
+        ]);
+        for (cx, attributes) in &self.links {
+            decode.link(cx.clone(), attributes.clone());
+        }
     }
 }
 
-impl Drop for Session<'_> {
+impl<E: StepEngine> Drop for BatchSession<'_, E> {
     fn drop(&mut self) {
         self.batcher.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-fn run(
-    decoder: &CpuDecoder,
-    rx: &Receiver<Job>,
+/// The service a step span is exported under: the one the members' `decode` spans have.
+fn step_service() -> Option<&'static str> {
+    StageKind::Generate.service()
+}
+
+/// Steps run since the last step span (`sampled:N`), summed for the next one.
+#[derive(Default)]
+struct Window {
+    steps: u64,
+    busy: Duration,
+    /// Each member once, with the tokens its steps computed.
+    members: Vec<(Arc<Member>, i64)>,
+    /// The latest step: (index, batch size, start, end, compute-lock wait).
+    last: Option<(u64, usize, Instant, Instant, Duration)>,
+}
+
+impl Window {
+    fn add(&mut self, step: (u64, usize, Instant, Instant, Duration), members: &[Arc<Member>]) {
+        self.steps += 1;
+        self.busy += step.3.saturating_duration_since(step.2);
+        for m in members {
+            match self.members.iter_mut().find(|(w, _)| Arc::ptr_eq(w, m)) {
+                Some((_, tokens)) => *tokens += 1,
+                None => self.members.push((m.clone(), 1)),
+            }
+        }
+        self.last = Some(step);
+    }
+
+    /// The window's totals as step-span attributes; empties it.
+    fn take(&mut self) -> Vec<KeyValue> {
+        let window = std::mem::take(self);
+        let mut kvs = member_attributes(&window.members);
+        kvs.push(KeyValue::new(
+            attr::DECODE_WINDOW_STEPS,
+            window.steps as i64,
+        ));
+        kvs.push(KeyValue::new(
+            attr::DECODE_WINDOW_BUSY_MS,
+            window.busy.as_secs_f64() * 1e3,
+        ));
+        kvs
+    }
+
+    /// Records the steps no span has covered yet as one span over the latest of them.
+    fn flush(&mut self) {
+        let Some((index, batch, started, ended, wait)) = self.last else {
+            return;
+        };
+        let step = Stage::detached_at(span::DECODE_STEP, step_service(), started);
+        step.set_all(step_attributes(index, batch, wait));
+        step.set_all(self.take());
+        step.end_at(ended);
+    }
+}
+
+fn step_attributes(index: u64, batch: usize, wait: Duration) -> [KeyValue; 3] {
+    [
+        KeyValue::new(attr::DECODE_STEP_INDEX, index as i64),
+        KeyValue::new(attr::DECODE_BATCH_SIZE, batch as i64),
+        KeyValue::new(attr::DECODE_STEP_WAIT_MS, wait.as_secs_f64() * 1e3),
+    ]
+}
+
+/// Who a step (or a window of steps) ran for, and how many tokens each got, as parallel arrays.
+fn member_attributes(members: &[(Arc<Member>, i64)]) -> Vec<KeyValue> {
+    let strings = |f: fn(&Member) -> &str| {
+        Value::Array(Array::String(
+            members
+                .iter()
+                .map(|(m, _)| StringValue::from(f(m).to_string()))
+                .collect(),
+        ))
+    };
+    vec![
+        KeyValue::new(attr::DECODE_MEMBERS_REQUEST_IDS, strings(|m| &m.request_id)),
+        KeyValue::new(attr::DECODE_MEMBERS_TRACE_IDS, strings(|m| &m.trace_id)),
+        KeyValue::new(attr::DECODE_MEMBERS_SPAN_IDS, strings(|m| &m.span_id)),
+        KeyValue::new(
+            attr::DECODE_MEMBERS_TOKENS,
+            Value::Array(Array::I64(members.iter().map(|(_, t)| *t).collect())),
+        ),
+    ]
+}
+
+/// The CPU profile's current label on the batcher and compute threads. Each change makes the
+/// profiler cut its sample buffer, so it changes only when the target does.
+#[derive(Default)]
+struct ProfileLabel(Option<profile::SpanTarget>, Option<profile::Labelled>);
+
+impl ProfileLabel {
+    fn set(&mut self, target: Option<profile::SpanTarget>) {
+        if target != self.0 {
+            self.1 = None;
+            self.1 = target.as_ref().and_then(profile::label_span);
+            self.0 = target;
+        }
+    }
+}
+
+fn run<E: StepEngine>(
+    engine: &E,
+    rx: &Receiver<Job<E::Seq>>,
     active: &AtomicUsize,
     compute: &parking_lot::FairMutex<()>,
+    spans: StepSpans,
 ) {
-    let vocab = decoder.vocab();
+    let vocab = engine.vocab();
     let mut logits = Vec::new();
-    // The profile label of a batch of one, kept while the same request decodes alone: each
-    // label change flushes the profiler, so it changes only when the batch does. A batch of
-    // several serves several spans at once; its samples carry no span.
-    let mut labelled: (Option<profile::SpanTarget>, Option<profile::Labelled>) = (None, None);
-    while let Ok(first) = rx.recv() {
+    // A batch of one that is not a span of its own is labelled with its request's decode
+    // span, kept while the same request decodes alone; a step span labels its own step only.
+    let mut label = ProfileLabel::default();
+    let mut index = 0u64;
+    let mut window = Window::default();
+    loop {
+        let first = match rx.recv_timeout(IDLE) {
+            Ok(job) => job,
+            Err(RecvTimeoutError::Timeout) => {
+                window.flush();
+                match rx.recv() {
+                    Ok(job) => job,
+                    Err(_) => break,
+                }
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+        };
         let mut jobs = vec![first];
         let until = Instant::now() + GATHER;
         while jobs.len() < MAX_BATCH {
@@ -233,9 +564,9 @@ fn run(
         // A request whose own step is invalid fails alone, before the batch runs.
         let mut valid = Vec::with_capacity(jobs.len());
         for job in jobs {
-            match decoder.check(&job.kv, job.pos, job.token) {
+            match engine.check(&job.seq, job.pos, job.token) {
                 Ok(()) => valid.push(job),
-                Err(e) => finish(job, 0, Err(e)),
+                Err(e) => finish(job, 0, Err(e), None),
             }
         }
         let mut jobs = valid;
@@ -243,34 +574,48 @@ fn run(
             continue;
         }
         let b = jobs.len();
+        index += 1;
         let batches = &crate::telemetry::metrics::DECODE_BATCH;
         batches.last.store(b as u64, Ordering::Relaxed);
         batches.largest.fetch_max(b as u64, Ordering::Relaxed);
-        let single = if b == 1 {
-            jobs[0].profile.clone()
-        } else {
-            None
+        let traced = match spans {
+            StepSpans::All => true,
+            StepSpans::Sampled(n) => index.is_multiple_of(u64::from(n)),
+            StepSpans::Off => false,
         };
-        if single != labelled.0 {
-            labelled.1 = None;
-            labelled.1 = single.as_ref().and_then(profile::label_span);
-            labelled.0 = single;
-        }
+        let started = clock::now();
+        let step = traced.then(|| Stage::detached_at(span::DECODE_STEP, step_service(), started));
+        let step_target = step
+            .as_ref()
+            .filter(|_| profile::enabled())
+            .and_then(profile::target);
+        let own = (b == 1).then(|| jobs[0].member.profile.clone()).flatten();
+        label.set(step_target.clone().or(own));
+        // The step's span is the batcher thread's current context while it runs.
+        let current = step.as_ref().map(|s| s.context().clone().attach());
         logits.resize(b * vocab, 0.0);
         let turn = compute.lock();
+        let computing = clock::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let mut steps: Vec<SeqStep<'_>> = jobs
+            let mut inputs: Vec<StepInput<'_, E::Seq>> = jobs
                 .iter_mut()
-                .map(|j| SeqStep {
-                    kv: &mut j.kv,
+                .map(|j| StepInput {
+                    seq: &mut j.seq,
                     pos: j.pos,
                     token: j.token,
                 })
                 .collect();
-            decoder.step(&mut steps, &mut logits)
+            engine.step(&mut inputs, &mut logits)
         }))
         .unwrap_or_else(|_| Err(candle_core::Error::Msg("decode step panicked".into())));
         drop(turn);
+        let ended = clock::now();
+        drop(current);
+        if step_target.is_some() {
+            label.set(None);
+        }
+        let members: Vec<Arc<Member>> = jobs.iter().map(|j| j.member.clone()).collect();
+        let link = step.as_ref().map(Stage::span_context);
         for (i, mut job) in jobs.into_iter().enumerate() {
             let result = match &result {
                 Ok(()) => {
@@ -281,17 +626,46 @@ fn run(
                 }
                 Err(e) => Err(candle_core::Error::Msg(e.to_string())),
             };
-            finish(job, b, result);
+            let at = link.clone().map(|cx| (cx, i));
+            finish(job, b, result, at);
+        }
+        // The members have their logits; the span is written while they sample.
+        let wait = computing.saturating_duration_since(started);
+        let facts = (index, b, started, ended, wait);
+        if let StepSpans::Sampled(_) = spans {
+            window.add(facts, &members);
+        }
+        if let Some(step) = step {
+            step.set_all(step_attributes(index, b, wait));
+            if let Err(e) = &result {
+                step.fail("model", e.to_string());
+            }
+            match spans {
+                StepSpans::Sampled(_) => step.set_all(window.take()),
+                _ => {
+                    let ones: Vec<(Arc<Member>, i64)> =
+                        members.into_iter().map(|m| (m, 1)).collect();
+                    step.set_all(member_attributes(&ones));
+                }
+            }
+            step.end_at(ended);
         }
     }
+    window.flush();
 }
 
-fn finish(job: Job, batch: usize, result: candle_core::Result<()>) {
+fn finish<S>(
+    job: Job<S>,
+    batch: usize,
+    result: candle_core::Result<()>,
+    step: Option<(SpanContext, usize)>,
+) {
     let _ = job.reply.send(Done {
-        kv: job.kv,
+        seq: job.seq,
         logits: job.logits,
         batch,
         result,
+        step,
     });
 }
 

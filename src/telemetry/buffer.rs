@@ -3,13 +3,13 @@
 //! `GET /debug/traces` so `ragscope attribute --server URL` works without a collector.
 //! Recording a span here is one short lock and a push; the oldest spans fall off the end.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use crate::telemetry::clock::unix_nanos;
-use crate::telemetry::names::attr;
-use opentelemetry::trace::{SpanKind, Status};
+use crate::telemetry::names::{attr, span};
+use opentelemetry::trace::{SpanId, SpanKind, Status, TraceId};
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{Span, SpanData, SpanProcessor};
@@ -80,27 +80,47 @@ impl TraceBuffer {
         self.spans.lock().expect("trace buffer lock").clear();
     }
 
-    /// The spans of the `limit` most recently finished traces (all when `None`), as OTLP JSON.
+    /// The spans of the `limit` most recently finished request traces (all spans when `None`),
+    /// as OTLP JSON. A batched decode step is a trace of its own (`decode_step`, serving several
+    /// requests): steps never count towards the limit, and those that ran while a chosen trace
+    /// did come with it, so the latest request arrives with the steps it was batched in.
     pub fn otlp_json(&self, limit: Option<usize>) -> Json {
         let spans = self.spans.lock().expect("trace buffer lock").clone();
-        let mut last_end: HashMap<opentelemetry::trace::TraceId, SystemTime> = HashMap::new();
-        for (_, s) in &spans {
-            let end = last_end
+        let Some(n) = limit else {
+            return otlp_json(spans.iter().map(|(service, s)| (service.as_ref(), s)));
+        };
+        // Each request trace's first start and last end.
+        let mut extent: HashMap<TraceId, (SystemTime, SystemTime)> = HashMap::new();
+        for (_, s) in spans.iter().filter(|(_, s)| !is_step(s)) {
+            let e = extent
                 .entry(s.span_context.trace_id())
-                .or_insert(s.end_time);
-            *end = (*end).max(s.end_time);
+                .or_insert((s.start_time, s.end_time));
+            e.0 = e.0.min(s.start_time);
+            e.1 = e.1.max(s.end_time);
         }
-        let keep: Option<std::collections::HashSet<_>> = limit.map(|n| {
-            let mut traces: Vec<_> = last_end.into_iter().collect();
-            traces.sort_by_key(|&(_, end)| std::cmp::Reverse(end));
-            traces.into_iter().take(n).map(|(id, _)| id).collect()
-        });
+        let mut traces: Vec<_> = extent.into_iter().collect();
+        traces.sort_by_key(|&(_, (_, end))| std::cmp::Reverse(end));
+        traces.truncate(n);
+        let during = |s: &SpanData| {
+            traces
+                .iter()
+                .any(|(_, (start, end))| s.start_time <= *end && s.end_time >= *start)
+        };
+        let keep: HashSet<TraceId> = traces.iter().map(|(id, _)| *id).collect();
         let chosen = spans.iter().filter(|(_, s)| {
-            keep.as_ref()
-                .is_none_or(|k| k.contains(&s.span_context.trace_id()))
+            if is_step(s) {
+                during(s)
+            } else {
+                keep.contains(&s.span_context.trace_id())
+            }
         });
         otlp_json(chosen.map(|(service, s)| (service.as_ref(), s)))
     }
+}
+
+/// Whether a span is a batched decode step, the root of a trace of its own.
+fn is_step(s: &SpanData) -> bool {
+    s.parent_span_id == SpanId::INVALID && s.name == span::DECODE_STEP
 }
 
 /// Spans as an OTLP/JSON `ExportTraceServiceRequest`, one resource per service name.
@@ -126,7 +146,7 @@ pub fn otlp_json<'a>(spans: impl IntoIterator<Item = (&'a str, &'a SpanData)>) -
 }
 
 fn span_json(s: &SpanData) -> Json {
-    let parent = if s.parent_span_id == opentelemetry::trace::SpanId::INVALID {
+    let parent = if s.parent_span_id == SpanId::INVALID {
         String::new()
     } else {
         s.parent_span_id.to_string()
@@ -150,6 +170,12 @@ fn span_json(s: &SpanData) -> Json {
             "timeUnixNano": unix_nanos(e.timestamp).to_string(),
             "attributes": e.attributes.iter().map(attribute).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
+        "links": s.links.iter().map(|l| json!({
+            "traceId": l.span_context.trace_id().to_string(),
+            "spanId": l.span_context.span_id().to_string(),
+            "attributes": l.attributes.iter().map(attribute).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "droppedLinksCount": s.links.dropped_count,
         "status": {"code": code, "message": message},
     })
 }
@@ -172,6 +198,8 @@ fn attribute(kv: &KeyValue) -> Json {
         Value::F64(f) => json!({"doubleValue": f}),
         Value::Array(opentelemetry::Array::String(items)) => json!({"arrayValue": {"values":
             items.iter().map(|s| json!({"stringValue": s.as_str()})).collect::<Vec<_>>()}}),
+        Value::Array(opentelemetry::Array::I64(items)) => json!({"arrayValue": {"values":
+            items.iter().map(|i| json!({"intValue": i.to_string()})).collect::<Vec<_>>()}}),
         other => json!({"stringValue": other.to_string()}),
     };
     json!({"key": kv.key.as_str(), "value": value})
@@ -245,6 +273,65 @@ mod tests {
             status: Status::Unset,
             instrumentation_scope: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_limited_answer_brings_the_steps_that_ran_during_its_traces_and_their_links() {
+        let buffer = TraceBuffer::new(16);
+        let step = |trace: u128, id: u64, end_s: u64| {
+            let mut s = span(trace, id, 0, end_s);
+            s.name = span::DECODE_STEP.into();
+            s.attributes = vec![KeyValue::new(
+                attr::DECODE_MEMBERS_TOKENS,
+                Value::Array(vec![1i64, 3].into()),
+            )];
+            buffer.push(Arc::from("svc"), s);
+        };
+        step(10, 100, 5); // before every request
+        let mut decode = span(1, 2, 1, 9);
+        decode.links.links.push(opentelemetry::trace::Link::new(
+            SpanContext::new(
+                TraceId::from(11u128),
+                SpanId::from(101u64),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            ),
+            vec![KeyValue::new(attr::DECODE_BATCH_SIZE, 2i64)],
+            0,
+        ));
+        buffer.push(Arc::from("svc"), span(1, 1, 0, 10));
+        buffer.push(Arc::from("svc"), decode);
+        step(11, 101, 9); // during trace 1
+        step(12, 102, 30); // after it, and newer than any request
+        let latest = buffer.otlp_json(Some(1));
+        let spans = latest["resourceSpans"][0]["scopeSpans"][0]["spans"]
+            .as_array()
+            .unwrap();
+        let ids: Vec<&str> = spans
+            .iter()
+            .map(|s| s["spanId"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            ids,
+            ["0000000000000001", "0000000000000002", "0000000000000065"],
+            "the request (not the newest step trace) and the step that ran during it"
+        );
+        let link = &spans[1]["links"][0];
+        assert_eq!(link["spanId"], "0000000000000065");
+        assert_eq!(link["attributes"][0]["value"]["intValue"], "2");
+        assert_eq!(
+            spans[2]["attributes"][0]["value"]["arrayValue"]["values"][1]["intValue"],
+            "3"
+        );
+        let all = buffer.otlp_json(None);
+        assert_eq!(
+            all["resourceSpans"][0]["scopeSpans"][0]["spans"]
+                .as_array()
+                .unwrap()
+                .len(),
+            5
+        );
     }
 
     #[test]

@@ -183,7 +183,9 @@ names! {
         FORWARD = "forward",
         /// The wait for the prefill turn, only when another request is prefilling.
         PREFILL_QUEUE = "prefill_queue",
-        /// One decode step, with `RAGSCOPE_TOKEN_TRACE=spans`.
+        /// One decode step: under a request's `decode` with `RAGSCOPE_TOKEN_TRACE=spans`, and
+        /// a batched step of several requests as the root of a trace of its own
+        /// (`--decode-step-spans`).
         DECODE_STEP = "decode_step",
         /// GPU work of a phase, `gpu {phase}` (CUDA builds).
         GPU = "gpu",
@@ -286,6 +288,20 @@ names! {
         DECODE_TOKENS_PER_SECOND = "rag.decode.tokens_per_second",
         DECODE_BATCH_SIZE_MAX = "rag.decode.batch_size.max",
         DECODE_BATCH_SIZE_MEAN = "rag.decode.batch_size.mean",
+        // Batched decode steps (`decode_step` roots) and the links to them.
+        DECODE_BATCH_SIZE = "rag.decode.batch_size",
+        DECODE_BATCH_SLOT = "rag.decode.batch.slot",
+        DECODE_STEP_INDEX = "rag.decode.step.index",
+        DECODE_STEP_WAIT_MS = "rag.decode.step.wait_ms",
+        DECODE_MEMBERS_REQUEST_IDS = "rag.decode.members.request_ids",
+        DECODE_MEMBERS_TRACE_IDS = "rag.decode.members.trace_ids",
+        DECODE_MEMBERS_SPAN_IDS = "rag.decode.members.span_ids",
+        DECODE_MEMBERS_TOKENS = "rag.decode.members.tokens",
+        DECODE_WINDOW_STEPS = "rag.decode.window.steps",
+        DECODE_WINDOW_BUSY_MS = "rag.decode.window.busy_ms",
+        DECODE_STEPS = "rag.decode.steps",
+        DECODE_STEP_SPANS = "rag.decode.step_spans",
+        DECODE_STEP_LINKS_DROPPED = "rag.decode.step_links.dropped",
         GPU_DEVICE_MS = "gpu.device_ms",
         GPU_HOST_LAUNCH_MS = "gpu.host_launch_ms",
         GPU_GAP_MS = "gpu.gap_ms",

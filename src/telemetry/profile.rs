@@ -4,8 +4,10 @@
 //! span gets `pyroscope.profile.id` = its span id, which is what Grafana's "profiles for this
 //! span" looks up.
 //!
-//! The threads doing a stage's work are the model worker running it and the compute pool candle
-//! parallelises on (rayon's global pool), so both are labelled. Each label change makes the
+//! The threads doing a stage's work are the model worker running it and the compute pools candle
+//! parallelises on (rayon's global pool, and the barrier pool the CPU decode kernels use), so
+//! they are labelled. The decode batcher labels a batched step that is a span with that step's
+//! span (`decode_step`), so a step has its own flame graph. Each label change makes the
 //! agent cut its sample buffer (about 1 ms), so labels change at stage granularity only.
 //! With more than one model worker, compute-pool samples of concurrent stages carry both
 //! stages' labels: per-span profiles are exact with `--workers 1`.
@@ -71,7 +73,8 @@ impl Drop for ProfilerGuard {
 
 /// Starts the agent. Upload failures are the agent's to log; they never reach a request.
 pub fn start(settings: &ProfileSettings) -> Result<ProfilerGuard> {
-    let compute_threads: Vec<ThreadId> = rayon::broadcast(|_| ThreadId::pthread_self());
+    let mut compute_threads: Vec<ThreadId> = rayon::broadcast(|_| ThreadId::pthread_self());
+    compute_threads.extend(barrier_pool_threads());
     let backend = pprof_backend(
         PprofConfig {
             sample_rate: settings.sample_rate,
@@ -97,6 +100,23 @@ pub fn start(settings: &ProfileSettings) -> Result<ProfilerGuard> {
     });
     tracing::info!(url = %settings.url, rate = settings.sample_rate, "CPU profiling to Pyroscope");
     Ok(ProfilerGuard)
+}
+
+/// The workers of candle's barrier pool, which the CPU decode kernels split their rows over:
+/// `execute` runs the closure once on every worker and once on the caller (the last index),
+/// which is left out.
+fn barrier_pool_threads() -> Vec<ThreadId> {
+    let pool = candle_core::utils::barrier_pool();
+    let workers = pool.n_workers();
+    let seen = Mutex::new(Vec::with_capacity(workers));
+    pool.execute(|tid| {
+        if tid < workers {
+            seen.lock()
+                .expect("thread list lock")
+                .push(ThreadId::pthread_self());
+        }
+    });
+    seen.into_inner().expect("thread list lock")
 }
 
 pub fn enabled() -> bool {

@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use opentelemetry::trace::{SpanId, SpanKind, Status, TraceContextExt, Tracer};
-use opentelemetry::{Context, KeyValue};
+use opentelemetry::trace::{SpanContext, SpanId, SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::{Context, KeyValue, Value};
 
 use super::clock;
 use super::names::{attr, StageKind, PROVIDER};
@@ -62,6 +62,24 @@ impl Stage {
     /// benchmarks, evaluation, tests.
     pub fn root(name: impl Into<Cow<'static, str>>) -> Stage {
         Self::start(name, SpanKind::Internal, &Context::new(), Vec::new())
+    }
+
+    /// The root of a trace of its own, started at `at`, for work done for several requests at
+    /// once (a batched decode step): it belongs to none of them, so each request's span links
+    /// to it instead ([`Stage::link`]). Exported under `service` when per-stage services are on.
+    pub fn detached_at(
+        name: impl Into<Cow<'static, str>>,
+        service: Option<&'static str>,
+        at: Instant,
+    ) -> Stage {
+        Self::start_at(
+            name,
+            SpanKind::Internal,
+            &Context::new(),
+            Arc::from(Vec::new()),
+            at,
+            service,
+        )
     }
 
     fn start_at(
@@ -158,6 +176,26 @@ impl Stage {
         for kv in kvs {
             span.set_attribute(kv);
         }
+    }
+
+    /// Links this span to another one (an OpenTelemetry span link), e.g. a request's `decode`
+    /// to the batched steps it took part in. The SDK keeps at most 128 links per span; callers
+    /// bound theirs below that.
+    pub fn link(&self, to: SpanContext, attributes: Vec<KeyValue>) {
+        self.cx.span().add_link(to, attributes);
+    }
+
+    /// This span's context (invalid when tracing is off), the target of a link.
+    pub fn span_context(&self) -> SpanContext {
+        self.cx.span().span_context().clone()
+    }
+
+    /// An attribute copied onto every descendant (`rag.request.id`, baggage), if this stage has it.
+    pub fn inherited(&self, key: &str) -> Option<&Value> {
+        self.inherited
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| &kv.value)
     }
 
     /// Records a point in time inside this stage.

@@ -2,11 +2,13 @@
 //! short time so a thousand requests run in seconds.
 
 use std::collections::HashSet;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use ragscope::embed::{EmbedError, Embedder};
+use ragscope::generate::schedule::{Batcher, StepEngine, StepInput, StepTrace};
 use ragscope::generate::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
     TokenLogprob, TopLogprob,
@@ -264,5 +266,134 @@ impl VectorStore for DownStore {
     }
     fn build_index(&self) -> Result<(), StoreError> {
         Ok(())
+    }
+}
+
+/// A decode step that busy-waits `base` plus `per_seq` for each sequence in it: the stand-in
+/// for the CPU decoder behind a real decode batcher. Counts its steps and the time inside them.
+pub struct FakeStep {
+    pub base: Duration,
+    pub per_seq: Duration,
+    pub steps: AtomicU64,
+    pub busy_ns: AtomicU64,
+}
+
+impl StepEngine for FakeStep {
+    type Seq = ();
+    fn vocab(&self) -> usize {
+        4
+    }
+    fn check(&self, _: &(), _pos: usize, _token: u32) -> candle_core::Result<()> {
+        Ok(())
+    }
+    fn step(&self, seqs: &mut [StepInput<'_, ()>], logits: &mut [f32]) -> candle_core::Result<()> {
+        let started = Instant::now();
+        spin(self.base + self.per_seq * seqs.len() as u32);
+        logits.fill(0.0);
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.busy_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// [`FakeGenerator`]'s words, each decode step taken through a real decode batcher over
+/// [`FakeStep`], so requests decoding at the same time share steps as on the CPU model.
+pub struct BatchedFakeGenerator {
+    words: FakeGenerator,
+    pub engine: Arc<FakeStep>,
+    batcher: Batcher<FakeStep>,
+}
+
+impl BatchedFakeGenerator {
+    pub fn new(tokens: usize, trace: StepTrace) -> Self {
+        let engine = Arc::new(FakeStep {
+            base: Duration::from_micros(400),
+            per_seq: Duration::from_micros(100),
+            steps: AtomicU64::new(0),
+            busy_ns: AtomicU64::new(0),
+        });
+        BatchedFakeGenerator {
+            words: FakeGenerator::new(tokens),
+            batcher: Batcher::new(engine.clone(), trace),
+            engine,
+        }
+    }
+}
+
+impl Generator for BatchedFakeGenerator {
+    fn model_id(&self) -> &str {
+        self.words.model_id()
+    }
+    fn context_window(&self) -> usize {
+        self.words.context_window()
+    }
+    fn count_tokens(&self, text: &str) -> Result<usize, GenerateError> {
+        self.words.count_tokens(text)
+    }
+    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError> {
+        self.words.chat_prompt(messages)
+    }
+    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError> {
+        self.words.tokenize(text, parse_special)
+    }
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
+        self.words.detokenize(tokens)
+    }
+    fn token_bytes(&self, token: u32) -> Vec<u8> {
+        self.words.token_bytes(token)
+    }
+    fn vocab_size(&self) -> usize {
+        self.words.vocab_size()
+    }
+    fn score(
+        &self,
+        prompt: &[u32],
+        top: usize,
+        stage: &Stage,
+    ) -> Result<Vec<TokenLogprob>, GenerateError> {
+        self.words.score(prompt, top, stage)
+    }
+    /// The first token comes from the prefill, every later one from a batched step.
+    fn generate(
+        &self,
+        req: GenerateRequest<'_>,
+        stage: &Stage,
+        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
+    ) -> Result<Generated, GenerateError> {
+        let prefill = stage.child("prefill");
+        spin(Duration::from_millis(2));
+        let prefill_took = prefill.end();
+        let decode = stage.child("decode");
+        let mut session = self.batcher.session(&decode);
+        let (mut text, mut tokens, mut logits) = (String::new(), Vec::new(), Vec::new());
+        let mut first = None;
+        for i in 0..self.words.tokens.min(req.max_tokens) {
+            if i > 0 {
+                session
+                    .step(&mut (), req.prompt.len() + i, i as u32, &mut logits)
+                    .map_err(GenerateError::Model)?;
+            }
+            first.get_or_insert(clock::now());
+            tokens.push(i as u32);
+            let piece = format!(" w{i}");
+            text.push_str(&piece);
+            on_token(Piece {
+                text: &piece,
+                logprobs: &[],
+            });
+        }
+        session.finish(&decode);
+        Ok(Generated {
+            text,
+            tokens,
+            logprobs: Vec::new(),
+            finish: FinishReason::Length,
+            prompt_tokens: req.prompt.len(),
+            cached_tokens: 0,
+            prefill: prefill_took,
+            decode: decode.end(),
+            first_token_at: first,
+        })
     }
 }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Bytes;
+use opentelemetry::trace::SpanId;
 use opentelemetry_sdk::trace::InMemorySpanExporter;
 use prost::Message;
 use pyroscope::encode::gen::google::Profile;
@@ -16,7 +17,7 @@ use ragscope::telemetry::profile::{self, ProfileSettings};
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use crate::helpers::spawn_app;
+use crate::helpers::{spawn_app, spawn_app_with};
 
 /// Starts a Pyroscope push endpoint; returns its URL and what it receives.
 async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
@@ -39,6 +40,29 @@ async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
     (url, pushes)
+}
+
+/// Spans to an in-memory exporter and CPU profiles at 100 Hz to an in-process receiver,
+/// uploaded every second: what it receives, the spans, and what to stop and flush at the end.
+async fn profiling() -> (
+    Arc<Mutex<Vec<PushRequest>>>,
+    InMemorySpanExporter,
+    opentelemetry_sdk::trace::SdkTracerProvider,
+    profile::ProfilerGuard,
+) {
+    let (url, pushes) = receiver().await;
+    let exporter = InMemorySpanExporter::default();
+    let tracer =
+        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
+    opentelemetry::global::set_tracer_provider(tracer.clone());
+    let guard = profile::start(&ProfileSettings {
+        url,
+        application: "ragscope-test".into(),
+        sample_rate: 100,
+        upload_interval: Duration::from_secs(1),
+    })
+    .unwrap();
+    (pushes, exporter, tracer, guard)
 }
 
 /// span_id label → (samples, whether any stack holds a candle frame).
@@ -91,18 +115,7 @@ fn samples_by_span(pushes: &[PushRequest]) -> HashMap<String, (i64, bool)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cpu_samples_carry_the_span_ids_of_the_stages_that_ran() {
-    let (url, pushes) = receiver().await;
-    let exporter = InMemorySpanExporter::default();
-    let tracer =
-        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
-    opentelemetry::global::set_tracer_provider(tracer.clone());
-    let guard = profile::start(&ProfileSettings {
-        url,
-        application: "ragscope-test".into(),
-        sample_rate: 100,
-        upload_interval: Duration::from_secs(1),
-    })
-    .unwrap();
+    let (pushes, exporter, tracer, guard) = profiling().await;
     let app = spawn_app().await;
     app.ingest_fixtures().await;
     for q in [
@@ -207,4 +220,94 @@ async fn a_dead_profiler_costs_no_request() {
     tokio::task::spawn_blocking(move || drop(guard))
         .await
         .unwrap();
+}
+
+/// Four real queries decoding side by side with every batched step a span: CPU samples taken
+/// while a step ran carry that step's span id (the batcher labels its own thread and the compute
+/// pools with it), so each step has its own flame graph, and the step span says it is profiled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn samples_taken_in_a_batched_step_carry_the_steps_span_id() {
+    let (pushes, exporter, tracer, guard) = profiling().await;
+    let app = spawn_app_with(&["--decode-step-spans", "all"]).await;
+    app.ingest_fixtures().await;
+    let asks = [
+        "What is the capital of Zorbia?",
+        "Who invented the flumox?",
+        "What does git stash pop do?",
+        "How do I undo git add?",
+    ]
+    .map(|q| {
+        let (client, url) = (app.client.clone(), app.url("/v1/rag/query"));
+        async move {
+            let body = json!({"query": q, "max_tokens": 16});
+            let r = client.post(url).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+        }
+    });
+    futures::future::join_all(asks).await;
+    tokio::task::spawn_blocking(move || {
+        drop(guard); // stops the agent, uploading what it holds
+        tracer.force_flush().unwrap();
+    })
+    .await
+    .unwrap();
+
+    let by_span = samples_by_span(&pushes.lock().unwrap());
+    let spans = exporter.get_finished_spans().unwrap();
+    let steps: HashMap<String, i64> = spans
+        .iter()
+        .filter(|s| s.name == "decode_step" && s.parent_span_id == SpanId::INVALID)
+        .map(|s| {
+            let batch = s
+                .attributes
+                .iter()
+                .find(|a| a.key.as_str() == "rag.decode.batch_size")
+                .and_then(|a| match a.value {
+                    opentelemetry::Value::I64(b) => Some(b),
+                    _ => None,
+                })
+                .unwrap_or(0);
+            (s.span_context.span_id().to_string(), batch)
+        })
+        .collect();
+    assert!(!steps.is_empty(), "no batched step spans");
+    let profiled: HashSet<String> = spans
+        .iter()
+        .filter(|s| {
+            s.attributes
+                .iter()
+                .any(|a| a.key.as_str() == "pyroscope.profile.id")
+        })
+        .map(|s| s.span_context.span_id().to_string())
+        .collect();
+    assert!(
+        steps.keys().all(|id| profiled.contains(id)),
+        "every step span says it is profiled"
+    );
+    let in_steps: Vec<(&String, i64)> = by_span
+        .iter()
+        .filter(|(id, _)| steps.contains_key(*id))
+        .map(|(id, (n, _))| (id, *n))
+        .collect();
+    // How many steps ran batched depends on how prefills and decodes interleaved on this box.
+    let batched = in_steps.iter().filter(|(id, _)| steps[*id] > 1).count();
+    println!(
+        "{} step spans ({} batched); {} have samples ({} of the batched ones), {:.0} ms of CPU in them",
+        steps.len(),
+        steps.values().filter(|b| **b > 1).count(),
+        in_steps.len(),
+        batched,
+        in_steps.iter().map(|(_, n)| *n as f64).sum::<f64>() / 1e6
+    );
+    assert!(
+        !in_steps.is_empty(),
+        "no sample labelled with a step's span id; labels seen: {:?}",
+        by_span.keys()
+    );
+    for id in by_span.keys() {
+        assert!(
+            profiled.contains(id),
+            "samples labelled with unknown span {id}"
+        );
+    }
 }
