@@ -11,11 +11,12 @@ use std::sync::OnceLock;
 
 use axum::http::Method;
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::{json, Value};
 use utoipa::{OpenApi, ToSchema};
 
 use super::auth::{scope_for, Scope};
+use crate::pipeline::{Source, Timings, Usage};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -58,14 +59,20 @@ use super::auth::{scope_for, Scope};
 )]
 struct ApiDoc;
 
-/// Request bodies whose struct keeps unknown fields aside (`extra`) to refuse them by name:
-/// to a client they are as closed as a `deny_unknown_fields` struct, which utoipa marks itself.
-const CLOSED_BODIES: &[&str] = &[
+/// Schemas closed by hand (utoipa closes `deny_unknown_fields` structs itself): request bodies
+/// that keep unknown fields aside (`extra`) to refuse them by name, and the pipeline's answer
+/// types, which the tests hold real answers to.
+const CLOSED: &[&str] = &[
     "ChatBody",
     "CompletionBody",
     "EmbeddingsBody",
     "TokenizeBody",
     "DetokenizeBody",
+    "RagAnswer",
+    "Source",
+    "Usage",
+    "PromptTokensDetails",
+    "Timings",
 ];
 
 /// The document, built once.
@@ -143,7 +150,7 @@ fn finish_operations(doc: &mut Value) {
 }
 
 fn close_bodies(doc: &mut Value) {
-    for name in CLOSED_BODIES {
+    for name in CLOSED {
         let schema = &mut doc["components"]["schemas"][*name];
         if schema.is_object() {
             schema["additionalProperties"] = json!(false);
@@ -217,16 +224,17 @@ fn add_page_routes(doc: &mut Value) {
     }
 }
 
-// ---- Shapes the handlers write with `json!` (checked against real responses in tests/api/openapi.rs).
+// ---- Shapes the handlers write with `json!`, checked against real answers in
+// tests/api/openapi.rs. `Serialize` only carries the serde attributes utoipa reads.
 
 /// Every error, HTTP and inside streams: OpenAI's shape.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorDetail {
     /// Starts with the field at fault: `top_k: must be between 1 and 100, got 0`.
@@ -241,7 +249,7 @@ pub struct ErrorDetail {
 }
 
 /// A stop string, or a list of up to 4.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum Stop {
@@ -250,7 +258,7 @@ pub enum Stop {
 }
 
 /// Text, or the text parts of a content array.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum MessageContent {
@@ -258,7 +266,7 @@ pub enum MessageContent {
     Parts(Vec<TextPart>),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[allow(dead_code)]
 pub struct TextPart {
     /// Only `text` parts are supported.
@@ -269,7 +277,7 @@ pub struct TextPart {
 }
 
 /// A string, a list of strings, a list of token ids, or a list of such lists.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum Prompt {
@@ -280,7 +288,7 @@ pub enum Prompt {
 }
 
 /// A string or a non-empty list of strings.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum EmbeddingInput {
@@ -289,7 +297,7 @@ pub enum EmbeddingInput {
 }
 
 /// How a document's text is read.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(rename_all = "lowercase")]
 #[allow(dead_code)]
 pub enum DocumentFormat {
@@ -298,7 +306,7 @@ pub enum DocumentFormat {
     Html,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(rename_all = "snake_case")]
 #[allow(dead_code)]
 pub enum FinishReason {
@@ -308,58 +316,8 @@ pub enum FinishReason {
     Timeout,
 }
 
-#[derive(ToSchema, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)]
-pub struct Source {
-    pub id: String,
-    pub doc_id: String,
-    /// Relevance after reranking (the retrieval score when no reranker runs).
-    pub score: f32,
-    pub retrieval_score: f32,
-    pub text: String,
-    pub source: String,
-    #[schema(value_type = Object)]
-    pub metadata: Map<String, Value>,
-}
-
-#[derive(ToSchema, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub total_tokens: u64,
-    pub prompt_tokens_details: PromptTokensDetails,
-}
-
-#[derive(ToSchema, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)]
-pub struct PromptTokensDetails {
-    /// Prompt tokens whose keys and values came from the prefix cache.
-    pub cached_tokens: u64,
-}
-
-/// Milliseconds per stage, equal to the stage spans' durations.
-#[derive(ToSchema, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)]
-pub struct Timings {
-    pub queue_ms: f64,
-    pub embed_ms: f64,
-    pub retrieve_ms: f64,
-    pub rerank_ms: f64,
-    pub context_ms: f64,
-    pub prompt_ms: f64,
-    pub prefill_ms: f64,
-    pub decode_ms: f64,
-    pub ttft_ms: f64,
-    pub total_ms: f64,
-}
-
 /// A generated token's log-probability with its likeliest alternatives (native endpoints).
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct TokenLogprob {
@@ -370,7 +328,7 @@ pub struct TokenLogprob {
     pub top_logprobs: Vec<TopLogprob>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct TopLogprob {
@@ -380,24 +338,9 @@ pub struct TopLogprob {
     pub bytes: Vec<u8>,
 }
 
-/// `POST /v1/rag/query` without `stream`.
-#[derive(ToSchema, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[allow(dead_code)]
-pub struct RagAnswer {
-    pub answer: String,
-    pub sources: Vec<Source>,
-    pub usage: Usage,
-    pub timings: Timings,
-    pub finish_reason: FinishReason,
-    /// With `logprobs`: one entry per answer token.
-    #[serde(default)]
-    pub logprobs: Vec<TokenLogprob>,
-}
-
 /// The data of one `/v1/rag/query` stream event: `sources` (the passages), `token`…, then
 /// `done` or `error`.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum RagEvent {
@@ -407,7 +350,7 @@ pub enum RagEvent {
     Error(ErrorBody),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct RagToken {
@@ -416,7 +359,7 @@ pub struct RagToken {
     pub logprobs: Vec<TokenLogprob>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct RagDone {
@@ -426,7 +369,7 @@ pub struct RagDone {
 }
 
 /// OpenAI's finish reasons (a client that left or a timeout reads as one of these).
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(rename_all = "snake_case")]
 #[allow(dead_code)]
 pub enum OpenAiFinish {
@@ -434,7 +377,7 @@ pub enum OpenAiFinish {
     Length,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatCompletion {
@@ -451,7 +394,7 @@ pub struct ChatCompletion {
     pub timings: Timings,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatChoice {
@@ -461,7 +404,7 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct AssistantMessage {
@@ -470,7 +413,7 @@ pub struct AssistantMessage {
     pub content: String,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatLogprobs {
@@ -478,7 +421,7 @@ pub struct ChatLogprobs {
     pub refusal: Option<String>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatTokenLogprob {
@@ -488,7 +431,7 @@ pub struct ChatTokenLogprob {
     pub top_logprobs: Vec<ChatTopLogprob>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatTopLogprob {
@@ -498,7 +441,7 @@ pub struct ChatTopLogprob {
 }
 
 /// The data of one chat stream event; the stream ends with the event `data: [DONE]`.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum ChatStreamEvent {
@@ -506,7 +449,7 @@ pub enum ChatStreamEvent {
     Error(ErrorBody),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatCompletionChunk {
@@ -521,7 +464,7 @@ pub struct ChatCompletionChunk {
     pub usage: Option<Usage>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChunkChoice {
@@ -531,7 +474,7 @@ pub struct ChunkChoice {
     pub logprobs: Option<ChatLogprobs>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ChatDelta {
@@ -539,7 +482,7 @@ pub struct ChatDelta {
     pub content: Option<String>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Completion {
@@ -552,7 +495,7 @@ pub struct Completion {
     pub usage: Usage,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct CompletionChoice {
@@ -564,7 +507,7 @@ pub struct CompletionChoice {
 }
 
 /// The legacy completions' log-probabilities, per position.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct LegacyLogprobs {
@@ -578,7 +521,7 @@ pub struct LegacyLogprobs {
 }
 
 /// The data of one completions stream event; the stream ends with `data: [DONE]`.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum CompletionStreamEvent {
@@ -586,7 +529,7 @@ pub enum CompletionStreamEvent {
     Error(ErrorBody),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct CompletionChunk {
@@ -599,7 +542,7 @@ pub struct CompletionChunk {
     pub usage: Option<Usage>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct EmbeddingList {
@@ -610,7 +553,7 @@ pub struct EmbeddingList {
     pub usage: EmbeddingUsage,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Embedding {
@@ -621,7 +564,7 @@ pub struct Embedding {
 }
 
 /// Floats, or with `encoding_format: "base64"` their little-endian f32 bytes in base64.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum EmbeddingVector {
@@ -629,7 +572,7 @@ pub enum EmbeddingVector {
     Base64(String),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct EmbeddingUsage {
@@ -637,7 +580,7 @@ pub struct EmbeddingUsage {
     pub total_tokens: u64,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct ModelList {
@@ -645,7 +588,7 @@ pub struct ModelList {
     pub data: Vec<Model>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Model {
@@ -655,7 +598,7 @@ pub struct Model {
     pub owned_by: String,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct RerankResponse {
@@ -664,7 +607,7 @@ pub struct RerankResponse {
     pub results: Vec<RerankResult>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct RerankResult {
@@ -674,21 +617,21 @@ pub struct RerankResult {
     pub document: Option<RerankDocument>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct RerankDocument {
     pub text: String,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Ingested {
     pub documents: Vec<IngestOutcome>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct IngestOutcome {
@@ -697,7 +640,7 @@ pub struct IngestOutcome {
     pub status: IngestStatus,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(rename_all = "lowercase")]
 #[allow(dead_code)]
 pub enum IngestStatus {
@@ -706,7 +649,7 @@ pub enum IngestStatus {
     Replaced,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Deleted {
@@ -716,7 +659,7 @@ pub struct Deleted {
 
 /// llama.cpp's answer `{tokens: [id…]}` (with `with_pieces`, `{tokens: [{id, piece}…]}`), or
 /// vLLM's (chosen by `model`).
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum Tokenized {
@@ -724,7 +667,7 @@ pub enum Tokenized {
     Llama(LlamaTokens),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct LlamaTokens {
@@ -732,7 +675,7 @@ pub struct LlamaTokens {
 }
 
 /// An id, or with `with_pieces` an id and its text.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum LlamaToken {
@@ -740,7 +683,7 @@ pub enum LlamaToken {
     Piece(TokenPiece),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct TokenPiece {
@@ -749,7 +692,7 @@ pub struct TokenPiece {
 }
 
 /// A token's text, or its bytes when they are not whole UTF-8.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum Piece {
@@ -757,7 +700,7 @@ pub enum Piece {
     Bytes(Vec<u8>),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct VllmTokens {
@@ -768,7 +711,7 @@ pub struct VllmTokens {
 }
 
 /// llama.cpp's `{content}`, or vLLM's `{prompt}` (with `model`).
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(untagged)]
 #[allow(dead_code)]
 pub enum Detokenized {
@@ -776,21 +719,21 @@ pub enum Detokenized {
     Vllm(DetokenizedPrompt),
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct DetokenizedContent {
     pub content: String,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct DetokenizedPrompt {
     pub prompt: String,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Health {
@@ -799,7 +742,7 @@ pub struct Health {
 }
 
 /// `ready`, or (with 503) `loading`, `failed` or `draining`, with what the server knows.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[allow(dead_code)]
 pub struct Readiness {
     pub status: String,
@@ -816,7 +759,7 @@ pub struct Readiness {
 }
 
 /// OTLP JSON, as the collector's file exporter writes it.
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[allow(dead_code)]
 pub struct OtlpTraces {
     #[serde(rename = "resourceSpans")]
@@ -824,7 +767,7 @@ pub struct OtlpTraces {
     pub resource_spans: Vec<Value>,
 }
 
-#[derive(ToSchema, Deserialize)]
+#[derive(ToSchema, Serialize)]
 #[serde(deny_unknown_fields)]
 #[allow(dead_code)]
 pub struct Cleared {

@@ -52,7 +52,7 @@ pub struct QueryBody {
 /// `token`…, then `done` or `error`.
 #[utoipa::path(post, path = "/v1/rag/query", tag = "rag", request_body = QueryBody,
     responses((status = 200, description = "The answer, or its events", content(
-        (super::openapi::RagAnswer = "application/json"),
+        (crate::pipeline::RagAnswer = "application/json"),
         (super::openapi::RagEvent = "text/event-stream")))))]
 pub async fn query(
     State(state): State<AppState>,
