@@ -582,7 +582,8 @@ async fn real_answers_match_their_response_schemas() {
         .find(|id| id.ends_with("-plain"))
         .expect("a plain model")
         .to_string();
-    let completion = json!({"model": plain, "prompt": "The capital of Zorbia is", "max_tokens": 2,
+    // The prompt's own log-probabilities (what loglikelihood evaluation asks for).
+    let completion = json!({"model": plain, "prompt": "The capital of Zorbia is", "max_tokens": 0,
         "logprobs": 2, "echo": true});
     assert_eq!(
         c!(
@@ -597,7 +598,8 @@ async fn real_answers_match_their_response_schemas() {
     );
     let mut streamed = completion;
     streamed["stream"] = json!(true);
-    streamed["echo"] = json!(false);
+    streamed["max_tokens"] = json!(2);
+    streamed["logprobs"] = json!(null);
     streamed["stream_options"] = json!({"include_usage": true});
     assert_eq!(
         c!("POST", "/v1/completions", "/v1/completions", Some(streamed))
