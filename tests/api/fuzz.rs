@@ -77,8 +77,14 @@ fn seeds() -> Vec<(&'static str, &'static str, Value)> {
             "POST",
             "/v1/completions",
             json!({"model": "fake-generator-plain", "prompt": ["a b c", "d e"],
-            "max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": 3, "n": 2, "stop": ["w1"],
-            "logprobs": 1, "echo": true, "stream": false, "user": "u", "best_of": 1}),
+            "max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "seed": 3, "n": 2, "echo": true,
+            "stream": false, "user": "u", "best_of": 1}),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"model": "fake-generator-plain", "prompt": [[1, 2, 3]], "max_tokens": 0,
+            "logprobs": 1, "echo": true}),
         ),
         (
             "POST",
