@@ -230,7 +230,7 @@ fn runner() -> TestRunner {
     let seed: u64 = std::env::var("RAGSCOPE_FUZZ_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(15_16);
+        .unwrap_or(1516);
     println!("fuzz seed {seed} (RAGSCOPE_FUZZ_SEED picks another)");
     let mut bytes = [0u8; 32];
     bytes[..8].copy_from_slice(&seed.to_le_bytes());

@@ -227,8 +227,7 @@ pub async fn checked(
     if status == 204 {
         assert!(text.is_empty());
         response_schema(doc, method, template, status, "application/json")
-            .err()
-            .expect("a 204 documents no body");
+            .expect_err("a 204 documents no body");
         return (status, Value::Null);
     }
     let schema = response_schema(doc, method, template, status, &kind)
