@@ -374,6 +374,16 @@ pub async fn serve(
     };
     let loading = state.clone();
     let max_body_bytes = args.server.max_body_bytes;
+    // An embedded store that cannot be opened (damaged files, another process holding it)
+    // will not get better by waiting: the server stops and exits non-zero. A remote store
+    // may come back, so then the server stays up and `/ready` reports the failure.
+    let fatal = Arc::new((tokio::sync::Notify::new(), OnceLock::<String>::new()));
+    let embedded = args
+        .store
+        .qdrant_url
+        .as_deref()
+        .is_none_or(|u| u.trim().is_empty());
+    let on_fatal = fatal.clone();
     tokio::task::spawn_blocking(move || {
         let result = load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
             .and_then(|p| {
@@ -394,11 +404,30 @@ pub async fn serve(
             Err(e) => {
                 tracing::error!("start-up failed: {e:#}");
                 loading.readiness.set_failed(format!("{e:#}"));
+                let store = e
+                    .chain()
+                    .any(|c| c.downcast_ref::<crate::retrieve::StoreError>().is_some());
+                if embedded && store {
+                    let _ = on_fatal.1.set(format!("{e:#}"));
+                    on_fatal.0.notify_one();
+                }
             }
         }
     });
     let loaded = state.pipeline.clone();
-    run(listeners, state, max_body_bytes, shutdown).await?;
+    let stop = {
+        let fatal = fatal.clone();
+        async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = fatal.0.notified() => {}
+            }
+        }
+    };
+    run(listeners, state, max_body_bytes, stop).await?;
+    if let Some(e) = fatal.1.get() {
+        anyhow::bail!("start-up failed: {e}");
+    }
     // The process exits next: a job still on a model worker after the grace period is abandoned
     // unanswered, not joined (dropping the workers would wait for it).
     if let Some(pipeline) = loaded.get() {

@@ -53,6 +53,8 @@ pub fn request_faults(
 }
 
 /// `GET /admin/faults`: the server's current plan.
+#[utoipa::path(get, path = "/admin/faults", tag = "debug",
+    responses((status = 200, description = "The fault plan", body = serde_json::Value)))]
 pub async fn get_faults(
     State(state): State<AppState>,
     caller: Option<Extension<Caller>>,
@@ -65,6 +67,9 @@ pub async fn get_faults(
 }
 
 /// `PUT /admin/faults`: replaces the plan every request runs (the body is the plan).
+#[utoipa::path(put, path = "/admin/faults", tag = "debug",
+    request_body(content = serde_json::Value, description = "The plan (JSON or YAML text)", content_type = "application/json"),
+    responses((status = 200, description = "The plan now in force", body = serde_json::Value)))]
 pub async fn put_faults(
     State(state): State<AppState>,
     caller: Option<Extension<Caller>>,
@@ -85,6 +90,8 @@ pub async fn put_faults(
 }
 
 /// `DELETE /admin/faults`: stops injecting.
+#[utoipa::path(delete, path = "/admin/faults", tag = "debug",
+    responses((status = 204, description = "No plan any more")))]
 pub async fn clear_faults(
     State(state): State<AppState>,
     caller: Option<Extension<Caller>>,
@@ -141,7 +148,8 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct TracesQuery {
     /// Most recent traces to return (default all that are buffered).
@@ -150,6 +158,8 @@ pub struct TracesQuery {
 
 /// `GET /debug/traces?limit=N`: the most recent finished traces, as OTLP JSON
 /// (`{"resourceSpans": [...]}`), the same format the collector's file exporter writes.
+#[utoipa::path(get, path = "/debug/traces", tag = "debug", params(TracesQuery),
+    responses((status = 200, description = "OTLP JSON", body = super::openapi::OtlpTraces)))]
 pub async fn recent_traces(
     query: Result<Query<TracesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
@@ -170,6 +180,8 @@ pub async fn recent_traces(
 }
 
 /// `DELETE /debug/traces`: empties the buffer (between the runs of an experiment).
+#[utoipa::path(delete, path = "/debug/traces", tag = "debug",
+    responses((status = 200, description = "Emptied", body = super::openapi::Cleared)))]
 pub async fn clear_traces() -> Response {
     if let Some(buffer) = crate::telemetry::buffer::recent() {
         buffer.clear();

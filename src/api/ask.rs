@@ -459,15 +459,17 @@ pub fn embed_tokens(pipeline: &Pipeline, texts: &[String]) -> usize {
         .sum()
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DocumentBody {
     pub id: Option<String>,
     pub text: String,
     pub source: Option<String>,
     #[serde(default)]
+    #[schema(value_type = super::openapi::DocumentFormat)]
     pub format: Format,
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub metadata: Map<String, Value>,
 }
 

@@ -46,10 +46,11 @@ pub fn plain_model(pipeline: &Pipeline) -> String {
 /// Most prompts one request may hold.
 const MAX_PROMPTS: usize = 64;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct CompletionBody {
     pub model: String,
     /// A string, a list of strings, a list of token ids, or a list of such lists.
+    #[schema(value_type = super::openapi::Prompt)]
     pub prompt: Value,
     pub max_tokens: Option<usize>,
     pub temperature: Option<f64>,
@@ -58,6 +59,7 @@ pub struct CompletionBody {
     /// Choices per prompt, 1 to [`ask::MAX_CHOICES`]; choice `i` samples with `seed + i`.
     pub n: Option<usize>,
     /// A string or a list of up to 4 strings: a choice ends before the first.
+    #[schema(value_type = Option<super::openapi::Stop>)]
     pub stop: Option<Value>,
     /// How many alternatives per position, 0 to [`crate::generate::MAX_TOP_LOGPROBS`].
     pub logprobs: Option<usize>,
@@ -73,6 +75,7 @@ pub struct CompletionBody {
     pub user: Option<String>,
     /// Everything else, refused by [`refuse_unhonoured`] with [`COMPLETION_UNSUPPORTED`].
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
@@ -306,6 +309,12 @@ struct Completed {
 
 use super::openai::openai_finish as finish_reason;
 
+/// OpenAI legacy completions on the generator alone (RAG with `model: "ragscope"`); JSON, or
+/// with `stream: true` server-sent chunks ending in `data: [DONE]`.
+#[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionBody,
+    responses((status = 200, description = "The completion, or its chunks", content(
+        (super::openapi::Completion = "application/json"),
+        (super::openapi::CompletionStreamEvent = "text/event-stream")))))]
 pub async fn completions(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,

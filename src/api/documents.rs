@@ -1,7 +1,7 @@
 //! `POST /v1/documents` (ingest) and `DELETE /v1/documents/{id}`. A 200 means every chunk of
 //! every listed document is durable in the store. Documents are checked in [`super::ask`].
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
 use serde::Deserialize;
@@ -9,15 +9,18 @@ use serde_json::{json, Value};
 
 use super::ask::{self, check_id, DocumentBody};
 use super::error::ApiError;
-use super::json::ValidJson;
+use super::json::{ValidJson, ValidPath};
 use super::{AppState, RequestStage};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateBody {
     pub documents: Vec<DocumentBody>,
 }
 
+/// Ingests documents; durable when it returns.
+#[utoipa::path(post, path = "/v1/documents", tag = "documents", request_body = CreateBody,
+    responses((status = 200, description = "Per document: its id, chunks and what happened", body = super::openapi::Ingested)))]
 pub async fn create(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -31,10 +34,14 @@ pub async fn create(
     Ok(Json(json!({"documents": outcomes})))
 }
 
+/// Removes a document's chunks.
+#[utoipa::path(delete, path = "/v1/documents/{id}", tag = "documents",
+    params(("id" = String, Path, description = "The document's id")),
+    responses((status = 200, description = "What was removed", body = super::openapi::Deleted)))]
 pub async fn remove(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
-    Path(id): Path<String>,
+    ValidPath(id): ValidPath,
 ) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
     check_id("id", &id)?;

@@ -54,6 +54,12 @@ impl ApiError {
         }
     }
 
+    /// Names the field at fault (the message already starts with it).
+    pub fn with_param(mut self, param: &str) -> ApiError {
+        self.param = Some(param.to_string());
+        self
+    }
+
     pub fn with_code(mut self, code: &'static str) -> ApiError {
         self.code = Some(code);
         self

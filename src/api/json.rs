@@ -3,7 +3,8 @@
 //! the error's `param`.
 
 use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::{FromRequest, FromRequestParts, Path, Request};
+use axum::http::request::Parts;
 use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
 
@@ -37,6 +38,21 @@ where
             }
         })?;
         parse(&bytes).map(ValidJson)
+    }
+}
+
+/// A path's one parameter, as text; a segment that does not decode to UTF-8 is a JSON 400
+/// naming `path`, like every other refusal (axum's own rejection is plain text).
+pub struct ValidPath(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for ValidPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(p)) => Ok(ValidPath(p)),
+            Err(e) => Err(ApiError::field("path", e.body_text())),
+        }
     }
 }
 

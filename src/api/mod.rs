@@ -12,6 +12,7 @@ pub mod error;
 pub mod grpc;
 pub mod json;
 pub mod openai;
+pub mod openapi;
 pub mod page;
 pub mod rag;
 pub mod tokenize;
@@ -158,9 +159,11 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/health", get(health))
         .route("/ready", get(ready))
         .route("/metrics", get(prometheus_metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
         // The waterfall page and the stage-event stream; untraced like the other debug views.
         .merge(page::routes())
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         // Outermost first: refused while shutting down, then the API key, then the route, run
         // as its tenant's.
         .layer(crate::tenant::TenantLayer {
@@ -195,10 +198,18 @@ async fn refuse_while_draining(
     next.run(req).await
 }
 
+/// Liveness.
+#[utoipa::path(get, path = "/health", tag = "probes",
+    responses((status = 200, description = "Up", body = openapi::Health)))]
 async fn health() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
 
+/// Readiness: models, store, corpus progress, queue and its admission outlook; 503 while
+/// loading, after a failed start or once shutdown began.
+#[utoipa::path(get, path = "/ready", tag = "probes",
+    responses((status = 200, description = "Ready", body = openapi::Readiness),
+        (status = 503, description = "Loading, failed or draining", body = openapi::Readiness)))]
 async fn ready(State(state): State<AppState>) -> Response {
     use std::sync::atomic::Ordering::Relaxed;
     let r = &state.readiness;
@@ -235,6 +246,8 @@ async fn ready(State(state): State<AppState>) -> Response {
 }
 
 /// Prometheus text exposition of the server's metrics.
+#[utoipa::path(get, path = "/metrics", tag = "probes",
+    responses((status = 200, description = "Prometheus text format 0.0.4", body = String, content_type = "text/plain")))]
 async fn prometheus_metrics() -> Response {
     (
         [(
@@ -253,6 +266,21 @@ async fn not_found(req: Request) -> ApiError {
         format!("path: no route for {} {}", req.method(), req.uri().path()),
     )
     .with_code("not_found")
+}
+
+/// A known path with a method it does not serve: the JSON error shape, as for any refusal.
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!(
+            "method: {} is not served on {}",
+            req.method(),
+            req.uri().path()
+        ),
+    )
+    .with_param("method")
+    .with_code("method_not_allowed")
 }
 
 fn panic_response(_: Box<dyn std::any::Any + Send + 'static>) -> Response {

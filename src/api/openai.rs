@@ -28,7 +28,7 @@ use crate::pipeline::Pipeline;
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
 pub(super) const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChatBody {
     pub model: String,
     pub messages: Vec<ChatMessageBody>,
@@ -40,6 +40,7 @@ pub struct ChatBody {
     #[serde(default)]
     pub stream: bool,
     /// A stop string or a list of up to 4.
+    #[schema(value_type = Option<super::openapi::Stop>)]
     pub stop: Option<Value>,
     /// Independent choices, 1 to [`ask::MAX_CHOICES`]; choice `i` samples with `seed + i`.
     pub n: Option<usize>,
@@ -56,12 +57,14 @@ pub struct ChatBody {
     /// Extension: retrieval settings and filter.
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
+    #[schema(value_type = Option<Object>)]
     pub filter: Option<Value>,
     pub context: Option<String>,
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
     /// Accepted and ignored: they label or route the request but cannot change the answer.
     pub user: Option<String>,
+    #[schema(value_type = Option<Object>)]
     pub metadata: Option<Map<String, Value>>,
     pub store: Option<bool>,
     pub service_tier: Option<String>,
@@ -69,10 +72,11 @@ pub struct ChatBody {
     pub stream_options: Option<StreamOptions>,
     /// Everything else, refused by [`refuse_unhonoured`] with [`CHAT_UNSUPPORTED`].
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
@@ -148,9 +152,10 @@ fn refuse_unhonoured_in(
 
 /// One of `messages`. `role` and `content` make the turn; `name` is accepted and ignored (a
 /// participant's label, which the chat template has no place for).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChatMessageBody {
     pub role: String,
+    #[schema(value_type = Option<super::openapi::MessageContent>)]
     pub content: Option<Value>,
     pub name: Option<String>,
     /// Everything else, refused by name (`messages[2].tool_calls`) with [`MESSAGE_UNSUPPORTED`].
@@ -278,6 +283,12 @@ pub(super) fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiErr
     })
 }
 
+/// OpenAI chat completions, RAG over the last user turn (or the generator alone with the
+/// `…-plain` model); JSON, or with `stream: true` server-sent chunks ending in `data: [DONE]`.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatBody,
+    responses((status = 200, description = "The completion, or its chunks", content(
+        (super::openapi::ChatCompletion = "application/json"),
+        (super::openapi::ChatStreamEvent = "text/event-stream")))))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -594,9 +605,10 @@ fn chunks(
         ))))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct EmbeddingsBody {
     pub model: String,
+    #[schema(value_type = super::openapi::EmbeddingInput)]
     pub input: Value,
     pub encoding_format: Option<String>,
     pub dimensions: Option<usize>,
@@ -604,9 +616,13 @@ pub struct EmbeddingsBody {
     pub user: Option<String>,
     /// Everything else, refused by name.
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
+/// OpenAI embeddings (L2-normalised), floats or base64.
+#[utoipa::path(post, path = "/v1/embeddings", tag = "openai", request_body = EmbeddingsBody,
+    responses((status = 200, description = "One vector per input", body = super::openapi::EmbeddingList)))]
 pub async fn embeddings(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -694,6 +710,9 @@ pub async fn embeddings(
     })))
 }
 
+/// The models this server answers to.
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, description = "OpenAI's model list", body = super::openapi::ModelList)))]
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
     let created = unix_now();

@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -234,7 +234,9 @@ fn sse(name: &'static str, data: &impl Serialize) -> Result<SseEvent, Infallible
 
 /// `GET /ui/traces/{trace_id}`: a finished trace from the buffer, as the events the stream
 /// would have sent (`{trace_id, events}`).
-async fn one_trace(Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn one_trace(
+    super::json::ValidPath(id): super::json::ValidPath,
+) -> Result<Json<Value>, ApiError> {
     let trace = trace_id(Some(&id))?;
     let buffer = buffer::recent().ok_or_else(buffer_off)?;
     let spans = buffer.trace(trace);

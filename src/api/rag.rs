@@ -18,7 +18,7 @@ use super::json::ValidJson;
 use super::{AppState, RequestStage};
 use crate::pipeline::context::ContextAsked;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct QueryBody {
     pub query: String,
@@ -28,10 +28,12 @@ pub struct QueryBody {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub seed: Option<u64>,
+    #[schema(value_type = Option<Object>)]
     pub filter: Option<Value>,
     #[serde(default)]
     pub stream: bool,
     /// A stop string or a list of up to 4: the answer ends before the first.
+    #[schema(value_type = Option<super::openapi::Stop>)]
     pub stop: Option<Value>,
     /// Each answer token's log-probability with this many likeliest alternatives (0 to 20).
     pub logprobs: Option<usize>,
@@ -46,6 +48,12 @@ pub struct QueryBody {
     pub context_method: Option<String>,
 }
 
+/// A RAG answer with its sources; with `stream: true`, server-sent events `sources`,
+/// `token`…, then `done` or `error`.
+#[utoipa::path(post, path = "/v1/rag/query", tag = "rag", request_body = QueryBody,
+    responses((status = 200, description = "The answer, or its events", content(
+        (crate::pipeline::RagAnswer = "application/json"),
+        (super::openapi::RagEvent = "text/event-stream")))))]
 pub async fn query(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -119,7 +127,7 @@ fn sse_events(
     })
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RerankBody {
     pub query: String,
@@ -130,6 +138,9 @@ pub struct RerankBody {
     pub return_documents: bool,
 }
 
+/// Scores documents against a query, best first.
+#[utoipa::path(post, path = "/v1/rerank", tag = "rag", request_body = RerankBody,
+    responses((status = 200, description = "The ranking", body = super::openapi::RerankResponse)))]
 pub async fn rerank(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,

@@ -17,7 +17,7 @@ use super::AppState;
 use crate::generate::{GenerateError, Generator};
 use crate::pipeline::{Pipeline, PipelineError};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct TokenizeBody {
     /// llama.cpp: the text.
     pub content: Option<String>,
@@ -41,6 +41,7 @@ pub struct TokenizeBody {
     /// vLLM: also return each token's text as `token_strs`.
     pub return_token_strs: Option<bool>,
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
@@ -52,6 +53,9 @@ fn refuse_set(fields: &[(&str, bool)], why: &str) -> Result<(), ApiError> {
     }
 }
 
+/// The generator's tokenizer, in llama.cpp's shape or (with `model`) vLLM's.
+#[utoipa::path(post, path = "/tokenize", tag = "tokenizer", request_body = TokenizeBody,
+    responses((status = 200, description = "The tokens", body = super::openapi::Tokenized)))]
 pub async fn tokenize(
     State(state): State<AppState>,
     ValidJson(body): ValidJson<TokenizeBody>,
@@ -156,15 +160,19 @@ fn piece(generator: &dyn Generator, id: u32) -> Value {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct DetokenizeBody {
     pub tokens: Vec<u32>,
     /// vLLM: its presence selects the vLLM answer `{prompt}` (llama.cpp's is `{content}`).
     pub model: Option<String>,
     #[serde(flatten)]
+    #[schema(ignore)]
     pub extra: Map<String, Value>,
 }
 
+/// Token ids back to text (`{content}`, or with `model` vLLM's `{prompt}`).
+#[utoipa::path(post, path = "/detokenize", tag = "tokenizer", request_body = DetokenizeBody,
+    responses((status = 200, description = "The text", body = super::openapi::Detokenized)))]
 pub async fn detokenize(
     State(state): State<AppState>,
     ValidJson(body): ValidJson<DetokenizeBody>,

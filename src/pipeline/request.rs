@@ -64,7 +64,7 @@ impl RagRequest {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct Source {
     pub id: String,
     pub doc_id: String,
@@ -73,6 +73,7 @@ pub struct Source {
     pub retrieval_score: f32,
     pub text: String,
     pub source: String,
+    #[schema(value_type = Object)]
     pub metadata: Map<String, Value>,
 }
 
@@ -91,7 +92,7 @@ impl Source {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -100,14 +101,14 @@ pub struct Usage {
     pub prompt_tokens_details: PromptTokensDetails,
 }
 
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
 pub struct PromptTokensDetails {
     /// Prompt tokens whose keys and values came from the prefix cache.
     pub cached_tokens: usize,
 }
 
 /// Milliseconds per stage, equal to the durations of the stage spans.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
 pub struct Timings {
     pub queue_ms: f64,
     pub embed_ms: f64,
@@ -141,7 +142,7 @@ impl Timings {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct RagAnswer {
     /// The first choice's text.
     pub answer: String,
@@ -149,9 +150,11 @@ pub struct RagAnswer {
     /// Completion tokens of every choice.
     pub usage: Usage,
     pub timings: Timings,
+    #[schema(value_type = crate::api::openapi::FinishReason)]
     pub finish_reason: FinishReason,
     /// The first choice's log-probabilities, when asked for.
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[schema(value_type = Vec<crate::api::openapi::TokenLogprob>, required = false)]
     pub logprobs: Vec<TokenLogprob>,
     /// Every choice, the first one included (the chat endpoint's `n`).
     #[serde(skip)]

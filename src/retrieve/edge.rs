@@ -68,7 +68,22 @@ impl EdgeStore {
             EdgeShard::new(&path, shard_config(dimension))
                 .map_err(backend(&format!("creating shard at {}", path.display())))?
         } else {
-            let shard = EdgeShard::load(&path, None).map_err(|e| {
+            super::damage::check_shard_files(&path)?;
+            // The engine panics on some damaged files it does not check; a start-up error
+            // that names the shard is the answer, not a panic.
+            let loaded =
+                std::panic::catch_unwind(|| EdgeShard::load(&path, None)).map_err(|p| {
+                    let why = p
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| p.downcast_ref::<&str>().copied())
+                        .unwrap_or("a panic");
+                    StoreError::Backend(format!(
+                        "loading shard at {}: a file in it is damaged (the engine failed: {why})",
+                        path.display()
+                    ))
+                })?;
+            let shard = loaded.map_err(|e| {
                 // The engine flocks its WAL; say what that error means.
                 let hint = if e.to_string().contains("WouldBlock") {
                     " (in use by another process or another open store)"

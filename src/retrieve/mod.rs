@@ -7,6 +7,7 @@
 //! them on a model-worker thread (an embedded search takes well under a millisecond; the remote
 //! store bridges to its own async runtime), never on the HTTP server's async threads.
 
+mod damage;
 pub mod edge;
 pub mod payload;
 pub mod remote;
