@@ -15,6 +15,7 @@ mod prefix_cache;
 mod sampler;
 mod schedule;
 mod score;
+pub mod snapshot;
 mod stop;
 mod template;
 #[cfg(test)]
@@ -52,7 +53,7 @@ impl ChatMessage {
 /// The penalties and the n-gram block look at the tokens this request has generated, not at
 /// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too, which
 /// `penalize_prompt` asks for): a RAG answer has to copy words from its passages.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Sampling {
     pub temperature: f64,
     pub top_p: Option<f64>,
@@ -213,6 +214,8 @@ impl FinishReason {
 pub enum Flow {
     Continue,
     Stop,
+    /// Fail the generation with [`GenerateError::Aborted`] (an injected mid-answer fault).
+    Fail,
 }
 
 #[derive(Debug, Clone)]
@@ -248,6 +251,9 @@ pub enum GenerateError {
     Model(#[from] candle_core::Error),
     #[error("model file: {0}")]
     Load(String),
+    /// The consumer answered [`Flow::Fail`].
+    #[error("the generation was failed by its consumer")]
+    Aborted,
 }
 
 /// A causal language model with a chat template.
@@ -287,6 +293,11 @@ pub trait Generator: Send + Sync {
         top: usize,
         stage: &Stage,
     ) -> Result<Vec<TokenLogprob>, GenerateError>;
+
+    /// Where this generator keeps failure snapshots (`GET /debug/snapshots`), if anywhere.
+    fn snapshots(&self) -> Option<&std::sync::Arc<crate::snapshot::SnapshotStore>> {
+        None
+    }
 
     /// Generates up to `req.max_tokens` tokens. `on_token` receives each new piece of text as
     /// soon as it is complete UTF-8 and cannot be the start of a stop string, and may stop the

@@ -327,6 +327,35 @@ pub(super) fn read_gguf(gguf_path: &Path) -> Result<Gguf, GenerateError> {
     })
 }
 
+impl Gguf {
+    /// The tensor the GGUF file names `name` (`token_embd.weight`, `output_norm.weight`,
+    /// `blk.3.attn_k.weight`, …).
+    pub fn tensor_mut(&mut self, name: &str) -> Option<&mut QTensor> {
+        const PER_LAYER: [&str; 9] = [
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ];
+        match name {
+            "token_embd.weight" => Some(&mut self.embed),
+            "output_norm.weight" => Some(&mut self.final_norm),
+            "output.weight" => self.output.as_mut(),
+            _ => {
+                let (layer, part) = name.strip_prefix("blk.")?.split_once('.')?;
+                let part = part.strip_suffix(".weight")?;
+                let j = PER_LAYER.iter().position(|p| *p == part)?;
+                self.layers.get_mut(layer.parse::<usize>().ok()?).map(|l| &mut l[j])
+            }
+        }
+    }
+}
+
 /// Moves a CPU tensor onto `device` with its quantisation unchanged.
 fn move_q(t: QTensor, device: &Device) -> candle_core::Result<QTensor> {
     if device.is_cpu() {

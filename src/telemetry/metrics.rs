@@ -37,6 +37,8 @@ pub struct Metrics {
     pub admission_rejected: Counter<u64>,
     /// Requests refused by API-key checks, by `reason` (missing, invalid, scope).
     pub auth_rejected: Counter<u64>,
+    /// Failure snapshots by `result` (written, evicted, dropped, failed).
+    pub snapshots: Counter<u64>,
 }
 
 /// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
@@ -148,6 +150,11 @@ impl Metrics {
                 .u64_counter(metric::AUTH_REJECTED)
                 .with_unit("{request}")
                 .with_description("Requests refused for a missing, unknown or under-scoped API key")
+                .build(),
+            snapshots: meter
+                .u64_counter(metric::SNAPSHOTS)
+                .with_unit("{snapshot}")
+                .with_description("Failure snapshots written, evicted, dropped (queue full) or failed")
                 .build(),
         }
     }

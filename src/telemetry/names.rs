@@ -191,6 +191,8 @@ names! {
         BENCH = "bench",
         /// The root of evaluation work.
         EVAL = "eval",
+        /// The root of `ragscope replay` work.
+        REPLAY = "replay",
         /// A gRPC call served without the trace layer (never as served; tests).
         GRPC = "grpc",
     }
@@ -201,6 +203,8 @@ names! {
     event {
         /// One generated token, on the `decode` span.
         TOKEN = "token",
+        /// A failure snapshot was queued, on the failing `chat {model}` span.
+        SNAPSHOT = "snapshot",
     }
 }
 
@@ -301,6 +305,9 @@ names! {
         FAULT_TOKEN_DELAY_MS = "rag.fault.token_delay_ms",
         FAULT_DELAYED_TOKENS = "rag.fault.delayed_tokens",
         FAULT_PLAN = "rag.fault.plan",
+        // Failure snapshots.
+        SNAPSHOT_ID = "rag.snapshot.id",
+        SNAPSHOT_REASON = "rag.snapshot.reason",
         // Profiles.
         PYROSCOPE_PROFILE_ID = "pyroscope.profile.id",
         // Metric point labels.
@@ -345,6 +352,7 @@ names! {
         QUEUE_EXPECTED_WAIT = "ragscope.queue.expected_wait",
         ADMISSION_REJECTED = "ragscope.admission.rejected",
         AUTH_REJECTED = "ragscope.auth.rejected",
+        SNAPSHOTS = "ragscope.snapshots",
     }
 }
 

@@ -22,6 +22,7 @@ mod qdrant_wire;
 mod query;
 mod receiver;
 mod rotel;
+mod snapshots;
 mod stack;
 mod stages;
 mod store_conformance;
