@@ -230,8 +230,11 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
         .collect::<Result<Vec<_>>>()?;
     let first = &snaps[0].1.model;
     if let Some((path, _)) = snaps.iter().find(|(_, s)| {
-        (&s.model.weight_format, s.model.context_window, &s.model.file)
-            != (&first.weight_format, first.context_window, &first.file)
+        (
+            &s.model.weight_format,
+            s.model.context_window,
+            &s.model.file,
+        ) != (&first.weight_format, first.context_window, &first.file)
     }) {
         bail!(
             "{}: taken with another model, format or context window than the first snapshot",
@@ -251,7 +254,12 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
     let mut identical = true;
     for (path, snap) in &snaps {
         let mut report = snapshot::replay(&model, snap)?;
-        if snap.model.weights_sha256.as_ref().is_some_and(|s| *s != sha) {
+        if snap
+            .model
+            .weights_sha256
+            .as_ref()
+            .is_some_and(|s| *s != sha)
+        {
             report.notes.push(format!(
                 "{} has sha256 {sha}, not the snapshot's",
                 gguf.display()
@@ -265,7 +273,10 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
         }
         identical &= report.divergence.is_none();
         if args.json {
-            println!("{}", json!({"file": path.display().to_string(), "report": report}));
+            println!(
+                "{}",
+                json!({"file": path.display().to_string(), "report": report})
+            );
             continue;
         }
         let verdict = match &report.divergence {
@@ -281,7 +292,10 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
                 got,
             }) => {
                 let at = match token_index {
-                    None => format!("prompt token {position}, id {}", snap.prompt.tokens[*position]),
+                    None => format!(
+                        "prompt token {position}, id {}",
+                        snap.prompt.tokens[*position]
+                    ),
                     Some(i) => format!("generated token {i} fed back, id {}", snap.generated[*i]),
                 };
                 format!(
@@ -306,7 +320,12 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
                 "diverged in layer {layer}'s whole KV digest: expected {expected}, got {got}"
             ),
         };
-        println!("{}: {} ({}): {verdict}", path.display(), snap.id, snap.reason);
+        println!(
+            "{}: {} ({}): {verdict}",
+            path.display(),
+            snap.id,
+            snap.reason
+        );
         for note in &report.notes {
             println!("  note: {note}");
         }

@@ -138,7 +138,11 @@ pub struct ReplayArgs {
     #[arg(long, env = "RAGSCOPE_MODELS_DIR", default_value = "models")]
     pub models_dir: PathBuf,
     /// Generator: a manifest name or a directory holding a GGUF file (and tokenizer.json).
-    #[arg(long, env = "RAGSCOPE_GEN_MODEL", default_value = "SmolLM2-135M-Instruct")]
+    #[arg(
+        long,
+        env = "RAGSCOPE_GEN_MODEL",
+        default_value = "SmolLM2-135M-Instruct"
+    )]
     pub gen_model: String,
     /// Diagnostic: add DELTA to element INDEX (row-major) of a GGUF tensor before replaying,
     /// as `TENSOR:INDEX:DELTA` (e.g. `blk.3.attn_k.weight:100:0.5`); a quantised tensor's block

@@ -193,9 +193,11 @@ impl SnapshotStore {
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
             }
-            let read = std::fs::read(&path)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<Snapshot>(&b).ok().map(|s| (s, b.len())));
+            let read = std::fs::read(&path).ok().and_then(|b| {
+                serde_json::from_slice::<Snapshot>(&b)
+                    .ok()
+                    .map(|s| (s, b.len()))
+            });
             match read {
                 Some((s, bytes)) => {
                     index.insert(s.id.clone(), Summary::of(&s, bytes as u64));
@@ -433,7 +435,9 @@ mod tests {
     #[test]
     fn the_oldest_are_evicted_beyond_the_count() {
         let tmp = tempfile::tempdir().unwrap();
-        let store = SnapshotStore::open(&args(2, 64), tmp.path()).unwrap().unwrap();
+        let store = SnapshotStore::open(&args(2, 64), tmp.path())
+            .unwrap()
+            .unwrap();
         let ids: Vec<String> = (0..3).map(|i| SnapshotStore::new_id(1000 + i)).collect();
         for id in &ids {
             write(&store, snapshot(id.clone(), 4));
@@ -441,19 +445,26 @@ mod tests {
         let listed: Vec<String> = store.list().into_iter().map(|s| s.id).collect();
         assert_eq!(listed, ids[1..]);
         assert!(store.get(&ids[0]).is_none());
-        assert!(!tmp.path().join(format!("snapshots/{}.json", ids[0])).exists());
+        assert!(!tmp
+            .path()
+            .join(format!("snapshots/{}.json", ids[0]))
+            .exists());
         let back: Snapshot = serde_json::from_slice(&store.get(&ids[2]).unwrap()).unwrap();
         assert_eq!(back.prompt.tokens.len(), 4);
         // A reopened store finds what is on disk.
         drop(store);
-        let again = SnapshotStore::open(&args(2, 64), tmp.path()).unwrap().unwrap();
+        let again = SnapshotStore::open(&args(2, 64), tmp.path())
+            .unwrap()
+            .unwrap();
         assert_eq!(again.list().len(), 2);
     }
 
     #[test]
     fn the_oldest_are_evicted_beyond_the_bytes_and_an_oversized_one_is_refused() {
         let tmp = tempfile::tempdir().unwrap();
-        let store = SnapshotStore::open(&args(100, 1), tmp.path()).unwrap().unwrap();
+        let store = SnapshotStore::open(&args(100, 1), tmp.path())
+            .unwrap()
+            .unwrap();
         // ~0.45 MiB each: two fit in 1 MiB, three do not.
         let big = 65_000;
         let ids: Vec<String> = (0..3).map(|i| SnapshotStore::new_id(2000 + i)).collect();
@@ -464,17 +475,20 @@ mod tests {
         assert_eq!(listed, ids[1..]);
         let total: u64 = store.list().iter().map(|s| s.bytes).sum();
         assert!(total <= 1 << 20, "{total}");
-        write(
-            &store,
-            snapshot(SnapshotStore::new_id(3000), 4 * big),
+        write(&store, snapshot(SnapshotStore::new_id(3000), 4 * big));
+        assert_eq!(
+            store.list().len(),
+            2,
+            "a snapshot larger than the budget is not kept"
         );
-        assert_eq!(store.list().len(), 2, "a snapshot larger than the budget is not kept");
     }
 
     #[test]
     fn a_full_queue_drops_instead_of_waiting() {
         let tmp = tempfile::tempdir().unwrap();
-        let store = SnapshotStore::open(&args(4, 64), tmp.path()).unwrap().unwrap();
+        let store = SnapshotStore::open(&args(4, 64), tmp.path())
+            .unwrap()
+            .unwrap();
         assert!(!store.submit(Box::new(|| None), QUEUE_BYTES + 1));
         // Hold the writer in its first job, then fill the queue.
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();

@@ -207,13 +207,7 @@ impl<'a> TextGeneration<'a> {
                 let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&net.device));
                 let batch = on_stage(
                     &decode,
-                    net.decode_one(
-                        session.as_mut(),
-                        cache,
-                        last,
-                        &mut logits,
-                        &llama.schedule,
-                    ),
+                    net.decode_one(session.as_mut(), cache, last, &mut logits, &llama.schedule),
                 )?;
                 batches.record(batch);
                 self.trail.step(batch);

@@ -109,7 +109,14 @@ impl Llama {
         max_context: usize,
         format: WeightFormat,
     ) -> Result<Llama, GenerateError> {
-        Self::load_edited(gguf_path, tokenizer, device, max_context, format, |_| Ok(()))
+        Self::load_edited(
+            gguf_path,
+            tokenizer,
+            device,
+            max_context,
+            format,
+            |_| Ok(()),
+        )
     }
 
     /// Loads with `edit` applied to the tensors as read, before they are converted (replay's

@@ -3,7 +3,8 @@
 //! A generation prefills the prompt once (from the longest cached prefix on), then decodes one
 //! token per step against a KV cache owned by that request. The implementation records `prefill` and `decode` child stages
 //! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
-//! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts).
+//! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts). A
+//! failed generation leaves a snapshot that `ragscope replay` re-runs ([`snapshot`]).
 
 pub(crate) mod cpu_decode;
 mod forward;

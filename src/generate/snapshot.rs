@@ -145,9 +145,8 @@ impl Watch<'_> {
         let weights = (llama.gguf_path.clone(), llama.weights_sha256.clone());
         let job = move || {
             let (path, sha) = weights;
-            snapshot.model.weights_sha256 = sha
-                .get_or_init(|| store::file_sha256(&path).ok())
-                .clone();
+            snapshot.model.weights_sha256 =
+                sha.get_or_init(|| store::file_sha256(&path).ok()).clone();
             if let Some(cache) = cache {
                 match cache.digest() {
                     Ok(kv) => snapshot.kv = Some(kv),
@@ -260,7 +259,9 @@ impl FromStr for Perturbation {
         let mut parts = s.rsplitn(3, ':');
         let (Some(delta), Some(index), Some(tensor)) = (parts.next(), parts.next(), parts.next())
         else {
-            return Err(format!("--perturb-weight {s:?}: expected TENSOR:INDEX:DELTA"));
+            return Err(format!(
+                "--perturb-weight {s:?}: expected TENSOR:INDEX:DELTA"
+            ));
         };
         Ok(Perturbation {
             tensor: tensor.to_string(),
@@ -376,7 +377,11 @@ pub fn replay(llama: &Llama, snap: &Snapshot) -> Result<Replay, GenerateError> {
     let cfg = &net.cfg;
     let facts = model_facts(llama, None);
     if (facts.n_layer, facts.n_kv_head, facts.head_dim)
-        != (snap.model.n_layer, snap.model.n_kv_head, snap.model.head_dim)
+        != (
+            snap.model.n_layer,
+            snap.model.n_kv_head,
+            snap.model.head_dim,
+        )
     {
         return Err(GenerateError::Load(format!(
             "the snapshot's model has {} layers × {} KV heads × {}; this one {} × {} × {}",
@@ -478,7 +483,11 @@ pub fn replay(llama: &Llama, snap: &Snapshot) -> Result<Replay, GenerateError> {
     drop(session);
     if let Some(kv) = expected.filter(|kv| kv.len == cache.len) {
         let whole = cache.digest()?;
-        let differs = kv.layers.iter().zip(&whole.layers).position(|(a, b)| a != b);
+        let differs = kv
+            .layers
+            .iter()
+            .zip(&whole.layers)
+            .position(|(a, b)| a != b);
         if let Some(layer) = differs {
             report.divergence = Some(Divergence::Layer {
                 layer,
@@ -493,7 +502,8 @@ pub fn replay(llama: &Llama, snap: &Snapshot) -> Result<Replay, GenerateError> {
 /// The first layer whose 8-digit digest differs between two position digests.
 fn first_layer(want: &str, got: &str) -> Option<usize> {
     let (a, b) = (want.as_bytes(), got.as_bytes());
-    (0..a.len().max(b.len()).div_ceil(8)).find(|&l| a.get(l * 8..l * 8 + 8) != b.get(l * 8..l * 8 + 8))
+    (0..a.len().max(b.len()).div_ceil(8))
+        .find(|&l| a.get(l * 8..l * 8 + 8) != b.get(l * 8..l * 8 + 8))
 }
 
 /// How the replay's conditions differ from the run's.
@@ -531,52 +541,66 @@ mod tests {
     use crate::generate::testing::{model, request, stage, zorbia_prompt};
     use crate::generate::{Flow, Generator, Sampling};
 
-    /// A snapshot of `req` failing after `after` pieces, built as the writer would.
-    fn snapshot_of(model: &Llama, req: GenerateRequest<'_>, after: usize) -> Snapshot {
+    /// A model of its own with a snapshot store (the shared test model writes none).
+    fn with_store(context: usize) -> (Llama, Arc<SnapshotStore>, tempfile::TempDir) {
         let tmp = tempfile::tempdir().unwrap();
         let args = crate::config::SnapshotArgs {
             snapshots: true,
-            snapshot_max_count: 4,
+            snapshot_max_count: 8,
             snapshot_max_mb: 64,
             snapshot_on_cancel: false,
         };
         let store = SnapshotStore::open(&args, tmp.path()).unwrap().unwrap();
-        // A model of its own, so the shared test model keeps writing no snapshots.
         let path = crate::generate::llama::test_model_path();
-        let llama = Llama::from_gguf(&path, &Device::Cpu, model.context_window)
+        let llama = Llama::from_gguf(&path, &Device::Cpu, context)
             .unwrap()
             .with_snapshots(Some(store.clone()));
-        let mut pieces = 0;
-        let err = llama
-            .generate(req, &stage(), &mut |_| {
-                pieces += 1;
-                if pieces >= after {
-                    Flow::Fail
-                } else {
-                    Flow::Continue
-                }
-            })
-            .unwrap_err();
-        assert!(matches!(err, GenerateError::Aborted), "{err:?}");
+        (llama, store, tmp)
+    }
+
+    /// The `n`th snapshot written, once it is (bounded wait).
+    fn nth(store: &SnapshotStore, n: usize) -> Snapshot {
         for _ in 0..500 {
-            if let Some(s) = store.list().first() {
+            if let Some(s) = store.list().get(n) {
                 return serde_json::from_slice(&store.get(&s.id).unwrap()).unwrap();
             }
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        panic!("no snapshot written");
+        panic!("snapshot {n} never written");
+    }
+
+    /// A consumer that answers `fail` at its `at`th piece, or panics there when `None`.
+    fn failing_at(at: usize, fail: Option<Flow>) -> impl FnMut(crate::generate::Piece<'_>) -> Flow {
+        let mut pieces = 0;
+        move |_| {
+            pieces += 1;
+            match (pieces >= at, fail) {
+                (false, _) => Flow::Continue,
+                (true, Some(flow)) => flow,
+                (true, None) => panic!("a step that panics"),
+            }
+        }
     }
 
     #[test]
-    fn a_failed_generation_replays_identically_and_a_perturbed_embedding_row_is_found() {
+    fn failures_replay_identically_and_a_perturbed_embedding_row_is_found() {
         let Some(model) = model() else { return };
+        let (llama, store, _tmp) = with_store(model.context_window);
         let prompt = zorbia_prompt(model);
         let sampling = Sampling {
             temperature: 0.8,
             seed: 11,
             ..Sampling::default()
         };
-        let snap = snapshot_of(model, request(&prompt, 12, sampling), 6);
+        let err = llama
+            .generate(
+                request(&prompt, 12, sampling),
+                &stage(),
+                &mut failing_at(6, Some(Flow::Fail)),
+            )
+            .unwrap_err();
+        assert!(matches!(err, GenerateError::Aborted), "{err:?}");
+        let snap = nth(&store, 0);
         assert_eq!(snap.reason, "injected_error");
         assert!(snap.generated.len() >= 6, "{:?}", snap.generated);
         let kv = snap.kv.as_ref().expect("a KV digest");
@@ -584,26 +608,35 @@ mod tests {
         assert_eq!(kv.positions.len(), kv.len);
         assert_eq!(kv.layers.len(), model.transformer.cfg.n_layer);
         assert!(kv.positions.iter().all(|p| p.len() == 8 * kv.layers.len()));
+        // Replayed on another instance of the model.
         let again = replay(model, &snap).unwrap();
         assert_eq!(again.divergence, None, "{again:?}");
         assert_eq!(again.positions_checked, kv.len);
         assert_eq!(again.tokens_checked, snap.generated.len());
 
+        // A panic in a step: snapshotted, then passed on.
+        let panicked = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let mut consumer = failing_at(4, None);
+            let _ = llama.generate(request(&prompt, 12, sampling), &stage(), &mut consumer);
+        }));
+        assert!(panicked.is_err());
+        let snap_panic = nth(&store, 1);
+        assert_eq!(snap_panic.reason, "panic");
+        assert_eq!(snap_panic.message.as_deref(), Some("a step that panics"));
+        assert_eq!(replay(model, &snap_panic).unwrap().divergence, None);
+
         // One embedding row changed: every position before that token's first use agrees.
-        let at = 20;
-        let token = prompt[at];
+        let token = prompt[20];
         let first = prompt.iter().position(|&t| t == token).unwrap();
-        let width = snap.model.embedding_length;
         let perturb = [Perturbation {
             tensor: "token_embd.weight".into(),
-            index: token as usize * width + 3,
+            index: token as usize * snap.model.embedding_length + 3,
             delta: 0.5,
         }];
         let path = crate::generate::llama::test_model_path();
         let tokenizer = super::super::tokenizer::from_gguf_file(&path).unwrap();
         let perturbed = load_for_replay(&path, tokenizer, &snap, &perturb).unwrap();
-        let report = replay(&perturbed, &snap).unwrap();
-        match report.divergence {
+        match replay(&perturbed, &snap).unwrap().divergence {
             Some(Divergence::Kv {
                 position,
                 token_index: None,

@@ -350,7 +350,9 @@ impl Gguf {
                 let (layer, part) = name.strip_prefix("blk.")?.split_once('.')?;
                 let part = part.strip_suffix(".weight")?;
                 let j = PER_LAYER.iter().position(|p| *p == part)?;
-                self.layers.get_mut(layer.parse::<usize>().ok()?).map(|l| &mut l[j])
+                self.layers
+                    .get_mut(layer.parse::<usize>().ok()?)
+                    .map(|l| &mut l[j])
             }
         }
     }

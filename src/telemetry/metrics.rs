@@ -154,7 +154,9 @@ impl Metrics {
             snapshots: meter
                 .u64_counter(metric::SNAPSHOTS)
                 .with_unit("{snapshot}")
-                .with_description("Failure snapshots written, evicted, dropped (queue full) or failed")
+                .with_description(
+                    "Failure snapshots written, evicted, dropped (queue full) or failed",
+                )
                 .build(),
         }
     }

@@ -1,7 +1,9 @@
 //! Failure snapshots on the real server and `ragscope replay` on the real model: an injected
 //! mid-answer error leaves a snapshot (listed, served, named on its span) that replays
-//! identically, also when it was taken in a batch of four; a perturbed embedding row makes
-//! replay name the first position that reads it; the directory's bound evicts the oldest.
+//! identically, also the four of an `n: 4` completion whose choices decode side by side (how
+//! many steps were batched depends on timing: the test prints the largest batch); a perturbed
+//! embedding row makes replay name the first position that reads it; the directory's bound
+//! evicts the oldest.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,7 +15,8 @@ use crate::helpers::{models_dir, spawn_app_with, TestApp};
 
 const PLAIN: &str = "SmolLM2-135M-Instruct-plain";
 
-/// A completion whose every choice fails with an injected error at its `at`th piece.
+/// A completion whose every choice fails with an injected error at its `at`th piece (the
+/// response is the first failure; the other choices run on and fail after it).
 async fn failing_completion(app: &TestApp, n: usize, at: usize) {
     let r = app
         .client
@@ -25,7 +28,7 @@ async fn failing_completion(app: &TestApp, n: usize, at: usize) {
         .json(&json!({
             "model": PLAIN,
             "prompt": "The capital of Zorbia is Quenta. Zorbia exports glass and tin.\nQ: What does Zorbia export?\nA:",
-            "max_tokens": 12, "n": n, "temperature": 0.8, "seed": 7,
+            "max_tokens": 16, "n": n, "temperature": 0.8, "seed": 7,
         }))
         .send()
         .await
@@ -135,9 +138,11 @@ async fn a_failed_generation_is_snapshotted_replayed_and_bounded() {
         .find(|s| s["name"].as_str().unwrap().starts_with("chat "))
         .expect("a chat span");
     assert!(
-        chat["attributes"].as_array().unwrap().iter().any(|a| {
-            a["key"] == "rag.snapshot.id" && a["value"]["stringValue"] == snap["id"]
-        }),
+        chat["attributes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| { a["key"] == "rag.snapshot.id" && a["value"]["stringValue"] == snap["id"] }),
         "{chat}"
     );
     assert!(
@@ -153,8 +158,8 @@ async fn a_failed_generation_is_snapshotted_replayed_and_bounded() {
     let (status, bad) = app.get("/debug/snapshots/..%2Fetc").await;
     assert_eq!((status, bad["error"]["param"].as_str()), (400, Some("id")));
 
-    // Four choices fail together, their decode steps batched; each replays alone.
-    failing_completion(&app, 4, 5).await;
+    // Four choices decode side by side and fail; each replays alone.
+    failing_completion(&app, 4, 12).await;
     let ids = snapshot_ids(&app, 5).await;
     let mut files = vec![first.clone()];
     let mut batched = 0;
@@ -178,7 +183,9 @@ async fn a_failed_generation_is_snapshotted_replayed_and_bounded() {
     let (code, out) = replay(&[&first], &["--perturb-weight".into(), perturb]);
     assert_eq!(code, 1, "{out}");
     assert!(
-        out.contains(&format!("diverged at position {at} (prompt token {at}, id {token}): layer 0 KV digest")),
+        out.contains(&format!(
+            "diverged at position {at} (prompt token {at}, id {token}): layer 0 KV digest"
+        )),
         "{out}"
     );
     let (code, out) = replay(&[&tmp.path().join("none.json")], &[]);
