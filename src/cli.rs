@@ -145,54 +145,6 @@ fn print_event(event: &SseEvent, sources: &mut Value, out: &mut impl Write) -> R
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Feeds `stream` to the parser in `chunk`-byte pieces and prints what it completes.
-    fn print_stream(stream: &str, chunk: usize) -> (String, Result<()>) {
-        let (mut parser, mut sources, mut out) = (SseParser::new(), Value::Null, Vec::new());
-        let mut result = Ok(());
-        for piece in stream.as_bytes().chunks(chunk) {
-            for event in parser.push(piece) {
-                result = result.and_then(|()| print_event(&event, &mut sources, &mut out));
-            }
-        }
-        (String::from_utf8(out).unwrap(), result)
-    }
-
-    #[test]
-    fn prints_tokens_then_sources_and_timings() {
-        let stream = concat!(
-            "event: sources\ndata: [{\"source\":\"a.txt\",\"score\":0.91234},{\"score\":0.5}]\n\n",
-            ":\n\n",
-            "event: token\ndata: {\"text\":\"Grüß\"}\n\n",
-            "event: token\ndata: {\"text\":\" dich\"}\n\n",
-            "event: done\ndata: {\"usage\":{},\"timings\":{\"embed_ms\":1.5}}\n\n",
-        );
-        // Split everywhere, inside the two-byte characters too: the output does not change.
-        for chunk in [1, 3, 7, stream.len()] {
-            let (out, result) = print_stream(stream, chunk);
-            result.unwrap();
-            assert_eq!(
-                out,
-                "Grüß dich\n\n[1] a.txt (score 0.912)\n[2] ? (score 0.500)\n\ntimings: {\"embed_ms\":1.5}\n",
-                "chunks of {chunk} bytes"
-            );
-        }
-    }
-
-    #[test]
-    fn an_error_event_ends_the_query_with_its_message() {
-        let stream =
-            "event: token\ndata: {\"text\":\"a\"}\n\nevent: error\ndata: {\"error\":\"boom\"}\n\n";
-        let (out, result) = print_stream(stream, 5);
-        assert_eq!(out, "a");
-        let err = result.unwrap_err().to_string();
-        assert_eq!(err, "server error: {\"error\":\"boom\"}");
-    }
-}
-
 /// `ragscope replay`: 0 when every snapshot replays identically, 1 when one diverged, 2 on an
 /// error (printed).
 pub fn replay(args: &ReplayArgs) -> i32 {
@@ -331,4 +283,52 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
         }
     }
     Ok(identical)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `stream` to the parser in `chunk`-byte pieces and prints what it completes.
+    fn print_stream(stream: &str, chunk: usize) -> (String, Result<()>) {
+        let (mut parser, mut sources, mut out) = (SseParser::new(), Value::Null, Vec::new());
+        let mut result = Ok(());
+        for piece in stream.as_bytes().chunks(chunk) {
+            for event in parser.push(piece) {
+                result = result.and_then(|()| print_event(&event, &mut sources, &mut out));
+            }
+        }
+        (String::from_utf8(out).unwrap(), result)
+    }
+
+    #[test]
+    fn prints_tokens_then_sources_and_timings() {
+        let stream = concat!(
+            "event: sources\ndata: [{\"source\":\"a.txt\",\"score\":0.91234},{\"score\":0.5}]\n\n",
+            ":\n\n",
+            "event: token\ndata: {\"text\":\"Grüß\"}\n\n",
+            "event: token\ndata: {\"text\":\" dich\"}\n\n",
+            "event: done\ndata: {\"usage\":{},\"timings\":{\"embed_ms\":1.5}}\n\n",
+        );
+        // Split everywhere, inside the two-byte characters too: the output does not change.
+        for chunk in [1, 3, 7, stream.len()] {
+            let (out, result) = print_stream(stream, chunk);
+            result.unwrap();
+            assert_eq!(
+                out,
+                "Grüß dich\n\n[1] a.txt (score 0.912)\n[2] ? (score 0.500)\n\ntimings: {\"embed_ms\":1.5}\n",
+                "chunks of {chunk} bytes"
+            );
+        }
+    }
+
+    #[test]
+    fn an_error_event_ends_the_query_with_its_message() {
+        let stream =
+            "event: token\ndata: {\"text\":\"a\"}\n\nevent: error\ndata: {\"error\":\"boom\"}\n\n";
+        let (out, result) = print_stream(stream, 5);
+        assert_eq!(out, "a");
+        let err = result.unwrap_err().to_string();
+        assert_eq!(err, "server error: {\"error\":\"boom\"}");
+    }
 }
