@@ -232,16 +232,6 @@ fn trace_timings(trace_id: Option<&str>) -> Vec<StageTiming> {
     out
 }
 
-/// Every weight format, to read one back from a snapshot by its name.
-const FORMATS: [WeightFormat; 6] = [
-    WeightFormat::Shipped,
-    WeightFormat::Q8_0,
-    WeightFormat::F32,
-    WeightFormat::F32PrefillQ8Decode,
-    WeightFormat::F32PrefillQ4Decode,
-    WeightFormat::F16PrefillQ8Decode,
-];
-
 /// A diagnostic change to one weight before a replay: `delta` added to element `index`
 /// (row-major) of the GGUF tensor `tensor`.
 #[derive(Debug, Clone, PartialEq)]
@@ -316,9 +306,7 @@ pub fn load_for_replay(
     perturb: &[Perturbation],
 ) -> Result<Llama, GenerateError> {
     let name = &snapshot.model.weight_format;
-    let format = FORMATS
-        .into_iter()
-        .find(|f| format!("{f:?}") == *name)
+    let format = WeightFormat::named(name)
         .ok_or_else(|| GenerateError::Load(format!("unknown weight format {name:?}")))?;
     Llama::load_edited(
         gguf_path,

@@ -44,6 +44,21 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
+    /// Every format a name can pick (its `Debug` name, e.g. `F32PrefillQ8Decode`).
+    pub const ALL: [WeightFormat; 6] = [
+        WeightFormat::Shipped,
+        WeightFormat::Q8_0,
+        WeightFormat::F32,
+        WeightFormat::F32PrefillQ8Decode,
+        WeightFormat::F32PrefillQ4Decode,
+        WeightFormat::F16PrefillQ8Decode,
+    ];
+
+    /// The format with this `Debug` name.
+    pub fn named(name: &str) -> Option<WeightFormat> {
+        Self::ALL.into_iter().find(|f| format!("{f:?}") == name)
+    }
+
     /// The format [`Llama::load`](super::llama::Llama::load) picks for `device`: the measured CPU default above, or
     /// [`WeightFormat::F16PrefillQ8Decode`] on a GPU.
     pub fn for_device(device: &Device) -> WeightFormat {
