@@ -1,7 +1,8 @@
 //! Failure snapshots on the real server and `ragscope replay` on the real model: an injected
 //! mid-answer error leaves a snapshot (listed, served, named on its span) that replays
 //! identically, also the four of an `n: 4` completion whose choices decode side by side (how
-//! many steps were batched depends on timing: the test prints the largest batch); a perturbed
+//! many steps were batched depends on timing: the test prints the largest batch; each choice
+//! fails at its 5th piece, which all four reach with this seed before an end token); a perturbed
 //! embedding row makes replay name the first position that reads it; the directory's bound
 //! evicts the oldest.
 
@@ -159,7 +160,7 @@ async fn a_failed_generation_is_snapshotted_replayed_and_bounded() {
     assert_eq!((status, bad["error"]["param"].as_str()), (400, Some("id")));
 
     // Four choices decode side by side and fail; each replays alone.
-    failing_completion(&app, 4, 12).await;
+    failing_completion(&app, 4, 5).await;
     let ids = snapshot_ids(&app, 5).await;
     let mut files = vec![first.clone()];
     let mut batched = 0;
