@@ -43,6 +43,14 @@ pub struct Models {
 /// Loads the embedder, generator and reranker named in `args`, fetching manifest models when
 /// allowed.
 pub fn load_models(args: &ModelArgs) -> Result<Models> {
+    load_models_with(args, None)
+}
+
+/// [`load_models`], with a generator that leaves failure snapshots in `snapshots`.
+pub fn load_models_with(
+    args: &ModelArgs,
+    snapshots: Option<Arc<crate::snapshot::SnapshotStore>>,
+) -> Result<Models> {
     let device = crate::device::device(&args.device)?;
     crate::telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
     crate::generate::schedule::set_step_trace(crate::generate::schedule::StepTrace {
@@ -61,7 +69,8 @@ pub fn load_models(args: &ModelArgs) -> Result<Models> {
     let gen_dir = models::resolve(&args.gen_model, &args.models_dir, &[], args.fetch_models)?;
     let generator = load_generator(&gen_dir, &device, args.max_context)
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
-        .with_prefix_cache(args.prefix_cache_mb);
+        .with_prefix_cache(args.prefix_cache_mb)
+        .with_snapshots(snapshots);
     let reranker: Option<Arc<dyn Reranker>> = match args.reranker.as_str() {
         "none" => None,
         "fusion" => Some(Arc::new(FusionReranker::default())),
@@ -153,11 +162,12 @@ pub fn load_pipeline(
     server: &ServerArgs,
     pipeline: &PipelineArgs,
 ) -> Result<Pipeline> {
+    let snapshots = crate::snapshot::SnapshotStore::open(&server.snapshots, &store.data_dir)?;
     let Models {
         embedder,
         generator,
         reranker,
-    } = load_models(models)?;
+    } = load_models_with(models, snapshots)?;
     let store_handle = open_store(store, embedder.dimension())?;
     Ok(Pipeline {
         embedder,

@@ -1,4 +1,5 @@
-//! The small subcommands: `models fetch|verify`, `ingest` and `query` (a streaming client).
+//! The small subcommands: `models fetch|verify`, `ingest`, `query` (a streaming client) and
+//! `replay` (re-running failure snapshots).
 
 use std::io::Write;
 
@@ -8,7 +9,7 @@ use ragscope_loadgen::sse::{SseEvent, SseParser};
 use serde_json::{json, Value};
 
 use crate::app;
-use crate::config::{IngestArgs, ModelArgs, QueryArgs};
+use crate::config::{IngestArgs, ModelArgs, QueryArgs, ReplayArgs};
 use crate::generate::tokenizer;
 use crate::ingest::{ingest_document, read_paths};
 use crate::models::{self, Manifest};
@@ -142,6 +143,146 @@ fn print_event(event: &SseEvent, sources: &mut Value, out: &mut impl Write) -> R
         _ => bail!("server error: {}", event.data),
     }
     Ok(())
+}
+
+/// `ragscope replay`: 0 when every snapshot replays identically, 1 when one diverged, 2 on an
+/// error (printed).
+pub fn replay(args: &ReplayArgs) -> i32 {
+    match replay_all(args) {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            eprintln!("replay: {e:#}");
+            2
+        }
+    }
+}
+
+fn replay_all(args: &ReplayArgs) -> Result<bool> {
+    use crate::generate::snapshot::{self, Divergence, Perturbation};
+    use crate::snapshot::{Snapshot, FORMAT_VERSION};
+    let mut snaps = Vec::new();
+    for path in &args.snapshots {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let snap: Snapshot = serde_json::from_slice(&bytes)
+            .with_context(|| format!("{} is not a snapshot", path.display()))?;
+        if snap.version != FORMAT_VERSION {
+            bail!(
+                "{}: snapshot format {} (this build reads {FORMAT_VERSION})",
+                path.display(),
+                snap.version
+            );
+        }
+        snaps.push((path, snap));
+    }
+    let perturb = args
+        .perturb_weight
+        .iter()
+        .map(|p| p.parse::<Perturbation>().map_err(anyhow::Error::msg))
+        .collect::<Result<Vec<_>>>()?;
+    let first = &snaps[0].1.model;
+    if let Some((path, _)) = snaps.iter().find(|(_, s)| {
+        (
+            &s.model.weight_format,
+            s.model.context_window,
+            &s.model.file,
+        ) != (&first.weight_format, first.context_window, &first.file)
+    }) {
+        bail!(
+            "{}: taken with another model, format or context window than the first snapshot",
+            path.display()
+        );
+    }
+    let dir = models::resolve(&args.gen_model, &args.models_dir, &[], false)?;
+    let gguf = app::gguf_in(&dir)?;
+    let sha = crate::snapshot::file_sha256(&gguf)?;
+    let tokenizer_json = dir.join("tokenizer.json");
+    let tokenizer = if tokenizer_json.exists() {
+        tokenizer::load(&tokenizer_json)?
+    } else {
+        tokenizer::from_gguf_file(&gguf)?
+    };
+    let model = snapshot::load_for_replay(&gguf, tokenizer, &snaps[0].1, &perturb)?;
+    let mut identical = true;
+    for (path, snap) in &snaps {
+        let mut report = snapshot::replay(&model, snap)?;
+        if snap
+            .model
+            .weights_sha256
+            .as_ref()
+            .is_some_and(|s| *s != sha)
+        {
+            report.notes.push(format!(
+                "{} has sha256 {sha}, not the snapshot's",
+                gguf.display()
+            ));
+        }
+        for p in &perturb {
+            report.notes.push(format!(
+                "weight perturbed: {}[{}] += {}",
+                p.tensor, p.index, p.delta
+            ));
+        }
+        identical &= report.divergence.is_none();
+        if args.json {
+            println!(
+                "{}",
+                json!({"file": path.display().to_string(), "report": report})
+            );
+            continue;
+        }
+        let verdict = match &report.divergence {
+            None => format!(
+                "identical: {} KV positions × {} layers and {} tokens",
+                report.positions_checked, snap.model.n_layer, report.tokens_checked
+            ),
+            Some(Divergence::Kv {
+                position,
+                token_index,
+                layer,
+                expected,
+                got,
+            }) => {
+                let at = match token_index {
+                    None => format!(
+                        "prompt token {position}, id {}",
+                        snap.prompt.tokens[*position]
+                    ),
+                    Some(i) => format!("generated token {i} fed back, id {}", snap.generated[*i]),
+                };
+                format!(
+                    "diverged at position {position} ({at}): layer {layer} KV digest \
+                     expected {expected}, got {got}"
+                )
+            }
+            Some(Divergence::Token {
+                index,
+                position,
+                expected,
+                got,
+            }) => format!(
+                "diverged at generated token {index} (position {position}): expected id \
+                 {expected}, got id {got}"
+            ),
+            Some(Divergence::Layer {
+                layer,
+                expected,
+                got,
+            }) => format!(
+                "diverged in layer {layer}'s whole KV digest: expected {expected}, got {got}"
+            ),
+        };
+        println!(
+            "{}: {} ({}): {verdict}",
+            path.display(),
+            snap.id,
+            snap.reason
+        );
+        for note in &report.notes {
+            println!("  note: {note}");
+        }
+    }
+    Ok(identical)
 }
 
 #[cfg(test)]

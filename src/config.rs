@@ -124,6 +124,34 @@ pub enum Command {
     Bench(BenchArgs),
     /// Where the latency went: per-stage self/inclusive time, shares, critical path, residual.
     Attribute(AttributeArgs),
+    /// Re-run a failure snapshot's generation and report the first position where tokens or
+    /// KV-cache digests differ (exit 0 identical, 1 diverged, 2 error).
+    Replay(ReplayArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// Snapshot files (from `<data-dir>/snapshots/` or `GET /debug/snapshots/{id}`).
+    #[arg(required = true)]
+    pub snapshots: Vec<PathBuf>,
+    /// Where models are unpacked (one directory per model).
+    #[arg(long, env = "RAGSCOPE_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+    /// Generator: a manifest name or a directory holding a GGUF file (and tokenizer.json).
+    #[arg(
+        long,
+        env = "RAGSCOPE_GEN_MODEL",
+        default_value = "SmolLM2-135M-Instruct"
+    )]
+    pub gen_model: String,
+    /// Diagnostic: add DELTA to element INDEX (row-major) of a GGUF tensor before replaying,
+    /// as `TENSOR:INDEX:DELTA` (e.g. `blk.3.attn_k.weight:100:0.5`); a quantised tensor's block
+    /// holding the element is requantised. Repeatable.
+    #[arg(long)]
+    pub perturb_weight: Vec<String>,
+    /// Print each report as one JSON object per line.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -304,6 +332,26 @@ pub struct ServerArgs {
     /// new ones get 503, before the server exits anyway.
     #[arg(long, env = "RAGSCOPE_SHUTDOWN_GRACE_S", default_value_t = 30)]
     pub shutdown_grace_s: u64,
+    #[command(flatten)]
+    pub snapshots: SnapshotArgs,
+}
+
+/// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).
+#[derive(Debug, Clone, Args)]
+pub struct SnapshotArgs {
+    /// Write a snapshot of every failed generation (error, timeout, injected fault, panic):
+    /// on or off.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOTS", default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
+    pub snapshots: bool,
+    /// Most snapshots kept; the oldest are removed first.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_COUNT", default_value_t = 32)]
+    pub snapshot_max_count: usize,
+    /// Most MiB the snapshot files may take together; the oldest are removed first.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_MB", default_value_t = 64)]
+    pub snapshot_max_mb: u64,
+    /// Also snapshot a generation stopped because its client went away.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOT_ON_CANCEL", default_value_t = false, value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
+    pub snapshot_on_cancel: bool,
 }
 
 impl ServerArgs {

@@ -96,6 +96,38 @@ pub struct StageFault {
     /// Slow streaming (chat only): extra milliseconds before each generated token is sent.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub token_delay_ms: f64,
+    /// Chat only: fail the generation with an injected error when it streams its Nth piece of
+    /// text (mid-answer, so its failure snapshot holds tokens and a KV cache).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_after_tokens: Option<usize>,
+    /// Chat only: panic in the token path at the Nth piece instead (caught by the generator,
+    /// which snapshots it, and by the model worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub panic_after_tokens: Option<usize>,
+}
+
+/// A failure injected into a running generation ([`StageFault::error_after_tokens`],
+/// [`StageFault::panic_after_tokens`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MidAnswer {
+    /// The streamed piece (counted from 1, per choice) at which it fires.
+    pub at: usize,
+    pub panic: bool,
+}
+
+impl MidAnswer {
+    /// Injects it into the running `chat` stage: marks the span and counts it, then tells the
+    /// generator to fail, or panics.
+    pub fn fire(&self, span: &Stage) -> crate::generate::Flow {
+        span.set(KeyValue::new(attr::FAULT_ERROR, true));
+        span.fail("injected_fault", Injected(FaultStage::Chat).to_string());
+        if self.panic {
+            count(FaultStage::Chat, "panic");
+            panic!("fault injected into the chat stage (a panic)");
+        }
+        count(FaultStage::Chat, "error");
+        crate::generate::Flow::Fail
+    }
 }
 
 fn is_zero(v: &f64) -> bool {
@@ -245,6 +277,24 @@ impl FaultPlan {
                     "only the chat stage streams tokens".into(),
                 ));
             }
+            for (field, n) in [
+                ("error_after_tokens", f.error_after_tokens),
+                ("panic_after_tokens", f.panic_after_tokens),
+            ] {
+                match n {
+                    Some(_) if *stage != FaultStage::Chat => {
+                        return Err(at(field, "only the chat stage streams tokens".into()))
+                    }
+                    Some(0) => return Err(at(field, "must be at least 1".into())),
+                    _ => {}
+                }
+            }
+            if f.error_after_tokens.is_some() && f.panic_after_tokens.is_some() {
+                return Err(at(
+                    "panic_after_tokens",
+                    "give either error_after_tokens or panic_after_tokens, not both".into(),
+                ));
+            }
         }
         Ok(())
     }
@@ -293,6 +343,16 @@ impl FaultPlan {
             std::thread::sleep(Duration::from_secs_f64(ms / 1e3));
         }
         Ok(())
+    }
+
+    /// The chat stage's mid-answer failure, if any.
+    pub fn mid_answer(&self) -> Option<MidAnswer> {
+        let f = self.stages.get(&FaultStage::Chat)?;
+        match (f.error_after_tokens, f.panic_after_tokens) {
+            (Some(at), _) => Some(MidAnswer { at, panic: false }),
+            (None, Some(at)) => Some(MidAnswer { at, panic: true }),
+            (None, None) => None,
+        }
     }
 
     /// The slow-stream delay before each generated token, if any.
@@ -448,6 +508,14 @@ mod tests {
                 "prompt.delay_ms",
             ),
             (r#"{"prompt": {"sleep": 1}}"#, "prompt"),
+            (
+                r#"{"retrieval": {"error_after_tokens": 2}}"#,
+                "retrieval.error_after_tokens",
+            ),
+            (
+                r#"{"chat": {"panic_after_tokens": 0}}"#,
+                "chat.panic_after_tokens",
+            ),
         ];
         for (json, want) in cases {
             let err = FaultPlan::parse(json).unwrap_err();

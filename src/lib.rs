@@ -15,6 +15,7 @@
 //! - [`telemetry`]: the shared clock, the registry of stage, span, attribute and metric names,
 //!   stage spans, the stage-event stream, exporters.
 //! - [`fault`]: fault and latency injection (off unless configured), for experiments.
+//! - [`snapshot`]: the bounded directory of failure snapshots that `ragscope replay` re-runs.
 //! - [`attribute`]: where the latency went, per stage, from recorded traces.
 //! - [`device`]: the one place that picks CPU or CUDA.
 //! - [`cli`], [`eval`], [`bench`]: the other subcommands.
@@ -36,6 +37,7 @@ pub mod pipeline;
 pub mod prompt;
 pub mod rerank;
 pub mod retrieve;
+pub mod snapshot;
 pub mod telemetry;
 pub mod tenant;
 pub mod worker;

@@ -27,6 +27,10 @@ async fn run() -> Result<()> {
         Command::Eval(eval) => ragscope::eval::run(eval).await,
         Command::Bench(bench) => ragscope::bench::run(bench).await,
         Command::Attribute(a) => ragscope::attribute::run(a).await,
+        Command::Replay(r) => {
+            let code = tokio::task::spawn_blocking(move || cli::replay(&r)).await?;
+            std::process::exit(code)
+        }
         Command::Models { action } => match action {
             ModelsAction::Fetch(m) => cli::fetch_models(&m),
             ModelsAction::Verify(m) => cli::verify_models(&m),

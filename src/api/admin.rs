@@ -1,6 +1,7 @@
 //! Run-time switches for experiments: the fault plan (`/admin/faults`, bearer token) and the
 //! per-request `x-ragscope-fault` header, plus the recent-trace buffer that `ragscope attribute`
-//! reads (`/debug/traces`).
+//! reads (`/debug/traces`) and the failure snapshots that `ragscope replay` re-runs
+//! (`/debug/snapshots`).
 
 use std::sync::Arc;
 
@@ -187,4 +188,65 @@ pub async fn clear_traces() -> Response {
         buffer.clear();
     }
     (StatusCode::OK, Json(json!({"cleared": true}))).into_response()
+}
+
+/// The generator's snapshot store: 503 while models load, 404 with `--snapshots off`.
+fn snapshot_store(state: &AppState) -> Result<Arc<crate::snapshot::SnapshotStore>, ApiError> {
+    let pipeline = state.pipeline()?;
+    pipeline.generator.snapshots().cloned().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "path: failure snapshots are off on this server (--snapshots off)",
+        )
+        .with_code("not_found")
+    })
+}
+
+/// `GET /debug/snapshots`: the failure snapshots on disk, oldest first (summaries).
+pub async fn list_snapshots(State(state): State<AppState>) -> Response {
+    match snapshot_store(&state) {
+        Ok(store) => Json(json!({
+            "dir": store.dir().display().to_string(),
+            "snapshots": store.list(),
+        }))
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /debug/snapshots/{id}`: one snapshot file as written (what `ragscope replay` reads).
+pub async fn get_snapshot(
+    State(state): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let store = match snapshot_store(&state) {
+        Ok(store) => store,
+        Err(e) => return e.into_response(),
+    };
+    // Ids are digits, hex and dashes: nothing that could name another file.
+    if id.is_empty() || id.len() > 64 || !id.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+        return ApiError::field("id", "must be a snapshot id from GET /debug/snapshots")
+            .into_response();
+    }
+    let read = tokio::task::spawn_blocking(move || store.get(&id).ok_or(id)).await;
+    match read {
+        Ok(Ok(bytes)) => ([(header::CONTENT_TYPE, "application/json")], bytes).into_response(),
+        Ok(Err(id)) => {
+            let mut e = ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!("id: no snapshot {id} (evicted, or never written)"),
+            )
+            .with_code("not_found");
+            e.param = Some("id".into());
+            e.into_response()
+        }
+        Err(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "reading the snapshot failed",
+        )
+        .into_response(),
+    }
 }

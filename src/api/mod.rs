@@ -155,6 +155,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
             "/debug/traces",
             get(admin::recent_traces).delete(admin::clear_traces),
         )
+        .route("/debug/snapshots", get(admin::list_snapshots))
+        .route("/debug/snapshots/{id}", get(admin::get_snapshot))
         // Probes and scrapes are not traced: they would bury the requests people look for.
         .route("/health", get(health))
         .route("/ready", get(ready))

@@ -25,16 +25,6 @@ const DEFAULT: [WeightFormat; 5] = [
     WeightFormat::F32PrefillQ4Decode,
 ];
 
-/// Every format a name can pick (its `Debug` name, e.g. `F32PrefillQ8Decode`).
-const ALL: [WeightFormat; 6] = [
-    WeightFormat::Shipped,
-    WeightFormat::Q8_0,
-    WeightFormat::F32,
-    WeightFormat::F32PrefillQ8Decode,
-    WeightFormat::F32PrefillQ4Decode,
-    WeightFormat::F16PrefillQ8Decode,
-];
-
 /// Measures the formats `names` (all of [`DEFAULT`] when empty) and prints one line each.
 pub fn run(args: &BenchArgs, names: &[String]) -> Result<()> {
     let formats = select(names)?;
@@ -76,12 +66,13 @@ fn select(names: &[String]) -> Result<Vec<WeightFormat>> {
     }
     names
         .iter()
-        .map(
-            |name| match ALL.iter().find(|f| format!("{f:?}") == *name) {
-                Some(&f) => Ok(f),
-                None => bail!("unknown weight format {name:?}; the formats are {ALL:?}"),
-            },
-        )
+        .map(|name| match WeightFormat::named(name) {
+            Some(f) => Ok(f),
+            None => bail!(
+                "unknown weight format {name:?}; the formats are {:?}",
+                WeightFormat::ALL
+            ),
+        })
         .collect()
 }
 

@@ -11,6 +11,7 @@ use opentelemetry::KeyValue;
 use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::sampler::{Logits, Sampler};
+use super::snapshot::{self, Trail};
 use super::stop::{Release, StopText};
 use super::tokenizer::Utf8Stream;
 use super::{
@@ -28,11 +29,18 @@ pub(super) struct TextGeneration<'a> {
     req: GenerateRequest<'a>,
     /// The `chat {model}` stage the pipeline hands the generator.
     stage: &'a Stage,
+    /// What a failure snapshot needs beyond the request and the output.
+    trail: Trail,
 }
 
 impl<'a> TextGeneration<'a> {
     pub fn new(llama: &'a Llama, req: GenerateRequest<'a>, stage: &'a Stage) -> Self {
-        TextGeneration { llama, req, stage }
+        TextGeneration {
+            llama,
+            req,
+            stage,
+            trail: Trail::default(),
+        }
     }
 
     /// Runs the request to its end; `on_token` receives each complete piece of text.
@@ -56,11 +64,29 @@ impl<'a> TextGeneration<'a> {
         if req.max_tokens == 0 {
             return Ok(out);
         }
-        let Some((cache, logits)) = self.prefill(&mut out)? else {
+        // A failure of either phase (or a finish that counts as one) leaves a snapshot.
+        let prefilled = snapshot::catch(|| self.prefill(&mut out));
+        let Some((mut cache, logits)) = self.settle(&out, None, prefilled)? else {
             return Ok(out);
         };
-        self.decode(cache, logits, &mut out, on_token)?;
+        let decoded = snapshot::catch(|| self.decode(&mut cache, logits, &mut out, on_token));
+        self.settle(&out, Some(cache), decoded)?;
         Ok(out)
+    }
+
+    fn settle<T>(
+        &self,
+        out: &Generated,
+        cache: Option<KvCache>,
+        phase: snapshot::Caught<T>,
+    ) -> Result<T, GenerateError> {
+        let watch = snapshot::Watch {
+            llama: self.llama,
+            req: &self.req,
+            stage: self.stage,
+            trail: &self.trail,
+        };
+        watch.settle(out, cache, phase)
     }
 
     fn past_deadline(&self) -> bool {
@@ -143,7 +169,7 @@ impl<'a> TextGeneration<'a> {
     /// `max_tokens` or the deadline stops it (the `decode` stage).
     fn decode(
         &self,
-        mut cache: KvCache,
+        cache: &mut KvCache,
         mut logits: Logits,
         out: &mut Generated,
         on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
@@ -181,15 +207,10 @@ impl<'a> TextGeneration<'a> {
                 let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&net.device));
                 let batch = on_stage(
                     &decode,
-                    net.decode_one(
-                        session.as_mut(),
-                        &mut cache,
-                        last,
-                        &mut logits,
-                        &llama.schedule,
-                    ),
+                    net.decode_one(session.as_mut(), cache, last, &mut logits, &llama.schedule),
                 )?;
                 batches.record(batch);
+                self.trail.step(batch);
                 if let Some(iv) = timer.and_then(GpuTimer::finish) {
                     let host = step.as_ref().unwrap_or(&decode);
                     let index = KeyValue::new(attr::GEN_AI_TOKEN_INDEX, index as i64);
@@ -236,9 +257,13 @@ impl<'a> TextGeneration<'a> {
             });
             let released = text.push(stream.push(bytes), logprob);
             let stopped = released.stopped;
-            if deliver(released, out, on_token) == Flow::Stop {
-                out.finish = FinishReason::Cancelled;
-                break;
+            match deliver(released, out, on_token) {
+                Flow::Continue => {}
+                Flow::Stop => {
+                    out.finish = FinishReason::Cancelled;
+                    break;
+                }
+                Flow::Fail => return Err(GenerateError::Aborted),
             }
             if stopped {
                 out.finish = FinishReason::Stop;

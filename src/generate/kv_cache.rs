@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::cpu_decode::HostKv;
 use super::weights::Config;
+use crate::snapshot::KvDigest;
 
 /// The keys and values of one request: per layer `(n_kv_head, capacity, head_dim)`, written in
 /// place. Head-major so every head's keys are one contiguous run, as the attention matmuls (and
@@ -123,6 +124,69 @@ impl KvCache {
             }
         }
         Ok(())
+    }
+
+    /// Bytes this cache holds (all of its capacity).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The failure-snapshot digest of positions `0..len` ([`KvDigest`] says exactly which
+    /// bytes are hashed).
+    pub fn digest(&self) -> candle_core::Result<KvDigest> {
+        let (layers, positions) = self.digests(0, self.len, true)?;
+        Ok(KvDigest {
+            len: self.len,
+            layers,
+            positions,
+        })
+    }
+
+    /// [`KvDigest::positions`] for positions `start..start + n` alone (replay checks each
+    /// position as it is written).
+    pub fn position_digests(&self, start: usize, n: usize) -> candle_core::Result<Vec<String>> {
+        Ok(self.digests(start, n, false)?.1)
+    }
+
+    /// Per layer the sha256 over the positions (when `whole`), and per position the layers'
+    /// truncated digests.
+    fn digests(
+        &self,
+        start: usize,
+        n: usize,
+        whole: bool,
+    ) -> candle_core::Result<(Vec<String>, Vec<String>)> {
+        use sha2::{Digest, Sha256};
+        let (nkv, hd) = (self.n_kv_head, self.head_dim);
+        let n_layer = match &self.store {
+            KvStore::Host(kv) => kv.k.len(),
+            KvStore::Tensors { k, .. } => k.len(),
+        };
+        let mut layers = Vec::with_capacity(n_layer);
+        let mut positions = vec![String::with_capacity(8 * n_layer); n];
+        let mut bytes = Vec::with_capacity(2 * nkv * hd * 4);
+        for li in 0..n_layer {
+            let (k, v) = self.read_span(li, start, n)?;
+            let mut layer = Sha256::new();
+            for (p, digest) in positions.iter_mut().enumerate() {
+                bytes.clear();
+                for rows in [&k, &v] {
+                    for g in 0..nkv {
+                        for x in &rows[(g * n + p) * hd..][..hd] {
+                            bytes.extend_from_slice(&x.to_le_bytes());
+                        }
+                    }
+                }
+                if whole {
+                    layer.update(&bytes);
+                }
+                digest.push_str(&hex::encode(&Sha256::digest(&bytes)[..4]));
+            }
+            if whole {
+                layers.push(hex::encode(layer.finalize()));
+            }
+        }
+        Ok((layers, positions))
     }
 
     fn check_span(&self, start: usize, n: usize) -> candle_core::Result<()> {

@@ -65,6 +65,12 @@ pub struct Llama {
     pub(super) schedule: Scheduler,
     /// Keys and values of recent prompt prefixes (off until [`Llama::with_prefix_cache`]).
     pub(super) prefix: PrefixCache,
+    /// The GGUF file the weights came from (named in failure snapshots).
+    pub(super) gguf_path: std::path::PathBuf,
+    /// Where failed generations leave snapshots (none until [`Llama::with_snapshots`]).
+    pub(super) snapshots: Option<Arc<crate::snapshot::SnapshotStore>>,
+    /// The GGUF file's sha256, computed when the first snapshot needs it.
+    pub(super) weights_sha256: super::snapshot::WeightsDigest,
 }
 
 impl Llama {
@@ -103,6 +109,28 @@ impl Llama {
         max_context: usize,
         format: WeightFormat,
     ) -> Result<Llama, GenerateError> {
+        Self::load_edited(
+            gguf_path,
+            tokenizer,
+            device,
+            max_context,
+            format,
+            |_| Ok(()),
+        )
+    }
+
+    /// Loads with `edit` applied to the tensors as read, before they are converted (replay's
+    /// `--perturb-weight`).
+    pub(super) fn load_edited(
+        gguf_path: &Path,
+        tokenizer: Tokenizer,
+        device: &Device,
+        max_context: usize,
+        format: WeightFormat,
+        edit: impl FnOnce(&mut Gguf) -> Result<(), GenerateError>,
+    ) -> Result<Llama, GenerateError> {
+        let mut gguf = weights::read_gguf(gguf_path)?;
+        edit(&mut gguf)?;
         let Gguf {
             cfg,
             template,
@@ -111,7 +139,7 @@ impl Llama {
             output,
             final_norm,
             layers: raw_layers,
-        } = weights::read_gguf(gguf_path)?;
+        } = gguf;
 
         let window = cfg.context_length.min(max_context).max(1);
         let (cos, sin) = forward::rope_tables(cfg.head_dim, cfg.rope_base, window, device)
@@ -170,7 +198,16 @@ impl Llama {
             eos,
             schedule,
             prefix,
+            gguf_path: gguf_path.to_path_buf(),
+            snapshots: None,
+            weights_sha256: Default::default(),
         })
+    }
+
+    /// Leaves a snapshot in `store` for every failed generation.
+    pub fn with_snapshots(mut self, store: Option<Arc<crate::snapshot::SnapshotStore>>) -> Llama {
+        self.snapshots = store;
+        self
     }
 
     /// Keeps up to `mb` MiB of prompt-prefix keys and values for later prompts to start from
@@ -318,6 +355,10 @@ impl Generator for Llama {
         stage: &Stage,
     ) -> Result<Vec<TokenLogprob>, GenerateError> {
         super::score::score(self, prompt, top, stage)
+    }
+
+    fn snapshots(&self) -> Option<&Arc<crate::snapshot::SnapshotStore>> {
+        self.snapshots.as_ref()
     }
 
     fn generate(

@@ -3,7 +3,8 @@
 //! A generation prefills the prompt once (from the longest cached prefix on), then decodes one
 //! token per step against a KV cache owned by that request. The implementation records `prefill` and `decode` child stages
 //! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
-//! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts).
+//! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts). A
+//! failed generation leaves a snapshot that `ragscope replay` re-runs ([`snapshot`]).
 
 pub(crate) mod cpu_decode;
 mod forward;
@@ -15,6 +16,7 @@ mod prefix_cache;
 mod sampler;
 pub mod schedule;
 mod score;
+pub mod snapshot;
 mod stop;
 mod template;
 #[cfg(test)]
@@ -52,7 +54,7 @@ impl ChatMessage {
 /// The penalties and the n-gram block look at the tokens this request has generated, not at
 /// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too, which
 /// `penalize_prompt` asks for): a RAG answer has to copy words from its passages.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Sampling {
     pub temperature: f64,
     pub top_p: Option<f64>,
@@ -213,6 +215,8 @@ impl FinishReason {
 pub enum Flow {
     Continue,
     Stop,
+    /// Fail the generation with [`GenerateError::Aborted`] (an injected mid-answer fault).
+    Fail,
 }
 
 #[derive(Debug, Clone)]
@@ -248,6 +252,9 @@ pub enum GenerateError {
     Model(#[from] candle_core::Error),
     #[error("model file: {0}")]
     Load(String),
+    /// The consumer answered [`Flow::Fail`].
+    #[error("the generation was failed by its consumer")]
+    Aborted,
 }
 
 /// A causal language model with a chat template.
@@ -287,6 +294,11 @@ pub trait Generator: Send + Sync {
         top: usize,
         stage: &Stage,
     ) -> Result<Vec<TokenLogprob>, GenerateError>;
+
+    /// Where this generator keeps failure snapshots (`GET /debug/snapshots`), if anywhere.
+    fn snapshots(&self) -> Option<&std::sync::Arc<crate::snapshot::SnapshotStore>> {
+        None
+    }
 
     /// Generates up to `req.max_tokens` tokens. `on_token` receives each new piece of text as
     /// soon as it is complete UTF-8 and cannot be the start of a stop string, and may stop the

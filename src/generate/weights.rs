@@ -44,6 +44,21 @@ pub enum WeightFormat {
 }
 
 impl WeightFormat {
+    /// Every format a name can pick (its `Debug` name, e.g. `F32PrefillQ8Decode`).
+    pub const ALL: [WeightFormat; 6] = [
+        WeightFormat::Shipped,
+        WeightFormat::Q8_0,
+        WeightFormat::F32,
+        WeightFormat::F32PrefillQ8Decode,
+        WeightFormat::F32PrefillQ4Decode,
+        WeightFormat::F16PrefillQ8Decode,
+    ];
+
+    /// The format with this `Debug` name.
+    pub fn named(name: &str) -> Option<WeightFormat> {
+        Self::ALL.into_iter().find(|f| format!("{f:?}") == name)
+    }
+
     /// The format [`Llama::load`](super::llama::Llama::load) picks for `device`: the measured CPU default above, or
     /// [`WeightFormat::F16PrefillQ8Decode`] on a GPU.
     pub fn for_device(device: &Device) -> WeightFormat {
@@ -325,6 +340,37 @@ pub(super) fn read_gguf(gguf_path: &Path) -> Result<Gguf, GenerateError> {
         final_norm,
         layers: raw_layers,
     })
+}
+
+impl Gguf {
+    /// The tensor the GGUF file names `name` (`token_embd.weight`, `output_norm.weight`,
+    /// `blk.3.attn_k.weight`, …).
+    pub fn tensor_mut(&mut self, name: &str) -> Option<&mut QTensor> {
+        const PER_LAYER: [&str; 9] = [
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ];
+        match name {
+            "token_embd.weight" => Some(&mut self.embed),
+            "output_norm.weight" => Some(&mut self.final_norm),
+            "output.weight" => self.output.as_mut(),
+            _ => {
+                let (layer, part) = name.strip_prefix("blk.")?.split_once('.')?;
+                let part = part.strip_suffix(".weight")?;
+                let j = PER_LAYER.iter().position(|p| *p == part)?;
+                self.layers
+                    .get_mut(layer.parse::<usize>().ok()?)
+                    .map(|l| &mut l[j])
+            }
+        }
+    }
 }
 
 /// Moves a CPU tensor onto `device` with its quantisation unchanged.

@@ -347,7 +347,18 @@ impl Pipeline {
         run.run(spec, |stage| {
             let token_delay = req.faults.token_delay();
             let delayed_tokens = std::sync::atomic::AtomicUsize::new(0);
+            // An injected mid-answer failure fires at its piece of each choice.
+            let mid_answer = req.faults.mid_answer();
+            let pieces: Vec<_> = (0..req.choices.max(1))
+                .map(|_| std::sync::atomic::AtomicUsize::new(0))
+                .collect();
             let on_token = |choice: usize, piece: Piece<'_>| {
+                if let Some(fault) = mid_answer {
+                    let n = pieces[choice].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if n + 1 >= fault.at {
+                        return fault.fire(stage);
+                    }
+                }
                 if let Some(d) = token_delay {
                     std::thread::sleep(d);
                     delayed_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -378,7 +389,13 @@ impl Pipeline {
                 })
                 .collect();
             let generated =
-                generate::generate_choices(self.generator.as_ref(), requests, stage, &on_token)?;
+                generate::generate_choices(self.generator.as_ref(), requests, stage, &on_token)
+                    .map_err(|e| match e {
+                        generate::GenerateError::Aborted => {
+                            PipelineError::Injected(crate::fault::Injected(FaultStage::Chat))
+                        }
+                        e => e.into(),
+                    })?;
             if let Some(d) = token_delay {
                 let delayed = delayed_tokens.load(std::sync::atomic::Ordering::Relaxed);
                 stage.set_all([

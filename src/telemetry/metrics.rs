@@ -43,6 +43,8 @@ pub struct Metrics {
     pub tenant_tokens: Counter<u64>,
     /// Per-request quality of RAG answers (see `record_quality` in the pipeline).
     pub quality: Quality,
+    /// Failure snapshots by `result` (written, evicted, dropped, failed).
+    pub snapshots: Counter<u64>,
 }
 
 /// Histograms of what each RAG answer was made of, one observation per request: with them a
@@ -186,6 +188,13 @@ impl Metrics {
                 .with_description("Prompt and output tokens charged to each tenant")
                 .build(),
             quality: Quality::new(meter, &seconds),
+            snapshots: meter
+                .u64_counter(metric::SNAPSHOTS)
+                .with_unit("{snapshot}")
+                .with_description(
+                    "Failure snapshots written, evicted, dropped (queue full) or failed",
+                )
+                .build(),
         }
     }
 

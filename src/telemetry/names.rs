@@ -193,6 +193,8 @@ names! {
         BENCH = "bench",
         /// The root of evaluation work.
         EVAL = "eval",
+        /// The root of `ragscope replay` work.
+        REPLAY = "replay",
         /// A gRPC call served without the trace layer (never as served; tests).
         GRPC = "grpc",
     }
@@ -203,6 +205,8 @@ names! {
     event {
         /// One generated token, on the `decode` span.
         TOKEN = "token",
+        /// A failure snapshot was queued, on the failing `chat {model}` span.
+        SNAPSHOT = "snapshot",
     }
 }
 
@@ -324,6 +328,9 @@ names! {
         FAULT_TOKEN_DELAY_MS = "rag.fault.token_delay_ms",
         FAULT_DELAYED_TOKENS = "rag.fault.delayed_tokens",
         FAULT_PLAN = "rag.fault.plan",
+        // Failure snapshots.
+        SNAPSHOT_ID = "rag.snapshot.id",
+        SNAPSHOT_REASON = "rag.snapshot.reason",
         // Profiles.
         PYROSCOPE_PROFILE_ID = "pyroscope.profile.id",
         // Metric point labels.
@@ -379,6 +386,7 @@ names! {
         CONTEXT_RELEVANCE = "ragscope.context.relevance",
         PREFIX_CACHE_HIT_RATIO = "ragscope.prefix_cache.hit_ratio",
         RETRIEVAL_TO_GENERATION_GAP = "ragscope.retrieval_to_generation.gap",
+        SNAPSHOTS = "ragscope.snapshots",
     }
 }
 

@@ -262,6 +262,14 @@ impl Stage {
         sc.is_valid().then(|| sc.span_id().to_string())
     }
 
+    /// An attribute this stage inherited from its request (`rag.request.id`, baggage), as text.
+    pub fn inherited(&self, key: &str) -> Option<String> {
+        self.inherited
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.as_str().into_owned())
+    }
+
     /// Ends the stage now and returns how long it lasted.
     pub fn end(self) -> Duration {
         self.end_at(clock::now())

@@ -27,6 +27,7 @@ mod quality;
 mod query;
 mod receiver;
 mod rotel;
+mod snapshots;
 mod stack;
 mod stages;
 mod store_conformance;
