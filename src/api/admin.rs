@@ -204,6 +204,8 @@ fn snapshot_store(state: &AppState) -> Result<Arc<crate::snapshot::SnapshotStore
 }
 
 /// `GET /debug/snapshots`: the failure snapshots on disk, oldest first (summaries).
+#[utoipa::path(get, path = "/debug/snapshots", tag = "debug",
+    responses((status = 200, description = "The snapshot directory and a summary of each snapshot in it", body = serde_json::Value)))]
 pub async fn list_snapshots(State(state): State<AppState>) -> Response {
     match snapshot_store(&state) {
         Ok(store) => Json(json!({
@@ -216,9 +218,12 @@ pub async fn list_snapshots(State(state): State<AppState>) -> Response {
 }
 
 /// `GET /debug/snapshots/{id}`: one snapshot file as written (what `ragscope replay` reads).
+#[utoipa::path(get, path = "/debug/snapshots/{id}", tag = "debug",
+    params(("id" = String, Path, description = "A snapshot id from GET /debug/snapshots")),
+    responses((status = 200, description = "The snapshot file", body = serde_json::Value)))]
 pub async fn get_snapshot(
     State(state): State<AppState>,
-    axum::extract::Path(id): axum::extract::Path<String>,
+    super::json::ValidPath(id): super::json::ValidPath,
 ) -> Response {
     let store = match snapshot_store(&state) {
         Ok(store) => store,

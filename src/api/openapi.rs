@@ -41,6 +41,8 @@ use crate::pipeline::{Source, Timings, Usage};
         super::admin::clear_faults,
         super::admin::recent_traces,
         super::admin::clear_traces,
+        super::admin::list_snapshots,
+        super::admin::get_snapshot,
         super::health,
         super::ready,
         super::prometheus_metrics,

@@ -299,10 +299,7 @@ impl<E: StepEngine> Batcher<E> {
         self.active.fetch_add(1, Ordering::Relaxed);
         let (reply, done) = mpsc::sync_channel(1);
         let member = Member {
-            request_id: decode
-                .inherited(attr::REQUEST_ID)
-                .map(|v| v.to_string())
-                .unwrap_or_default(),
+            request_id: decode.inherited(attr::REQUEST_ID).unwrap_or_default(),
             trace_id: decode.trace_id().unwrap_or_default(),
             span_id: decode.span_id().unwrap_or_default(),
             profile: profile::enabled()

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use opentelemetry::trace::{SpanContext, SpanId, SpanKind, Status, TraceContextExt, Tracer};
-use opentelemetry::{Context, KeyValue, Value};
+use opentelemetry::{Context, KeyValue};
 
 use super::clock;
 use super::names::{attr, StageKind, PROVIDER};
@@ -188,14 +188,6 @@ impl Stage {
     /// This span's context (invalid when tracing is off), the target of a link.
     pub fn span_context(&self) -> SpanContext {
         self.cx.span().span_context().clone()
-    }
-
-    /// An attribute copied onto every descendant (`rag.request.id`, baggage), if this stage has it.
-    pub fn inherited(&self, key: &str) -> Option<&Value> {
-        self.inherited
-            .iter()
-            .find(|kv| kv.key.as_str() == key)
-            .map(|kv| &kv.value)
     }
 
     /// Records a point in time inside this stage.
