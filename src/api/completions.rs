@@ -16,7 +16,6 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
 
 use super::ask::{self, Asked};
 use super::error::ApiError;
@@ -567,7 +566,7 @@ fn stream(
 ) -> Result<Response, ApiError> {
     let generator = pipeline.generator.clone();
     let prompt = &plan.prompts[0];
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = pipeline.event_channel();
     let answer = if plan.max_tokens == 0 {
         None
     } else {

@@ -37,6 +37,8 @@ pub struct Metrics {
     pub admission_rejected: Counter<u64>,
     /// Requests refused by API-key checks, by `reason` (missing, invalid, scope).
     pub auth_rejected: Counter<u64>,
+    /// Streamed generations cancelled because the client stopped reading.
+    pub stream_stalls: Counter<u64>,
 }
 
 /// KV-cache memory held by running generations, read by the `ragscope.kv_cache.*` gauges.
@@ -148,6 +150,11 @@ impl Metrics {
                 .u64_counter(metric::AUTH_REJECTED)
                 .with_unit("{request}")
                 .with_description("Requests refused for a missing, unknown or under-scoped API key")
+                .build(),
+            stream_stalls: meter
+                .u64_counter(metric::STREAM_STALLS)
+                .with_unit("{stream}")
+                .with_description("Streamed generations cancelled: the client stopped reading")
                 .build(),
         }
     }

@@ -223,6 +223,7 @@ names! {
         QUEUE_DEPTH_AT_ENTRY = "rag.queue.depth_at_entry",
         QUEUE_EXPECTED_WAIT_MS = "rag.queue.expected_wait_ms",
         STREAM_EVENTS = "rag.stream.events",
+        STREAM_STALLED_MS = "rag.stream.stalled_ms",
         // GenAI.
         GEN_AI_OPERATION_NAME = "gen_ai.operation.name",
         GEN_AI_PROVIDER_NAME = "gen_ai.provider.name",
@@ -345,6 +346,7 @@ names! {
         QUEUE_EXPECTED_WAIT = "ragscope.queue.expected_wait",
         ADMISSION_REJECTED = "ragscope.admission.rejected",
         AUTH_REJECTED = "ragscope.auth.rejected",
+        STREAM_STALLS = "ragscope.stream.stalls",
     }
 }
 

@@ -1,0 +1,117 @@
+//! A client that opens a stream and reads nothing: once the stream is more than
+//! `--stream-buffer` events behind for `--stream-stall-timeout-ms`, the generation is
+//! cancelled, its chat span says so and the stall counter counts it.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use crate::fakes::FakeGenerator;
+use crate::helpers::{fake_pipeline, serve_state};
+
+/// The `chat` span of the trace buffer, if it has ended.
+fn chat_span(traces: &Value) -> Option<Value> {
+    let spans = traces["resourceSpans"].as_array()?.iter().flat_map(|r| {
+        r["scopeSpans"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| {
+                s["spans"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .cloned()
+                    .collect::<Vec<_>>()
+            })
+    });
+    spans
+        .filter(|s| s["name"].as_str().is_some_and(|n| n.starts_with("chat ")))
+        .last()
+}
+
+fn int_attribute(span: &Value, key: &str) -> Option<i64> {
+    span["attributes"].as_array()?.iter().find_map(|a| {
+        (a["key"] == key).then(|| {
+            let v = &a["value"]["intValue"];
+            v.as_i64().or_else(|| v.as_str()?.parse().ok())
+        })?
+    })
+}
+
+#[tokio::test]
+async fn a_stream_nobody_reads_is_cancelled() {
+    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+        std::mem::forget(provider);
+    }
+    // 4 choices x 3,000 tokens of ~200-byte OpenAI chunks: ~2.4 MB, far more than the
+    // socket and the HTTP library buffer, generated in ~2.4 s if nothing stops it.
+    let mut pipeline = fake_pipeline(FakeGenerator {
+        tokens: 3000,
+        token_us: 200,
+    });
+    pipeline.defaults.stream_buffer = 8;
+    pipeline.defaults.stream_stall_timeout_ms = 200;
+    let state = ragscope::app::ready_state(pipeline, Duration::from_secs(60));
+    let app = serve_state(state, 1 << 20, None).await;
+
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let addr: SocketAddr = app.base.trim_start_matches("http://").parse().unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    let body = json!({"model": "ragscope", "stream": true, "n": 4, "max_tokens": 3000,
+                      "messages": [{"role": "user", "content": "go on"}]})
+    .to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+
+    // Read nothing; the counter says when the generation gave up.
+    let began = Instant::now();
+    loop {
+        let metrics = app.metrics_text().await;
+        if metrics
+            .lines()
+            .any(|l| l.starts_with("ragscope_stream_stalls_total") && !l.ends_with(" 0"))
+        {
+            break;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(20),
+            "no stall counted in 20 s:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Hanging up ends the request; its chat span says how long the stream was stalled and
+    // how few of the 12,000 tokens were generated.
+    drop(conn);
+    let began = Instant::now();
+    let span = loop {
+        let (_, traces) = app.get("/debug/traces?limit=5").await;
+        if let Some(span) = chat_span(&traces) {
+            break span;
+        }
+        assert!(
+            began.elapsed() < Duration::from_secs(20),
+            "no chat span: {traces}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let stalled = int_attribute(&span, "rag.stream.stalled_ms").expect("rag.stream.stalled_ms");
+    assert!(stalled >= 200, "stalled {stalled} ms");
+    let generated = int_attribute(&span, "gen_ai.usage.output_tokens").unwrap_or(0);
+    assert!(
+        generated < 12_000,
+        "generated {generated} of 12,000 tokens: {span}"
+    );
+    eprintln!("cancelled after {generated} tokens, stalled {stalled} ms");
+    let (status, _) = app.get("/health").await;
+    assert_eq!(status, 200);
+}
