@@ -13,7 +13,7 @@ use crate::helpers::{fake_pipeline, serve_state};
 
 /// The `chat` span of the trace buffer, if it has ended.
 fn chat_span(traces: &Value) -> Option<Value> {
-    let spans = traces["resourceSpans"].as_array()?.iter().flat_map(|r| {
+    let mut spans = traces["resourceSpans"].as_array()?.iter().flat_map(|r| {
         r["scopeSpans"]
             .as_array()
             .into_iter()
@@ -27,9 +27,7 @@ fn chat_span(traces: &Value) -> Option<Value> {
                     .collect::<Vec<_>>()
             })
     });
-    spans
-        .filter(|s| s["name"].as_str().is_some_and(|n| n.starts_with("chat ")))
-        .last()
+    spans.rfind(|s| s["name"].as_str().is_some_and(|n| n.starts_with("chat ")))
 }
 
 fn int_attribute(span: &Value, key: &str) -> Option<i64> {
