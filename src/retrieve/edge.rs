@@ -175,7 +175,7 @@ impl EdgeStore {
             total_bytes: allocated_bytes(&self.path),
             wal_bytes: allocated_bytes(&wal),
             wal_segments: fs::read_dir(&wal)
-                .map_or(0, |d| d.flatten().filter(|e| is_wal_segment(e)).count()),
+                .map_or(0, |d| d.flatten().filter(is_wal_segment).count()),
         }
     }
 
