@@ -78,6 +78,23 @@ pub async fn ingest(args: IngestArgs) -> Result<()> {
     .await?
 }
 
+/// `ragscope store audit`: the shard's documents and its inconsistencies as JSON on stdout.
+/// Opening the shard is what a restarted server does first, so this also checks that it loads.
+pub fn audit_store(args: &crate::config::StoreAuditArgs) -> Result<()> {
+    let store =
+        crate::retrieve::edge::EdgeStore::open(&args.data_dir, &args.collection, args.dimension)?;
+    let report = crate::retrieve::audit::audit(&store)?;
+    println!("{}", serde_json::to_string(&report)?);
+    if !report.problems.is_empty() {
+        anyhow::bail!(
+            "{} inconsistencies: {}",
+            report.problems.len(),
+            report.problems.join("; ")
+        );
+    }
+    Ok(())
+}
+
 pub async fn query(args: QueryArgs) -> Result<()> {
     let client = reqwest::Client::new();
     let body = json!({

@@ -127,6 +127,11 @@ pub enum Command {
     /// Re-run a failure snapshot's generation and report the first position where tokens or
     /// KV-cache digests differ (exit 0 identical, 1 diverged, 2 error).
     Replay(ReplayArgs),
+    /// Inspect the embedded store's files (stop the server first).
+    Store {
+        #[command(subcommand)]
+        action: StoreAction,
+    },
 }
 
 #[derive(Debug, Clone, Args)]
@@ -152,6 +157,25 @@ pub struct ReplayArgs {
     /// Print each report as one JSON object per line.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StoreAction {
+    /// Print every document's chunks, the shard's disk use and any inconsistency, as JSON
+    /// (exit 1 when inconsistent). What the crash loop checks after each SIGKILL.
+    Audit(StoreAuditArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StoreAuditArgs {
+    /// The data directory the server ran on.
+    #[arg(long, env = "RAGSCOPE_DATA_DIR", default_value = "data")]
+    pub data_dir: PathBuf,
+    #[arg(long, env = "RAGSCOPE_COLLECTION", default_value = "ragscope")]
+    pub collection: String,
+    /// The collection's vector dimension (the embedder's: 384 for all-MiniLM-L6-v2).
+    #[arg(long, default_value_t = 384)]
+    pub dimension: usize,
 }
 
 #[derive(Debug, Subcommand)]
@@ -284,6 +308,18 @@ pub struct PipelineArgs {
     /// Record query and answer text on spans (off by default: content may be sensitive).
     #[arg(long, env = "RAGSCOPE_CAPTURE_CONTENT", default_value_t = false, action = clap::ArgAction::Set)]
     pub capture_content: bool,
+    /// Events a streamed answer may hold unread (the client not reading) before the stall
+    /// clock starts.
+    #[arg(long, env = "RAGSCOPE_STREAM_BUFFER", default_value_t = 64)]
+    pub stream_buffer: usize,
+    /// Milliseconds a stream may stay more than `--stream-buffer` events behind before its
+    /// generation is cancelled (`rag.stream.stalled_ms` on the chat span).
+    #[arg(
+        long,
+        env = "RAGSCOPE_STREAM_STALL_TIMEOUT_MS",
+        default_value_t = 10_000
+    )]
+    pub stream_stall_timeout_ms: u64,
 }
 
 impl PipelineArgs {

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::Parser;
-use ragscope::config::{Cli, Command, ModelsAction};
+use ragscope::config::{Cli, Command, ModelsAction, StoreAction};
 use ragscope::{app, cli, device, telemetry};
 
 fn main() -> Result<()> {
@@ -35,5 +35,8 @@ async fn run() -> Result<()> {
             ModelsAction::Fetch(m) => cli::fetch_models(&m),
             ModelsAction::Verify(m) => cli::verify_models(&m),
         },
+        Command::Store {
+            action: StoreAction::Audit(a),
+        } => cli::audit_store(&a),
     }
 }

@@ -11,14 +11,15 @@ use futures::Stream;
 use opentelemetry::KeyValue;
 use serde::Deserialize;
 use serde_json::{Map, Value};
-use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::{AppState, RequestStage};
 use crate::generate::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
 use crate::ingest::{Document, Format};
 use crate::pipeline::context::{ContextAsked, ContextSettings};
-use crate::pipeline::{Event, Pipeline, PipelineError, RagAnswer, RagRequest, Source, Streamed};
+use crate::pipeline::{
+    Event, EventReceiver, Pipeline, PipelineError, RagAnswer, RagRequest, Source, Streamed,
+};
 use crate::retrieve::Filter;
 use crate::telemetry::clock;
 use crate::telemetry::metrics::metrics;
@@ -345,7 +346,7 @@ pub fn answer_stream(
     req: RagRequest,
     stage: &RequestStage,
 ) -> Result<impl Stream<Item = AnswerEvent> + Send + 'static, ApiError> {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = pipeline.event_channel();
     let answer = pipeline.start_query(req, stage, Some(tx))?;
     Ok(stream_events(stage, rx, Some(answer)))
 }
@@ -355,7 +356,7 @@ pub fn answer_stream(
 /// `max_tokens: 0`), so no `Done` comes.
 pub fn stream_events(
     stage: &RequestStage,
-    mut rx: mpsc::UnboundedReceiver<Event>,
+    mut rx: EventReceiver,
     answer: Option<impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static>,
 ) -> impl Stream<Item = AnswerEvent> + Send + 'static {
     let writing = stage.child(StageKind::Stream.span_prefix());

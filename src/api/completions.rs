@@ -18,7 +18,6 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
 
 use super::ask::{self, Asked, Decoding};
 use super::error::ApiError;
@@ -427,7 +426,7 @@ fn start(
     plan: &Plan,
     prompt: &Prompt,
     req: RagRequest,
-    events: Option<mpsc::UnboundedSender<crate::pipeline::Event>>,
+    events: Option<crate::pipeline::EventSender>,
 ) -> Result<BoxFuture<'static, Result<RagAnswer, PipelineError>>, ApiError> {
     if !plan.rag {
         return Ok(pipeline
@@ -509,7 +508,7 @@ fn stream(
 ) -> Result<Response, ApiError> {
     let generator = pipeline.generator.clone();
     let prompt = &plan.prompts[0];
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = pipeline.event_channel();
     let answer = if plan.max_tokens == 0 {
         drop(tx);
         None

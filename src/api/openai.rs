@@ -422,7 +422,7 @@ pub async fn chat_completions(
     let n = body.n.unwrap_or(1);
     let events = match plain_prompt {
         Some(prompt) => {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let (tx, rx) = pipeline.event_channel();
             let answer = pipeline.start_plain(req, prompt, &stage, Some(tx))?;
             ask::stream_events(&stage, rx, Some(answer)).boxed()
         }

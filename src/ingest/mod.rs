@@ -186,10 +186,17 @@ pub fn ingest_document(
     let existing = store.existing(&ids, stage)?;
     stage.set(KeyValue::new(attr::INGEST_CHUNKS, chunks.len() as i64));
     if existing.len() == ids.len() {
+        // Every chunk is stored already; chunks of an older version left by a replace that
+        // crashed before its clean-up go now.
+        let stale = store.delete_stale(&doc.id, &ids, stage)?;
         return Ok(IngestOutcome {
             id: doc.id.clone(),
             chunks: chunks.len(),
-            status: IngestStatus::Unchanged,
+            status: if stale > 0 {
+                IngestStatus::Replaced
+            } else {
+                IngestStatus::Unchanged
+            },
         });
     }
     let embed_stage = stage.child(StageKind::Embed.span_name(Some(embedder.model_id())));
@@ -197,12 +204,15 @@ pub fn ingest_document(
     let texts: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
     let vectors = embedder.embed(&texts, &embed_stage)?;
     embed_stage.end();
-    let removed = store.delete_document(&doc.id, stage)?;
+    // New chunks first, old ones after: a crash between the two leaves the whole old version
+    // or the whole new one readable (both, until the clean-up runs), never neither. (Deleting
+    // first lost a replaced document outright when the crash came between the two writes.)
     store.upsert(&chunks, &vectors, stage)?;
+    let removed = store.delete_stale(&doc.id, &ids, stage)?;
     Ok(IngestOutcome {
         id: doc.id.clone(),
         chunks: chunks.len(),
-        status: if removed > 0 {
+        status: if removed > 0 || !existing.is_empty() {
             IngestStatus::Replaced
         } else {
             IngestStatus::Created

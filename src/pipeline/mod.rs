@@ -6,6 +6,7 @@
 //! `queue` stage. The other routes (embeddings, rerank, ingest) run their stages the same way.
 
 pub mod context;
+pub mod events;
 mod plain;
 mod request;
 pub mod runner;
@@ -14,8 +15,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
-use tokio::sync::mpsc::UnboundedSender;
 
+pub use events::{EventReceiver, EventSender, SendError};
 pub use request::{
     Choice, Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source, Streamed,
     Timings, Usage,
@@ -53,6 +54,15 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// The channel a streamed answer's events go through, bounded by `--stream-buffer` and
+    /// `--stream-stall-timeout-ms` (see [`events`]).
+    pub fn event_channel(&self) -> (EventSender, EventReceiver) {
+        events::channel(
+            self.defaults.stream_buffer,
+            std::time::Duration::from_millis(self.defaults.stream_stall_timeout_ms),
+        )
+    }
+
     /// Answers a question. With `events`, sources and tokens are sent as they are ready, and a
     /// closed receiver (the client went away) stops the generation.
     ///
@@ -62,7 +72,7 @@ impl Pipeline {
         self: &Arc<Self>,
         req: RagRequest,
         request: &Arc<Stage>,
-        events: Option<UnboundedSender<Event>>,
+        events: Option<EventSender>,
     ) -> Result<
         impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
         PipelineError,
@@ -76,12 +86,12 @@ impl Pipeline {
         self: &Arc<Self>,
         req: RagRequest,
         request: &Arc<Stage>,
-        events: Option<UnboundedSender<Event>>,
+        events: Option<EventSender>,
         job: impl FnOnce(
                 &Pipeline,
                 &RagRequest,
                 &Stage,
-                Option<&UnboundedSender<Event>>,
+                Option<&EventSender>,
             ) -> Result<RagAnswer, PipelineError>
             + Send
             + 'static,
@@ -103,7 +113,7 @@ impl Pipeline {
         &self,
         req: &RagRequest,
         request: &Stage,
-        events: Option<&UnboundedSender<Event>>,
+        events: Option<&EventSender>,
     ) -> Result<RagAnswer, PipelineError> {
         let mut run = StageRunner::new(request, &req.faults);
         run.timings_mut().queue_ms = millis(request.elapsed());
@@ -289,7 +299,7 @@ impl Pipeline {
         run: &mut StageRunner,
         req: &RagRequest,
         prompt: &[u32],
-        events: Option<&UnboundedSender<Event>>,
+        events: Option<&EventSender>,
     ) -> Result<Vec<Generated>, PipelineError> {
         let model = self.generator.model_id();
         let s = &req.sampling;
@@ -352,6 +362,7 @@ impl Pipeline {
             let pieces: Vec<_> = (0..req.choices.max(1))
                 .map(|_| std::sync::atomic::AtomicUsize::new(0))
                 .collect();
+            let stalled_ms = std::sync::atomic::AtomicU64::new(0);
             let on_token = |choice: usize, piece: Piece<'_>| {
                 if let Some(fault) = mid_answer {
                     let n = pieces[choice].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -368,8 +379,13 @@ impl Pipeline {
                     text: piece.text.to_string(),
                     logprobs: piece.logprobs.to_vec(),
                 };
-                match events {
-                    Some(tx) if tx.send(Event::Token(streamed())).is_err() => Flow::Stop,
+                match events.map(|tx| tx.send(Event::Token(streamed()))) {
+                    Some(Err(SendError::Closed)) => Flow::Stop,
+                    Some(Err(SendError::Stalled(waited))) => {
+                        let ms = (waited.as_millis() as u64).max(1);
+                        stalled_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
+                        Flow::Stop
+                    }
                     _ => Flow::Continue,
                 }
             };
@@ -396,6 +412,13 @@ impl Pipeline {
                         }
                         e => e.into(),
                     })?;
+            let stalled = stalled_ms.load(std::sync::atomic::Ordering::Relaxed);
+            if stalled > 0 {
+                // The client stopped reading: say so on the span, since the finish reason
+                // (`cancelled`) is the same as for a client that went away.
+                stage.set(KeyValue::new(attr::STREAM_STALLED_MS, stalled as i64));
+                metrics().stream_stalls.add(1, &[]);
+            }
             if let Some(d) = token_delay {
                 let delayed = delayed_tokens.load(std::sync::atomic::Ordering::Relaxed);
                 stage.set_all([

@@ -7,9 +7,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio::sync::mpsc::UnboundedSender;
-
-use super::{check_deadline, Event, Pipeline, PipelineError, RagAnswer, RagRequest};
+use super::{check_deadline, EventSender, Pipeline, PipelineError, RagAnswer, RagRequest};
 use super::{StageRunner, StageSpec};
 use crate::fault::FaultPlan;
 use crate::generate::TokenLogprob;
@@ -27,7 +25,7 @@ impl Pipeline {
         req: RagRequest,
         prompt: Vec<u32>,
         request: &Arc<Stage>,
-        events: Option<UnboundedSender<Event>>,
+        events: Option<EventSender>,
     ) -> Result<
         impl Future<Output = Result<RagAnswer, PipelineError>> + Send + 'static,
         PipelineError,
@@ -44,7 +42,7 @@ impl Pipeline {
         req: &RagRequest,
         prompt: &[u32],
         request: &Stage,
-        events: Option<&UnboundedSender<Event>>,
+        events: Option<&EventSender>,
     ) -> Result<RagAnswer, PipelineError> {
         let mut run = StageRunner::new(request, &req.faults);
         run.timings_mut().queue_ms = millis(request.elapsed());

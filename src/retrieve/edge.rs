@@ -11,10 +11,10 @@ use std::path::{Path, PathBuf};
 use qdrant_edge::{
     Condition as QdrantCondition, CountRequest, CreateIndex, Distance, EdgeConfig,
     EdgeOptimizersConfig, EdgeShard, EdgeVectorParams, FieldCondition, FieldIndexOperations,
-    Filter as QdrantFilter, JsonPath, Match, NamedQuery, OperationError, PayloadFieldSchema,
-    PayloadSchemaType, PointId, PointInsertOperations, PointOperations, PointStruct,
-    PointStructPersisted, QueryEnum, QueryRequest, ScoringQuery, UpdateOperation,
-    WithPayloadInterface, WithVector, DEFAULT_VECTOR_NAME,
+    Filter as QdrantFilter, HasIdCondition, JsonPath, Match, NamedQuery, OperationError,
+    PayloadFieldSchema, PayloadSchemaType, PointId, PointInsertOperations, PointOperations,
+    PointStruct, PointStructPersisted, QueryEnum, QueryRequest, ScoringQuery, ScrollRequest,
+    UpdateOperation, WalOptions, WithPayloadInterface, WithVector, DEFAULT_VECTOR_NAME,
 };
 use serde_json::Value;
 
@@ -69,6 +69,13 @@ impl EdgeStore {
                 .map_err(backend(&format!("creating shard at {}", path.display())))?
         } else {
             super::damage::check_shard_files(&path)?;
+            let freed = trim_wal(&path.join(WAL_DIR)).map_err(|e| {
+                StoreError::Backend(format!("trimming the WAL of {}: {e}", path.display()))
+            })?;
+            if freed.files > 0 {
+                tracing::info!(path = %path.display(), files = freed.files, bytes = freed.bytes,
+                    "removed write-ahead-log segments the engine never reads back");
+            }
             // The engine panics on some damaged files it does not check; a start-up error
             // that names the shard is the answer, not a panic.
             let loaded =
@@ -125,6 +132,89 @@ impl EdgeStore {
     /// The vector dimension this collection holds.
     pub fn dimension(&self) -> usize {
         self.dimension
+    }
+
+    /// Every stored point: its chunk and its (normalised) vector, in id order. For audits
+    /// (`ragscope store audit`), not for serving: it reads the whole collection.
+    pub fn points(&self) -> Result<Vec<(Chunk, Vec<f32>)>, StoreError> {
+        let mut out = Vec::new();
+        let mut offset = None;
+        loop {
+            let (records, next) = self
+                .shard
+                .scroll(ScrollRequest {
+                    offset,
+                    limit: Some(payload::UPSERT_BATCH),
+                    filter: None,
+                    with_payload: Some(WithPayloadInterface::Bool(true)),
+                    with_vector: WithVector::Bool(true),
+                    order_by: None,
+                })
+                .map_err(backend(&format!("scrolling `{}`", self.collection)))?;
+            for record in records {
+                let id = record.id.to_string();
+                let vector = record
+                    .vector
+                    .as_ref()
+                    .and_then(|v| v.get(DEFAULT_VECTOR_NAME))
+                    .and_then(|v| <&[f32]>::try_from(v).ok())
+                    .map(<[f32]>::to_vec)
+                    .ok_or_else(|| {
+                        StoreError::Backend(format!("point {id} has no dense vector"))
+                    })?;
+                let payload = record.payload.map(|p| p.0).unwrap_or_default();
+                out.push((chunk_from_payload(id, payload)?, vector));
+            }
+            match next {
+                Some(next) => offset = Some(next),
+                None => return Ok(out),
+            }
+        }
+    }
+
+    /// The exact number of points that pass `filter`, counted by the engine's payload index.
+    pub fn count_matching(&self, filter: &Filter) -> Result<usize, StoreError> {
+        self.shard
+            .count(CountRequest {
+                filter: to_qdrant_filter(filter)?,
+                exact: true,
+            })
+            .map_err(backend(&format!("counting in `{}`", self.collection)))
+    }
+
+    /// Bytes the shard occupies on disk (allocated blocks, so a preallocated sparse WAL
+    /// segment counts what it really holds), the WAL's share and its segment files.
+    pub fn disk_usage(&self) -> DiskUsage {
+        let wal = self.path.join(WAL_DIR);
+        DiskUsage {
+            total_bytes: allocated_bytes(&self.path),
+            wal_bytes: allocated_bytes(&wal),
+            wal_segments: fs::read_dir(&wal)
+                .map_or(0, |d| d.flatten().filter(is_wal_segment).count()),
+        }
+    }
+
+    /// Counts and deletes the points `filter` selects (a document's chunks). Under the writer
+    /// lock: no upsert can slip in between, so the number returned is the number removed.
+    fn delete_matching(&self, filter: QdrantFilter, doc_id: &str) -> Result<usize, StoreError> {
+        let _writer = self.writer.hold();
+        let removed = self
+            .shard
+            .count(CountRequest {
+                filter: Some(filter.clone()),
+                exact: true,
+            })
+            .map_err(backend(&format!("counting chunks of `{doc_id}`")))?;
+        if removed == 0 {
+            return Ok(0);
+        }
+        self.shard
+            .update(UpdateOperation::PointOperation(
+                PointOperations::DeletePointsByFilter(filter),
+            ))
+            .map_err(backend(&format!("deleting chunks of `{doc_id}`")))?;
+        self.shard.flush();
+        Ok(removed)
     }
 
     fn ensure_payload_indexes(&self) -> Result<(), StoreError> {
@@ -264,26 +354,26 @@ impl VectorStore for EdgeStore {
     fn delete_document(&self, doc_id: &str, _stage: &Stage) -> Result<usize, StoreError> {
         let filter = to_qdrant_filter(&payload::document_filter(doc_id))?
             .expect("a filter with a condition");
-        // Counting and deleting under the writer lock: no upsert can slip in between, so the
-        // number returned is the number removed.
-        let _writer = self.writer.hold();
-        let removed = self
-            .shard
-            .count(CountRequest {
-                filter: Some(filter.clone()),
-                exact: true,
-            })
-            .map_err(backend(&format!("counting chunks of `{doc_id}`")))?;
-        if removed == 0 {
-            return Ok(0);
+        self.delete_matching(filter, doc_id)
+    }
+
+    fn delete_stale(
+        &self,
+        doc_id: &str,
+        keep: &[String],
+        _stage: &Stage,
+    ) -> Result<usize, StoreError> {
+        let mut filter = to_qdrant_filter(&payload::document_filter(doc_id))?
+            .expect("a filter with a condition");
+        let kept: Vec<PointId> = keep
+            .iter()
+            .filter_map(|id| PointKey::parse(id).map(to_point_id))
+            .collect();
+        if !kept.is_empty() {
+            let kept: HasIdCondition = kept.into_iter().collect();
+            filter.must_not = Some(vec![QdrantCondition::HasId(kept)]);
         }
-        self.shard
-            .update(UpdateOperation::PointOperation(
-                PointOperations::DeletePointsByFilter(filter),
-            ))
-            .map_err(backend(&format!("deleting chunks of `{doc_id}`")))?;
-        self.shard.flush();
-        Ok(removed)
+        self.delete_matching(filter, doc_id)
     }
 
     fn count(&self) -> Result<usize, StoreError> {
@@ -320,8 +410,17 @@ fn shard_config(dimension: usize) -> EdgeConfig {
             EdgeVectorParams::builder(dimension, Distance::Cosine).build(),
         )
         .optimizers(optimizers_config())
+        .wal_options(WalOptions {
+            segment_capacity: WAL_SEGMENT_BYTES,
+            ..WalOptions::default()
+        })
         .build()
 }
+
+/// WAL segment size of new shards (the engine's default is 32 MiB). The WAL is trimmed to its
+/// newest closed segment at each start ([`trim_wal`]), so this sets the granularity of what a
+/// start can free; an existing shard keeps the size it was made with.
+const WAL_SEGMENT_BYTES: usize = 4 * 1024 * 1024;
 
 /// Optimizer settings: the engine indexes only segments above 10 MB of vectors by default
 /// (~6.5k MiniLM vectors), so a smaller corpus would stay plain after `build_index`. The
@@ -347,6 +446,81 @@ fn check_compatible(shard: &EdgeShard, path: &Path, dimension: usize) -> Result<
         Distance::Cosine,
         dimension,
     )
+}
+
+/// The engine's write-ahead-log directory inside a shard.
+const WAL_DIR: &str = "wal";
+
+/// What a shard holds on disk (see [`EdgeStore::disk_usage`]).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct DiskUsage {
+    pub total_bytes: u64,
+    pub wal_bytes: u64,
+    pub wal_segments: usize,
+}
+
+/// WAL segment files removed by [`trim_wal`].
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Trimmed {
+    pub files: usize,
+    pub bytes: u64,
+}
+
+fn is_wal_segment(entry: &fs::DirEntry) -> bool {
+    let name = entry.file_name();
+    let name = name.to_string_lossy();
+    name.starts_with("open-") || name.starts_with("closed-")
+}
+
+/// Removes every closed WAL segment but the newest, before the shard is loaded.
+///
+/// qdrant-edge 0.7.2 appends every update to its WAL and never truncates it (nothing calls
+/// the WAL's `ack`), and it never replays it either: a shard's state is its flushed
+/// segments, and every write here is flushed (WAL first, then segments) before it is
+/// acknowledged. So the closed segments are dead weight that grows with every write ever
+/// made. The newest one stays because the WAL numbers operations from its segments' names:
+/// were all removed, numbering would restart at 0 and the segments, which skip operations
+/// older than their own version, would silently ignore new writes. Removing a prefix of
+/// closed segments is what the WAL's own truncation does.
+pub fn trim_wal(wal: &Path) -> std::io::Result<Trimmed> {
+    let mut closed: Vec<(u64, PathBuf)> = match fs::read_dir(wal) {
+        Ok(entries) => entries
+            .flatten()
+            .filter_map(|e| {
+                let start = e
+                    .file_name()
+                    .to_str()?
+                    .strip_prefix("closed-")?
+                    .parse()
+                    .ok()?;
+                Some((start, e.path()))
+            })
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Trimmed::default()),
+        Err(e) => return Err(e),
+    };
+    closed.sort();
+    closed.pop();
+    let mut trimmed = Trimmed::default();
+    for (_, path) in closed {
+        trimmed.bytes += allocated_bytes(&path);
+        fs::remove_file(&path)?;
+        trimmed.files += 1;
+    }
+    Ok(trimmed)
+}
+
+/// Allocated bytes of a file, or of a directory's files recursively.
+fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = fs::symlink_metadata(path) else {
+        return 0;
+    };
+    if meta.is_dir() {
+        fs::read_dir(path).map_or(0, |d| d.flatten().map(|e| allocated_bytes(&e.path())).sum())
+    } else {
+        meta.blocks() * 512
+    }
 }
 
 fn is_empty_or_absent(path: &Path) -> Result<bool, StoreError> {
@@ -568,6 +742,68 @@ mod tests {
             .err()
             .expect("a second open must fail");
         assert!(err.to_string().contains("in use"), "{err}");
+    }
+
+    /// Trimming the WAL at open frees its old segments and loses nothing: writes made after a
+    /// trim are still applied and still there after the next start (the engine skips
+    /// operations numbered below a segment's version, so renumbering from 0 would drop them).
+    #[test]
+    fn wal_trimmed_at_open_keeps_every_write() {
+        const BIG_DIM: usize = 384;
+        let dir = TempDir::new().unwrap();
+        let mut rng = StdRng::seed_from_u64(7);
+        let wal = dir.path().join("w").join(WAL_DIR);
+        let closed = || {
+            fs::read_dir(&wal)
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("closed-"))
+                .count()
+        };
+        let mut expected = 0;
+        {
+            let store = EdgeStore::open(dir.path(), "w", BIG_DIM).unwrap();
+            // ~1.6 KB of WAL per point: 6,000 points fill two 4 MiB segments and start a third.
+            for round in 0..24 {
+                let chunks: Vec<Chunk> = (0..250).map(|p| chunk(&format!("d{round}"), p)).collect();
+                let vectors = random_vectors(&mut rng, chunks.len(), BIG_DIM);
+                store.upsert(&chunks, &vectors, &stage()).unwrap();
+                expected += chunks.len();
+            }
+        }
+        assert!(closed() >= 2, "the ingest closed {} WAL segments", closed());
+        let before = allocated_bytes(&wal);
+        let store = EdgeStore::open(dir.path(), "w", BIG_DIM).unwrap();
+        assert_eq!(closed(), 1, "only the newest closed segment is kept");
+        let after = store.disk_usage().wal_bytes;
+        assert!(after < before, "WAL {before} -> {after} bytes");
+        assert_eq!(store.count().unwrap(), expected);
+        let late: Vec<Chunk> = (0..3).map(|p| chunk("late", p)).collect();
+        store
+            .upsert(&late, &random_vectors(&mut rng, 3, BIG_DIM), &stage())
+            .unwrap();
+        assert_eq!(store.delete_document("d0", &stage()).unwrap(), 250);
+        drop(store);
+        let store = EdgeStore::open(dir.path(), "w", BIG_DIM).unwrap();
+        assert_eq!(store.count().unwrap(), expected - 250 + 3);
+        let ids: Vec<String> = late.iter().map(|c| c.id.clone()).collect();
+        assert_eq!(store.existing(&ids, &stage()).unwrap().len(), 3);
+    }
+
+    /// `delete_stale` removes a document's other chunks and keeps the listed ones and every
+    /// other document's.
+    #[test]
+    fn delete_stale_keeps_the_listed_chunks() {
+        let dir = TempDir::new().unwrap();
+        let store = EdgeStore::open(dir.path(), "s", DIM).unwrap();
+        let (chunks, vectors) = sample();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
+        let keep = vec![chunks[1].id.clone(), "not-a-uuid".to_string()];
+        assert_eq!(store.delete_stale("a", &keep, &stage()).unwrap(), 2);
+        assert_eq!(store.count().unwrap(), chunks.len() - 2);
+        assert_eq!(store.existing(&keep, &stage()).unwrap().len(), 1);
+        assert_eq!(store.delete_stale("b", &[], &stage()).unwrap(), 2);
+        assert_eq!(store.delete_stale("zzz", &[], &stage()).unwrap(), 0);
     }
 
     fn copy_dir(from: &Path, to: &Path) {

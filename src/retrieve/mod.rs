@@ -7,6 +7,7 @@
 //! them on a model-worker thread (an embedded search takes well under a millisecond; the remote
 //! store bridges to its own async runtime), never on the HTTP server's async threads.
 
+pub mod audit;
 mod damage;
 pub mod edge;
 pub mod payload;
@@ -213,6 +214,16 @@ pub trait VectorStore: Send + Sync {
 
     /// Removes every chunk of a document; returns how many were removed.
     fn delete_document(&self, doc_id: &str, stage: &Stage) -> Result<usize, StoreError>;
+
+    /// Removes the chunks of a document whose ids are not in `keep`; returns how many. A
+    /// replaced document's new chunks are written first and its old ones removed by this
+    /// after, so a crash in between leaves one whole version (or both), never neither.
+    fn delete_stale(
+        &self,
+        doc_id: &str,
+        keep: &[String],
+        stage: &Stage,
+    ) -> Result<usize, StoreError>;
 
     /// Number of stored chunks.
     fn count(&self) -> Result<usize, StoreError>;

@@ -274,6 +274,41 @@ impl RemoteStore {
             other => StoreError::Backend(format!("{doing} on Qdrant at {}: {other}", self.url)),
         }
     }
+
+    /// Counts and deletes the points `filter` selects (a document's chunks), under the
+    /// writer lock so the number returned is the number removed.
+    fn delete_matching(
+        &self,
+        filter: QdrantFilter,
+        doc_id: &str,
+        stage: &Stage,
+    ) -> Result<usize, StoreError> {
+        let _writer = self.writer.hold();
+        let name = self.collection.clone();
+        let count_filter = filter.clone();
+        let removed = self
+            .run(Some(stage), |c| async move {
+                c.count(
+                    CountPointsBuilder::new(name)
+                        .filter(count_filter)
+                        .exact(true),
+                )
+                .await
+            })
+            .map_err(|e| self.fail(&format!("counting chunks of `{doc_id}`"), e))?
+            .result
+            .map_or(0, |r| r.count as usize);
+        if removed == 0 {
+            return Ok(0);
+        }
+        let name = self.collection.clone();
+        self.run(Some(stage), |c| async move {
+            c.delete_points(DeletePointsBuilder::new(name).points(filter).wait(true))
+                .await
+        })
+        .map_err(|e| self.fail(&format!("deleting chunks of `{doc_id}`"), e))?;
+        Ok(removed)
+    }
 }
 
 impl VectorStore for RemoteStore {
@@ -398,31 +433,25 @@ impl VectorStore for RemoteStore {
     fn delete_document(&self, doc_id: &str, stage: &Stage) -> Result<usize, StoreError> {
         let filter = to_qdrant_filter(&payload::document_filter(doc_id))?
             .expect("a filter with a condition");
-        let _writer = self.writer.hold();
-        let name = self.collection.clone();
-        let count_filter = filter.clone();
-        let removed = self
-            .run(Some(stage), |c| async move {
-                c.count(
-                    CountPointsBuilder::new(name)
-                        .filter(count_filter)
-                        .exact(true),
-                )
-                .await
-            })
-            .map_err(|e| self.fail(&format!("counting chunks of `{doc_id}`"), e))?
-            .result
-            .map_or(0, |r| r.count as usize);
-        if removed == 0 {
-            return Ok(0);
+        self.delete_matching(filter, doc_id, stage)
+    }
+
+    fn delete_stale(
+        &self,
+        doc_id: &str,
+        keep: &[String],
+        stage: &Stage,
+    ) -> Result<usize, StoreError> {
+        let mut filter = to_qdrant_filter(&payload::document_filter(doc_id))?
+            .expect("a filter with a condition");
+        let kept: Vec<PointId> = keep
+            .iter()
+            .filter_map(|id| PointKey::parse(id).map(to_point_id))
+            .collect();
+        if !kept.is_empty() {
+            filter.must_not = vec![QdrantCondition::has_id(kept)];
         }
-        let name = self.collection.clone();
-        self.run(Some(stage), |c| async move {
-            c.delete_points(DeletePointsBuilder::new(name).points(filter).wait(true))
-                .await
-        })
-        .map_err(|e| self.fail(&format!("deleting chunks of `{doc_id}`"), e))?;
-        Ok(removed)
+        self.delete_matching(filter, doc_id, stage)
     }
 
     fn count(&self) -> Result<usize, StoreError> {

@@ -45,6 +45,8 @@ pub struct Metrics {
     pub quality: Quality,
     /// Failure snapshots by `result` (written, evicted, dropped, failed).
     pub snapshots: Counter<u64>,
+    /// Streamed generations cancelled because the client stopped reading.
+    pub stream_stalls: Counter<u64>,
 }
 
 /// Histograms of what each RAG answer was made of, one observation per request: with them a
@@ -194,6 +196,11 @@ impl Metrics {
                 .with_description(
                     "Failure snapshots written, evicted, dropped (queue full) or failed",
                 )
+                .build(),
+            stream_stalls: meter
+                .u64_counter(metric::STREAM_STALLS)
+                .with_unit("{stream}")
+                .with_description("Streamed generations cancelled: the client stopped reading")
                 .build(),
         }
     }

@@ -229,6 +229,7 @@ names! {
         QUEUE_DEPTH_AT_ENTRY = "rag.queue.depth_at_entry",
         QUEUE_EXPECTED_WAIT_MS = "rag.queue.expected_wait_ms",
         STREAM_EVENTS = "rag.stream.events",
+        STREAM_STALLED_MS = "rag.stream.stalled_ms",
         // GenAI.
         GEN_AI_OPERATION_NAME = "gen_ai.operation.name",
         GEN_AI_PROVIDER_NAME = "gen_ai.provider.name",
@@ -387,6 +388,7 @@ names! {
         PREFIX_CACHE_HIT_RATIO = "ragscope.prefix_cache.hit_ratio",
         RETRIEVAL_TO_GENERATION_GAP = "ragscope.retrieval_to_generation.gap",
         SNAPSHOTS = "ragscope.snapshots",
+        STREAM_STALLS = "ragscope.stream.stalls",
     }
 }
 

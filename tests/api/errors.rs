@@ -23,43 +23,21 @@ async fn every_bad_input_gets_a_4xx_naming_the_field_and_loses_nothing() {
     let points = ready["store"]["points"].clone();
 
     let q = "/v1/rag/query";
-    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
-        (q, b"{\"query\": ".to_vec(), 400, "body"),
-        (q, b"not json".to_vec(), 400, "body"),
-        (q, b"".to_vec(), 400, "body"),
-        (q, b"{\"query\": \"caf\xc3\x28\"}".to_vec(), 400, "body"),
-        (q, br#"{"query": 42}"#.to_vec(), 400, "query"),
-        (q, br#"{"query": "x", "top_k": "ten"}"#.to_vec(), 400, "top_k"),
-        (q, br#"{"query": "x", "top_k": -1}"#.to_vec(), 400, "top_k"),
-        (q, br#"{"query": "   "}"#.to_vec(), 400, "query"),
-        (q, br#"{}"#.to_vec(), 400, "body"),
-        (q, br#"{"query": "x", "top_k": 0}"#.to_vec(), 400, "top_k"),
-        (q, br#"{"query": "x", "top_k": 100000}"#.to_vec(), 400, "top_k"),
-        (q, br#"{"query": "x", "rerank_top_n": 50, "top_k": 5}"#.to_vec(), 400, "rerank_top_n"),
-        (q, br#"{"query": "x", "max_tokens": 0}"#.to_vec(), 400, "max_tokens"),
-        (q, br#"{"query": "x", "max_tokens": 1000000}"#.to_vec(), 400, "max_tokens"),
-        (q, br#"{"query": "x", "temperature": 9}"#.to_vec(), 400, "temperature"),
-        (q, br#"{"query": "x", "top_p": 0}"#.to_vec(), 400, "top_p"),
-        (q, br#"{"query": "x", "filter": {"colour": "red"}}"#.to_vec(), 400, "filter.colour"),
-        (q, br#"{"query": "x", "filter": {"doc_id": 1.5}}"#.to_vec(), 400, "filter.doc_id"),
-        (q, br#"{"query": "x", "filter": []}"#.to_vec(), 400, "filter"),
-        (q, br#"{"query": "x", "tok_k": 3}"#.to_vec(), 400, "tok_k"),
-        ("/v1/chat/completions", br#"{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}"#.to_vec(), 404, "model"),
-        ("/v1/chat/completions", br#"{"model": "SmolLM2-135M-Instruct", "messages": []}"#.to_vec(), 400, "messages"),
-        ("/v1/chat/completions", br#"{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "wizard", "content": "hi"}]}"#.to_vec(), 400, "messages[0].role"),
-        ("/v1/chat/completions", br#"{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": ""}]}"#.to_vec(), 400, "messages[0].content"),
-        ("/v1/chat/completions", br#"{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 99999}"#.to_vec(), 400, "max_tokens"),
-        ("/v1/embeddings", br#"{"model": "nope", "input": "x"}"#.to_vec(), 404, "model"),
-        ("/v1/embeddings", br#"{"model": "all-MiniLM-L6-v2", "input": []}"#.to_vec(), 400, "input"),
-        ("/v1/embeddings", br#"{"model": "all-MiniLM-L6-v2", "input": ["ok", 7]}"#.to_vec(), 400, "input[1]"),
-        ("/v1/embeddings", br#"{"model": "all-MiniLM-L6-v2", "input": "x", "encoding_format": "hex"}"#.to_vec(), 400, "encoding_format"),
-        ("/v1/documents", br#"{"documents": []}"#.to_vec(), 400, "documents"),
-        ("/v1/documents", br#"{"documents": [{"text": ""}]}"#.to_vec(), 400, "documents[0].text"),
-        ("/v1/documents", br#"{"documents": [{"text": "x", "metadata": {"a": {"b": 1}}}]}"#.to_vec(), 400, "documents[0].metadata.a"),
-        ("/v1/documents", br#"{"documents": [{"text": "x", "format": "pdf"}]}"#.to_vec(), 400, "documents[0].format"),
-        ("/v1/rerank", br#"{"query": "x", "documents": []}"#.to_vec(), 400, "documents"),
-    ];
-    for (path, body, status, field) in cases {
+    // The corpus is a file so that scripts/chaos tries the very same cases.
+    let corpus: Value = serde_json::from_str(include_str!("bad_inputs.json")).unwrap();
+    let cases = corpus["cases"].as_array().unwrap();
+    assert!(cases.len() >= 34, "the corpus lost cases: {}", cases.len());
+    for case in cases {
+        let path = case["path"].as_str().unwrap();
+        let body: Vec<u8> = match case["body_hex"].as_str() {
+            Some(hex) => (0..hex.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+                .collect(),
+            None => case["body"].as_str().unwrap().as_bytes().to_vec(),
+        };
+        let status = case["status"].as_u64().unwrap() as u16;
+        let field = case["field"].as_str().unwrap();
         let shown = String::from_utf8_lossy(&body).into_owned();
         let (got, response) = app.post_raw(path, body).await;
         assert!(response["error"].is_object(), "{path} {shown}: {response}");

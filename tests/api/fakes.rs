@@ -106,6 +106,17 @@ impl VectorStore for FakeStore {
         chunks.retain(|c| c.doc_id != doc_id);
         Ok(before - chunks.len())
     }
+    fn delete_stale(
+        &self,
+        doc_id: &str,
+        keep: &[String],
+        _stage: &Stage,
+    ) -> Result<usize, StoreError> {
+        let mut chunks = self.chunks.lock().unwrap();
+        let before = chunks.len();
+        chunks.retain(|c| c.doc_id != doc_id || keep.contains(&c.id));
+        Ok(before - chunks.len())
+    }
     fn count(&self) -> Result<usize, StoreError> {
         Ok(self.chunks.lock().unwrap().len())
     }
@@ -259,6 +270,9 @@ impl VectorStore for DownStore {
         Err(StoreError::Unavailable("test store is down".into()))
     }
     fn delete_document(&self, _: &str, _: &Stage) -> Result<usize, StoreError> {
+        Err(StoreError::Unavailable("test store is down".into()))
+    }
+    fn delete_stale(&self, _: &str, _: &[String], _: &Stage) -> Result<usize, StoreError> {
         Err(StoreError::Unavailable("test store is down".into()))
     }
     fn count(&self) -> Result<usize, StoreError> {
