@@ -374,6 +374,7 @@ pub async fn completions(
                 };
                 if let Some(c) = choice {
                     scored.extend(c.logprobs.iter().map(Scored::from_logprob));
+                    scored.extend(c.end_logprob.iter().map(Scored::from_logprob));
                 }
                 legacy_logprobs(&scored, 0)
             });

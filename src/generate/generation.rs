@@ -54,6 +54,7 @@ impl<'a> TextGeneration<'a> {
             text: String::new(),
             tokens: Vec::with_capacity(req.max_tokens),
             logprobs: Vec::new(),
+            end_logprob: None,
             finish: FinishReason::Length,
             prompt_tokens: req.prompt.len(),
             cached_tokens: 0,
@@ -236,12 +237,13 @@ impl<'a> TextGeneration<'a> {
                 _ => {}
             }
             index += 1;
-            if llama.eos.contains(&next) {
-                out.finish = FinishReason::Stop;
-                break;
-            }
-            out.tokens.push(next);
-            let bytes = llama.token_bytes.get(next);
+            let end = llama.eos.contains(&next);
+            // The end token has no text of its own.
+            let bytes = if end {
+                &[][..]
+            } else {
+                llama.token_bytes.get(next)
+            };
             let logprob = pick.logprobs.map(|(logprob, top)| TokenLogprob {
                 id: next,
                 bytes: bytes.to_vec(),
@@ -255,6 +257,12 @@ impl<'a> TextGeneration<'a> {
                     })
                     .collect(),
             });
+            if end {
+                out.end_logprob = logprob;
+                out.finish = FinishReason::Stop;
+                break;
+            }
+            out.tokens.push(next);
             let released = text.push(stream.push(bytes), logprob);
             let stopped = released.stopped;
             match deliver(released, out, on_token) {
@@ -399,6 +407,24 @@ mod tests {
         assert!(full.tokens.iter().all(|t| !model.eos.contains(t)));
         // Greedy up to where the end token would have been picked.
         assert_eq!(full.tokens[..stopped.tokens.len()], stopped.tokens[..]);
+    }
+
+    #[test]
+    fn an_answer_that_ends_on_the_end_token_reports_its_logprob() {
+        let Some(model) = model() else { return };
+        let prompt = zorbia_prompt(model);
+        let mut req = request(&prompt, 64, Sampling::default());
+        req.logprobs = Some(2);
+        let (stopped, _) = run(model, req);
+        assert_eq!(stopped.finish, FinishReason::Stop, "{:?}", stopped.text);
+        let end = stopped.end_logprob.expect("the end token's logprob");
+        assert!(model.eos.contains(&end.id), "{}", end.id);
+        assert!(end.bytes.is_empty() && end.logprob <= 0.0, "{end:?}");
+        // Greedy: the end token was the most likely one.
+        assert_eq!(end.top[0].id, end.id);
+        assert_eq!(stopped.logprobs.len(), stopped.tokens.len());
+        let (plain, _) = run(model, request(&prompt, 64, Sampling::default()));
+        assert!(plain.end_logprob.is_none());
     }
 
     #[test]

@@ -228,6 +228,10 @@ pub struct Generated {
     /// With [`GenerateRequest::logprobs`]: one per token whose text is (at least partly) in
     /// `text`, in order, as streamed with the pieces.
     pub logprobs: Vec<TokenLogprob>,
+    /// With logprobs, when the model ended by producing its end-of-sequence token: that token's
+    /// (not in `text` or `tokens`). Legacy completions list it last, where a loglikelihood
+    /// client such as lm-eval expects one generated entry.
+    pub end_logprob: Option<TokenLogprob>,
     pub finish: FinishReason,
     pub prompt_tokens: usize,
     /// Prompt tokens whose keys and values came from the prefix cache, not computed.

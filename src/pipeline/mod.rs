@@ -484,6 +484,7 @@ impl Pipeline {
                 finish_reason: g.finish,
                 completion_tokens: g.tokens.len(),
                 logprobs: g.logprobs,
+                end_logprob: g.end_logprob,
             })
             .collect();
         let first = &choices[0];

@@ -170,6 +170,8 @@ pub struct Choice {
     pub text: String,
     pub finish_reason: FinishReason,
     pub logprobs: Vec<TokenLogprob>,
+    /// The end-of-sequence token's log-probability when the choice ended on it (with logprobs).
+    pub end_logprob: Option<TokenLogprob>,
     pub completion_tokens: usize,
 }
 

@@ -92,6 +92,16 @@ fn doc_id_of(filter: &Filter) -> Option<String> {
     })
 }
 
+/// Whether `p` is a chunk of `doc` that `filter`'s `must_not` has-id conditions do not spare
+/// (how a replaced document's stale chunks are selected).
+fn selected(filter: &Filter, doc: &Option<String>, p: &PointStruct) -> bool {
+    let spared = filter.must_not.iter().any(|c| match &c.condition_one_of {
+        Some(ConditionOneOf::HasId(h)) => p.id.as_ref().is_some_and(|id| h.has_id.contains(id)),
+        _ => false,
+    });
+    (doc.is_none() || payload_doc_id(p) == *doc) && !spared
+}
+
 fn payload_doc_id(p: &PointStruct) -> Option<String> {
     p.payload.get("doc_id").and_then(|v| match &v.kind {
         Some(qdrant_client::qdrant::value::Kind::StringValue(s)) => Some(s.clone()),
@@ -217,11 +227,12 @@ impl State {
     }
 
     fn count(&self, r: CountPoints) -> Result<CountResponse, Status> {
-        let doc = r.filter.as_ref().and_then(doc_id_of);
+        let filter = r.filter.unwrap_or_default();
+        let doc = doc_id_of(&filter);
         let count = self
             .points
             .iter()
-            .filter(|p| doc.is_none() || payload_doc_id(p) == doc)
+            .filter(|p| selected(&filter, &doc, p))
             .count();
         Ok(CountResponse {
             result: Some(CountResult {
@@ -238,7 +249,7 @@ impl State {
             return Err(Status::invalid_argument("stand-in: expected a filter"));
         };
         let doc = doc_id_of(&filter);
-        self.points.retain(|p| payload_doc_id(p) != doc);
+        self.points.retain(|p| !selected(&filter, &doc, p));
         Ok(completed())
     }
 }
