@@ -306,15 +306,11 @@ impl Tenants {
     /// before it runs, so it is charged to `default` here), else its baggage member's.
     fn of<B>(&self, keys: &ApiKeys, req: &Request<B>) -> Tenant {
         if keys.is_on() {
-            let token = req
+            let authorization = req
                 .headers()
                 .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| {
-                    v.strip_prefix("Bearer ")
-                        .or_else(|| v.strip_prefix("bearer "))
-                });
-            let name = token.and_then(|t| keys.tenant_of(t.trim()));
+                .and_then(|v| v.to_str().ok());
+            let name = keys.tenant_of(authorization);
             return self.get(name.as_deref().unwrap_or(DEFAULT));
         }
         let Some(key) = &self.baggage_key else {
@@ -552,12 +548,13 @@ mod tests {
         assert_eq!(seen.as_deref(), Some("a"));
         assert!(current().is_none());
         std::thread::spawn(move || {
-            let _g = enter(Some(t.clone()));
+            let guard = enter(Some(t.clone()));
             charge(1500);
             assert!(matches!(t.check(), Err(OverQuota::Tokens { .. })));
+            drop(guard);
+            assert!(current().is_none(), "the job's tenant outlived its guard");
         })
         .join()
         .unwrap();
-        assert!(JOB_TENANT.with(|t| t.borrow().is_none()));
     }
 }

@@ -122,9 +122,11 @@ impl ApiKeys {
         self.find(token).map(|k| k.scope)
     }
 
-    /// The tenant `token`'s key charges to, if it names one.
-    pub fn tenant_of(&self, token: &str) -> Option<String> {
-        self.find(token).and_then(|k| k.tenant.clone())
+    /// The tenant the key in an `Authorization` value (`Bearer <key>`) charges to, if it is a
+    /// configured key that names one.
+    pub fn tenant_of(&self, authorization: Option<&str>) -> Option<String> {
+        let key = self.find(bearer(authorization?)?)?;
+        key.tenant.clone()
     }
 
     /// Every tenant a key names.
@@ -149,11 +151,7 @@ impl ApiKeys {
                 ),
             );
         };
-        let token = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .map(str::trim);
-        let Some(scope) = token.and_then(|t| self.scope_of(t)) else {
+        let Some(scope) = bearer(value).and_then(|t| self.scope_of(t)) else {
             return refuse(
                 "invalid",
                 ApiError::unauthenticated(
@@ -187,6 +185,14 @@ impl ApiKeys {
             }
         }
     }
+}
+
+/// The key of an `Authorization: Bearer <key>` value.
+fn bearer(value: &str) -> Option<&str> {
+    value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .map(str::trim)
 }
 
 /// `SECRET` or `admin:SECRET` (`user:SECRET` says the default out loud), optionally followed by
@@ -332,10 +338,11 @@ mod tests {
     #[test]
     fn a_key_may_name_its_tenant() {
         let keys = ApiKeys::from_specs(&["k1 tenant=acme", "admin:k2 tenant=ops", "k3"]).unwrap();
-        assert_eq!(keys.tenant_of("k1").as_deref(), Some("acme"));
-        assert_eq!(keys.tenant_of("k2").as_deref(), Some("ops"));
-        assert_eq!(keys.tenant_of("k3"), None);
-        assert_eq!(keys.tenant_of("k1 tenant=acme"), None);
+        assert_eq!(keys.tenant_of(Some("Bearer k1")).as_deref(), Some("acme"));
+        assert_eq!(keys.tenant_of(Some("Bearer k2")).as_deref(), Some("ops"));
+        assert_eq!(keys.tenant_of(Some("Bearer k3")), None);
+        assert_eq!(keys.tenant_of(Some("Bearer k1 tenant=acme")), None);
+        assert_eq!(keys.tenant_of(Some("k1")), None);
         assert!(matches!(
             keys.check(Some("Bearer k2"), Scope::Admin),
             Ok(Scope::Admin)

@@ -420,20 +420,7 @@ async fn completions_generate_from_the_prompt_as_written() {
 
 /// The streamed chunks of a completion, `[DONE]` checked and dropped.
 async fn completion_chunks(app: &TestApp, body: Value) -> Vec<Value> {
-    let r = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let events = crate::query::sse_events(&r.text().await.unwrap());
-    assert_eq!(events.last().unwrap().1, "[DONE]");
-    events[..events.len() - 1]
-        .iter()
-        .map(|(_, d)| serde_json::from_str(d).unwrap())
-        .collect()
+    app.openai_stream("/v1/completions", &body).await
 }
 
 /// The streamed text of choice `index`.

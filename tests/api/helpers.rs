@@ -253,6 +253,25 @@ impl TestApp {
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
+    /// The JSON chunks of an OpenAI-style stream from `POST path`, after checking the status
+    /// is 200 and that `[DONE]` ends it (dropped).
+    pub async fn openai_stream(&self, path: &str, body: &Value) -> Vec<Value> {
+        let r = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let events = crate::query::sse_events(&r.text().await.unwrap());
+        assert_eq!(events.last().unwrap().1, "[DONE]");
+        events[..events.len() - 1]
+            .iter()
+            .map(|(_, d)| serde_json::from_str(d).unwrap())
+            .collect()
+    }
+
     pub async fn get(&self, path: &str) -> (u16, Value) {
         let r = self.client.get(self.url(path)).send().await.unwrap();
         let status = r.status().as_u16();

@@ -5,7 +5,6 @@ use serde_json::{json, Value};
 
 use crate::fakes::FakeGenerator;
 use crate::helpers::{spawn_app, spawn_fake_app, TestApp};
-use crate::query::sse_events;
 
 #[tokio::test]
 async fn chat_completions_answer_in_openai_shape_streamed_and_not() {
@@ -237,20 +236,7 @@ async fn embeddings_refuse_unknown_fields_by_name_and_ignore_user() {
 async fn chat_chunks(app: &TestApp, body: &Value) -> Vec<Value> {
     let mut body = body.clone();
     body["stream"] = json!(true);
-    let r = app
-        .client
-        .post(app.url("/v1/chat/completions"))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let events = sse_events(&r.text().await.unwrap());
-    assert_eq!(events.last().unwrap().1, "[DONE]");
-    events[..events.len() - 1]
-        .iter()
-        .map(|(_, d)| serde_json::from_str(d).unwrap())
-        .collect()
+    app.openai_stream("/v1/chat/completions", &body).await
 }
 
 /// The streamed text of choice `index`.
