@@ -360,23 +360,12 @@ async fn completions_generate_from_the_prompt_as_written() {
     assert_eq!(echoed["choices"][0]["text"], format!("{prompt}{text}"));
 
     // Streaming gives the same text in `text_completion` chunks, then usage, then [DONE].
-    let r = app
-        .client
-        .post(app.url("/v1/completions"))
-        .json(
-            &json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true,
-                      "stream_options": {"include_usage": true}}),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let events = crate::query::sse_events(&r.text().await.unwrap());
-    assert_eq!(events.last().unwrap().1, "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|(_, d)| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = completion_chunks(
+        &app,
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true,
+               "stream_options": {"include_usage": true}}),
+    )
+    .await;
     assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
     let streamed: String = chunks
         .iter()
