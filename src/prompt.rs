@@ -72,6 +72,11 @@ impl PromptTemplate {
     }
 }
 
+/// Text that, generated after an answer, means the answer is over: the RAG templates' own
+/// section labels (a small model goes on to write the next "Question:" of its prompt's shape).
+/// A RAG answer stops at them as at a request's stop strings.
+pub const ANSWER_ENDS: &[&str] = &["\nQuestion:", "\nPassages:"];
+
 /// A rendered prompt and how it was built.
 #[derive(Debug, Clone)]
 pub struct Prompt {

@@ -70,6 +70,11 @@ pub struct Sampling {
     pub no_repeat_ngram: usize,
     /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
     pub penalize_prompt: bool,
+    /// Added to the logit of every token of the request's context passages
+    /// ([`GenerateRequest::context_tokens`]; 0 = off): a small model's answer leans towards
+    /// copying its sources' words (`--context-bias`, measured in docs/CONTEXT.md).
+    #[serde(default)]
+    pub context_bias: f32,
 }
 
 impl Sampling {
@@ -79,6 +84,7 @@ impl Sampling {
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
             || self.no_repeat_ngram > 0
+            || self.context_bias != 0.0
     }
 }
 
@@ -93,6 +99,7 @@ impl Default for Sampling {
             repetition_penalty: 1.0,
             no_repeat_ngram: 0,
             penalize_prompt: false,
+            context_bias: 0.0,
         }
     }
 }
@@ -185,6 +192,9 @@ pub struct GenerateRequest<'a> {
     /// `Some(k)`: each generated token's log-probability and its `k` (at most
     /// [`MAX_TOP_LOGPROBS`]) most likely alternatives.
     pub logprobs: Option<usize>,
+    /// The tokens of the prompt's context passages, which [`Sampling::context_bias`] favours
+    /// (empty: none).
+    pub context_tokens: &'a [u32],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

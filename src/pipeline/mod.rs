@@ -24,7 +24,7 @@ pub use request::{
 pub use runner::{StageRunner, StageSpec};
 
 use crate::config::PipelineArgs;
-use crate::embed::cache::QueryCache;
+use crate::embed::cache::{QueryCache, VectorCache};
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};
 use crate::generate::{self, Flow, GenerateRequest, Generated, Generator, Piece};
@@ -51,6 +51,8 @@ pub struct Pipeline {
     pub defaults: PipelineArgs,
     pub chunker: ChunkerConfig,
     pub query_cache: QueryCache,
+    /// Sentence vectors of the context stage.
+    pub sentence_cache: VectorCache,
 }
 
 impl Pipeline {
@@ -136,10 +138,25 @@ impl Pipeline {
         let built = self.build_prompt(&mut run, req, &texts)?;
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
         let gap = retrieved_at.elapsed();
-        let generated = self.generate(&mut run, req, &built.tokens, events)?;
+        let favoured = if req.sampling.context_bias != 0.0 {
+            self.generator.tokenize(&texts.join("\n"), false)?
+        } else {
+            Vec::new()
+        };
+        // The template's own labels end an answer: a small model that starts a new
+        // "Question:" is past the end of its answer.
+        let stop: Vec<String> = req
+            .stop
+            .iter()
+            .cloned()
+            .chain(prompt::ANSWER_ENDS.iter().map(|s| s.to_string()))
+            .collect();
+        let generated = self.generate(&mut run, req, &built.tokens, &favoured, &stop, events)?;
         let window = self.generator.context_window();
         record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
-        Ok(self.finish(run, sources, generated))
+        let mut answer = self.finish(run, sources, generated);
+        answer.context = texts.iter().map(|t| t.to_string()).collect();
+        Ok(answer)
     }
 
     /// 1. The query's vector, from the query cache or the embedder.
@@ -246,18 +263,19 @@ impl Pipeline {
             .profiled(embeds);
         run.run(spec, |stage| {
             let texts: Vec<&str> = ranked.iter().map(|s| s.text.as_str()).collect();
-            let chosen = context::select(
-                settings,
-                &req.query,
-                vector,
-                &texts,
-                self.generator.as_ref(),
-                self.embedder.as_ref(),
-                stage,
-            )?;
+            let models = context::Models {
+                generator: self.generator.as_ref(),
+                embedder: self.embedder.as_ref(),
+                sentences: &self.sentence_cache,
+            };
+            let chosen = context::select(settings, &req.query, vector, &texts, &models, stage)?;
             stage.set_all([
                 KeyValue::new(attr::CONTEXT_SENTENCES_IN, chosen.sentences_in as i64),
                 KeyValue::new(attr::CONTEXT_SENTENCES_OUT, chosen.sentences_out as i64),
+                KeyValue::new(
+                    attr::CONTEXT_SENTENCES_CACHED,
+                    chosen.sentences_cached as i64,
+                ),
                 KeyValue::new(attr::CONTEXT_TOKENS_IN, chosen.tokens_in as i64),
                 KeyValue::new(attr::CONTEXT_TOKENS_OUT, chosen.tokens_out as i64),
                 KeyValue::new(attr::CONTEXT_PASSAGES_OUT, chosen.passages.len() as i64),
@@ -299,6 +317,8 @@ impl Pipeline {
         run: &mut StageRunner,
         req: &RagRequest,
         prompt: &[u32],
+        context_tokens: &[u32],
+        stop: &[String],
         events: Option<&EventSender>,
     ) -> Result<Vec<Generated>, PipelineError> {
         let model = self.generator.model_id();
@@ -338,6 +358,7 @@ impl Pipeline {
                 0.0,
             ),
             (attr::REQUEST_REPETITION_PENALTY, s.repetition_penalty, 1.0),
+            (attr::REQUEST_CONTEXT_BIAS, s.context_bias, 0.0),
         ] {
             if value != neutral {
                 attributes.push(KeyValue::new(key, f64::from(value)));
@@ -400,8 +421,9 @@ impl Pipeline {
                     token_trace: self.defaults.token_trace,
                     deadline: Some(req.deadline),
                     ignore_eos: false,
-                    stop: &req.stop,
+                    stop,
                     logprobs: req.logprobs,
+                    context_tokens,
                 })
                 .collect();
             let generated =
@@ -501,6 +523,7 @@ impl Pipeline {
             finish_reason: first.finish_reason,
             logprobs: first.logprobs.clone(),
             choices,
+            context: Vec::new(),
             finished_at: clock::now(),
         }
     }

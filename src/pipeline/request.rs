@@ -159,6 +159,9 @@ pub struct RagAnswer {
     /// Every choice, the first one included (the chat endpoint's `n`).
     #[serde(skip)]
     pub choices: Vec<Choice>,
+    /// The context passages' text as the prompt got it (RAG answers; `ragscope eval` reads it).
+    #[serde(skip)]
+    pub context: Vec<String>,
     /// When the worker finished, on the shared clock: the `respond` stage starts here.
     #[serde(skip)]
     pub finished_at: Instant,
