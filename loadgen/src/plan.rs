@@ -105,8 +105,9 @@ pub struct Plan {
     pub notes: Vec<String>,
 }
 
-/// The highest step whose p95 TTFT meets `slo` and error rate `max_error_rate`, all before it
-/// meeting both; `None` when the first step already fails.
+/// The highest step with requests whose p95 TTFT meets `slo` and error rate
+/// `max_error_rate`, all before it meeting both (a step that sent nothing breaks nothing, as
+/// in the knee finder, but measures nothing either); `None` when no step qualifies.
 pub fn capacity_step<'a>(
     steps: &'a [StepResult],
     slo: f64,
@@ -114,7 +115,11 @@ pub fn capacity_step<'a>(
 ) -> Option<&'a StepResult> {
     let meets =
         |s: &StepResult| s.error_rate <= max_error_rate && s.ttft_p95_ms.is_some_and(|p| p <= slo);
-    steps.iter().take_while(|s| meets(s)).last()
+    steps
+        .iter()
+        .take_while(|s| s.requests == 0 || meets(s))
+        .filter(|s| s.requests > 0)
+        .last()
 }
 
 /// Mean of each server timing over `records` (ok ones of `step`), keys without `_ms`.
@@ -381,6 +386,12 @@ mod tests {
         assert_eq!(capacity_step(&steps, 1000.0, 0.01).unwrap().step, 1);
         assert_eq!(capacity_step(&steps, 3000.0, 0.01).unwrap().step, 3);
         assert!(capacity_step(&steps, 300.0, 0.01).is_none());
+        // A first step that drew no arrivals neither counts nor stops the search.
+        let mut quiet = step(0, 0.1, 0.0, 0.0, 0.0);
+        (quiet.requests, quiet.ttft_p95_ms) = (0, None);
+        let later = [quiet, step(1, 0.2, 0.2, 500.0, 0.0)];
+        assert_eq!(capacity_step(&later, 1000.0, 0.01).unwrap().step, 1);
+        assert!(capacity_step(&later[..1], 1000.0, 0.01).is_none());
         // Errors fail a step however fast it was.
         let errors = [
             step(0, 0.25, 0.25, 100.0, 0.0),
