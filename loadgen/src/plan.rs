@@ -108,11 +108,7 @@ pub struct Plan {
 /// The highest step with requests whose p95 TTFT meets `slo` and error rate
 /// `max_error_rate`, all before it meeting both (a step that sent nothing breaks nothing, as
 /// in the knee finder, but measures nothing either); `None` when no step qualifies.
-pub fn capacity_step<'a>(
-    steps: &'a [StepResult],
-    slo: f64,
-    max_error_rate: f64,
-) -> Option<&'a StepResult> {
+pub fn capacity_step(steps: &[StepResult], slo: f64, max_error_rate: f64) -> Option<&StepResult> {
     let meets =
         |s: &StepResult| s.error_rate <= max_error_rate && s.ttft_p95_ms.is_some_and(|p| p <= slo);
     steps
@@ -184,10 +180,13 @@ pub fn qdrant_memory_gib(chunks: u64, dim: u64, payload_bytes: u64) -> f64 {
 
 /// The plan for `a` from one replica's measurement.
 pub fn plan(a: &PlanArgs, replica: Replica) -> anyhow::Result<Plan> {
-    if !(a.target_rps > 0.0) || !(a.headroom > 0.0 && a.headroom <= 1.0) {
+    // Written so that NaN fails too.
+    let valid = a.target_rps > 0.0 && a.headroom > 0.0 && a.headroom <= 1.0;
+    if !valid {
         bail!("--target-rps must be positive and --headroom in (0, 1]");
     }
-    if !(replica.capacity_rps > 0.0) {
+    let completed = replica.capacity_rps > 0.0;
+    if !completed {
         bail!("the capacity step completed no request");
     }
     let mut notes = Vec::new();
