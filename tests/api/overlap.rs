@@ -45,7 +45,7 @@ async fn an_overlapped_request_prefills_its_head_beside_retrieval_with_the_same_
     record_spans();
     let app = spawn_app().await;
     app.ingest_fixtures().await;
-    let body = json!({"query": QUESTION, "max_tokens": 12, "overlap": true});
+    let body = json!({"query": QUESTION, "max_tokens": 8, "overlap": true});
     let overlapped = ask(&app, body).await;
     let spans = last_trace(&app).await;
     let root = span(&spans, "POST /v1/rag/query");
@@ -80,7 +80,7 @@ async fn an_overlapped_request_prefills_its_head_beside_retrieval_with_the_same_
     whole.ingest_fixtures().await;
     let sequential = ask(
         &whole,
-        json!({"query": QUESTION, "max_tokens": 12, "overlap": false}),
+        json!({"query": QUESTION, "max_tokens": 8, "overlap": false}),
     )
     .await;
     assert!(warm_spans(&last_trace(&whole).await).is_empty());
