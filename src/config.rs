@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::generate::TokenTrace;
 use crate::pipeline::context::{ContextMethod, ContextMode};
+use crate::pipeline::Overlap;
 use crate::prompt::PromptTemplate;
 
 #[derive(Debug, Parser)]
@@ -304,6 +305,11 @@ pub struct PipelineArgs {
     /// The RAG prompt's wording (docs/CONTEXT.md compares them).
     #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
     pub prompt_template: PromptTemplate,
+    /// `on`: a RAG request prefills its prompt's head (system turn, history, question) into the
+    /// prefix cache while its query is embedded and searched, so its prefill starts from a hit
+    /// (a request's `overlap` overrides it). `off`: every stage in sequence.
+    #[arg(long, env = "RAGSCOPE_OVERLAP", value_enum, default_value_t = Overlap::Off)]
+    pub overlap: Overlap,
     /// How decode steps appear in traces: events, spans or off.
     #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
     pub token_trace: TokenTrace,

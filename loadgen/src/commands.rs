@@ -43,6 +43,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<u8> {
         }),
         Command::Report(a) => report(&a).map(|_| 0),
         Command::Experiment(Experiment::Tails(a)) => tails(&a).await.map(|_| 0),
+        Command::Plan(a) => crate::plan::run(&a).map(|_| 0),
     }
 }
 

@@ -14,6 +14,7 @@
 //! - [`report`] and [`svg`]: the self-contained HTML report, plots drawn here as inline SVG.
 //! - [`notebook`]: the same report as a Jupyter notebook that loads the run's files.
 //! - [`experiment`]: `experiment tails`, heavy against light tails injected into one stage.
+//! - [`plan`]: `plan`, the replicas and Qdrant a target load needs, from a knee and Little's law.
 //! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`,
 //!   `report.ipynb`.
 //!
@@ -28,6 +29,7 @@ pub mod gate;
 pub mod isolation;
 pub mod knee;
 pub mod notebook;
+pub mod plan;
 pub mod record;
 pub mod report;
 pub mod runner;

@@ -54,6 +54,8 @@ pub struct Asked {
     pub decoding: Decoding,
     /// `context`, `context_budget`, `context_method`.
     pub context: ContextAsked,
+    /// Prefill the prompt's head beside retrieval; unset: the server's `--overlap`.
+    pub overlap: Option<bool>,
 }
 
 /// How the answer is decoded beyond temperature and top-p; every field is neutral by default.
@@ -203,6 +205,7 @@ pub fn rag_request(
         filter,
         decoding,
         context,
+        overlap,
     } = asked;
     let defaults = &pipeline.defaults;
     if query.trim().is_empty() {
@@ -274,6 +277,7 @@ pub fn rag_request(
         filter,
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
+        overlap: overlap.unwrap_or(defaults.overlap.on()),
     })
 }
 

@@ -22,6 +22,7 @@ mod template;
 #[cfg(test)]
 mod testing;
 pub mod tokenizer;
+mod warm;
 mod weights;
 
 use std::time::{Duration, Instant};
@@ -252,6 +253,17 @@ pub struct Generated {
     pub first_token_at: Option<Instant>,
 }
 
+/// What [`Generator::warm`] prefilled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Warmed {
+    /// Head tokens now in the prefix cache (its whole blocks).
+    pub head_tokens: usize,
+    /// Of those, the ones that were cached already.
+    pub cached_tokens: usize,
+    /// Positions computed.
+    pub computed_tokens: usize,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
     #[error("prompt has {prompt} tokens; with max_tokens {max_tokens} it exceeds the context window of {window}")]
@@ -308,6 +320,21 @@ pub trait Generator: Send + Sync {
         top: usize,
         stage: &Stage,
     ) -> Result<Vec<TokenLogprob>, GenerateError>;
+
+    /// Prefills `head`, the start of a prompt still being built, into the prefix cache and
+    /// generates nothing, so the prompt's own prefill starts from a hit (the pipeline's
+    /// retrieval–generation overlap). `proceed` is asked once the prefill turn is held: `false`
+    /// (the request's own prefill got there first, or the request failed) skips the work.
+    /// `None`: nothing was prefilled (no prefix cache, a head shorter than a block, skipped).
+    fn warm(
+        &self,
+        head: &[u32],
+        stage: &Stage,
+        proceed: &dyn Fn() -> bool,
+    ) -> Result<Option<Warmed>, GenerateError> {
+        let _ = (head, stage, proceed);
+        Ok(None)
+    }
 
     /// Where this generator keeps failure snapshots (`GET /debug/snapshots`), if anywhere.
     fn snapshots(&self) -> Option<&std::sync::Arc<crate::snapshot::SnapshotStore>> {

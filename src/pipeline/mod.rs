@@ -7,6 +7,7 @@
 
 pub mod context;
 pub mod events;
+pub mod overlap;
 mod plain;
 mod request;
 pub mod runner;
@@ -17,6 +18,7 @@ use std::sync::Arc;
 use opentelemetry::KeyValue;
 
 pub use events::{EventReceiver, EventSender, SendError};
+pub use overlap::Overlap;
 pub use request::{
     Choice, Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source, Streamed,
     Timings, Usage,
@@ -121,6 +123,8 @@ impl Pipeline {
         run.timings_mut().queue_ms = millis(request.elapsed());
         check_deadline(req, request)?;
 
+        // Dropped on an early return: a warm that has not started computing is called off.
+        let warm = self.start_warm(req, request);
         let vector = self.embed_query(&mut run, req)?;
         let hits = self.retrieve(&mut run, req, &vector)?;
         let retrieved_at = std::time::Instant::now();
@@ -137,6 +141,9 @@ impl Pipeline {
         let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
         let built = self.build_prompt(&mut run, req, &texts)?;
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
+        if let Some(warm) = warm {
+            warm.finish();
+        }
         let gap = retrieved_at.elapsed();
         let favoured = if req.sampling.context_bias != 0.0 {
             self.generator.tokenize(&texts.join("\n"), false)?
@@ -157,6 +164,18 @@ impl Pipeline {
         let mut answer = self.finish(run, sources, generated);
         answer.context = texts.iter().map(|t| t.to_string()).collect();
         Ok(answer)
+    }
+
+    /// 0. With `overlap`: the prompt head's prefill, started beside embedding and retrieval
+    ///    ([`overlap`]). A head that cannot be built is left to the prompt stage to report.
+    fn start_warm(&self, req: &RagRequest, request: &Stage) -> Option<overlap::Warm> {
+        if !req.overlap {
+            return None;
+        }
+        let template = self.defaults.prompt_template;
+        let generator = self.generator.as_ref();
+        let head = prompt::head(generator, template, &req.history, &req.query).ok()?;
+        overlap::Warm::start(self.generator.clone(), head, request, req.deadline)
     }
 
     /// 1. The query's vector, from the query cache or the embedder.

@@ -41,6 +41,8 @@ pub struct RagRequest {
     pub deadline: Instant,
     /// Faults to inject (empty unless the server allows injection).
     pub faults: Arc<FaultPlan>,
+    /// Prefill the prompt's head while embedding and retrieving (`--overlap`).
+    pub overlap: bool,
 }
 
 impl RagRequest {
@@ -60,6 +62,7 @@ impl RagRequest {
             context: ContextSettings::defaults(defaults, defaults.rerank_top_n),
             deadline: clock::now() + timeout,
             faults: Arc::default(),
+            overlap: defaults.overlap.on(),
         }
     }
 }

@@ -19,6 +19,7 @@ mod helpers;
 mod metrics;
 mod openai;
 mod openapi;
+mod overlap;
 mod overload;
 mod page;
 mod prefix_cache;
