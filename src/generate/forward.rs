@@ -710,12 +710,11 @@ mod tests {
     /// prefill chunks), teacher-forced by the prompt itself. Where the CPU has AVX-512 BF16 this
     /// runs the real kernel, elsewhere its emulation (weights and activations rounded to BF16
     /// as the kernel rounds them, products summed in F32: the kernel's arithmetic up to the
-    /// order of the sums). The documented tolerance, from the emulated run on a Zen 3 box:
-    /// max |Δlogit| 2.2, mean 0.09, top-1 agreement 0.98 over 600 positions (BF16 keeps
-    /// 8 bits of mantissa; 30 layers compound the rounding). Asserted with some room: max
-    /// below 4, mean below 0.2, top-1 agreement at least 0.95, and the last position (the
-    /// one a generation samples from) picks the same token. A wrong packing or a dropped
-    /// panel would be far off that.
+    /// order of the sums). Measured with the emulation (Zen 3, 2026-12-01), 598 positions:
+    /// max |Δlogit| 0.54, mean 0.063, top-1 agreement 1.000. BF16 keeps 8 bits of mantissa
+    /// and 30 layers compound the rounding; the bounds leave room for the kernel's other sum
+    /// order: max below 1.5, mean below 0.15, top-1 agreement at least 0.98, and the last
+    /// position (the one a generation samples from) picks the same token.
     #[test]
     fn bf16_prefill_stays_within_the_documented_tolerance_of_f32() {
         let Some(f32_model) = model() else { return };
@@ -738,9 +737,9 @@ mod tests {
             prompt.len()
         );
         assert!(max > 0.0, "the BF16 weights were not used");
-        assert!(max < 4.0, "max |Δlogit| {max}");
-        assert!(mean < 0.2, "mean |Δlogit| {mean}");
-        assert!(agree >= 0.95, "top-1 agreement {agree}");
+        assert!(max < 1.5, "max |Δlogit| {max}");
+        assert!(mean < 0.15, "mean |Δlogit| {mean}");
+        assert!(agree >= 0.98, "top-1 agreement {agree}");
         let last = |t: &Tensor| {
             t.get(prompt.len() - 1)
                 .unwrap()
@@ -765,7 +764,10 @@ mod tests {
             eprintln!(
                 "BF16 kernel vs emulation: max {max}, mean {mean}, top-1 agreement {agree:.3}"
             );
-            assert!(mean < 0.2 && agree >= 0.95, "kernel and emulation disagree");
+            assert!(
+                mean < 0.15 && agree >= 0.98,
+                "kernel and emulation disagree"
+            );
         }
     }
 
@@ -800,44 +802,36 @@ mod tests {
         assert_eq!(greedy(&fallback), greedy(f32_model));
     }
 
-    /// A prompt prefilled in chunks of 32 or 128 tokens gives the greedy tokens of the same
-    /// prompt in one 512-token chunk (plus its remainder), in the F32 and the BF16 prefill
-    /// (emulated where the CPU lacks it): the chunk sizes are multiples of 32, the split the
-    /// prefill is invariant to. The last position's logits match too (seen: bit-identical).
+    /// A prompt prefilled in chunks of 32 tokens (19 chunks) gives the greedy tokens and the
+    /// last-position logits of the same prompt in one 512-token chunk and its remainder, with
+    /// the F32 prefill and, where the CPU has it, the BF16 one: 32 is the split the F32 GEMMs
+    /// are invariant to (seen: bit-identical), and the BF16 kernel sums each output in one
+    /// order whatever the rows. (Not the BF16 emulation: the portable GEMM it runs on changes
+    /// its sums with the row count, seen |Δlogit| 0.25 with the same tokens.)
     #[test]
     fn chunked_prefill_gives_the_unchunked_greedy_tokens() {
         let Some(plain) = model() else { return };
         let prompt = long_prompt(plain);
-        let bf16 = if avx512_bf16() {
-            Bf16Kernel::Detect
-        } else {
-            Bf16Kernel::Emulate
-        };
-        for (format, kernel) in [
-            (WeightFormat::F32PrefillQ4Decode, Bf16Kernel::Detect),
-            (WeightFormat::Bf16PrefillQ4Decode, bf16),
-        ] {
-            let whole = load(format, kernel);
-            assert_eq!(whole.prefill_chunk(), PREFILL_CHUNK);
-            let expected = run(&whole, request(&prompt, 24, Sampling::default()))
-                .0
-                .tokens;
-            let last = our_logits(&whole, &prompt, &[]).remove(0);
-            drop(whole);
-            for size in [32, 128] {
-                let chunked = load(format, kernel).with_prefill_chunk(size);
-                assert_eq!(chunked.prefill_chunk(), size);
-                let tokens = run(&chunked, request(&prompt, 24, Sampling::default()))
-                    .0
-                    .tokens;
-                assert_eq!(tokens, expected, "{format:?}, chunks of {size}");
-                let diff = max_abs_diff(&our_logits(&chunked, &prompt, &[]).remove(0), &last);
-                eprintln!("{format:?} chunks of {size}: last-position |Δlogit| {diff}");
-                assert!(diff < 1e-3, "{format:?}, chunks of {size}: {diff}");
-            }
+        let mut formats = vec![WeightFormat::F32PrefillQ4Decode];
+        if avx512_bf16() {
+            formats.push(WeightFormat::Bf16PrefillQ4Decode);
         }
+        let greedy = |m: &Llama| run(m, request(&prompt, 24, Sampling::default())).0.tokens;
+        let mut m = None;
+        for format in formats {
+            let ours = load(format, Bf16Kernel::Detect);
+            assert_eq!(ours.prefill_chunk(), PREFILL_CHUNK);
+            let (expected, last) = (greedy(&ours), our_logits(&ours, &prompt, &[]).remove(0));
+            assert_eq!(ours.set_prefill_chunk(32), 32);
+            assert_eq!(greedy(&ours), expected, "{format:?}: greedy tokens differ");
+            let diff = max_abs_diff(&our_logits(&ours, &prompt, &[]).remove(0), &last);
+            eprintln!("{format:?} in chunks of 32: last-position |Δlogit| {diff}");
+            assert!(diff < 1e-3, "{format:?}: {diff}");
+            m = Some(ours);
+        }
+        let m = m.expect("a format ran");
         // Sizes are whole multiples of 32 within one full chunk.
-        let m = load(WeightFormat::F32PrefillQ4Decode, Bf16Kernel::Detect).with_prefill_chunk(100);
+        let m = m.with_prefill_chunk(100);
         assert_eq!(m.prefill_chunk(), 96);
         let m = m.with_prefill_chunk(1);
         assert_eq!(m.prefill_chunk(), PREFILL_CHUNK_MULTIPLE);
