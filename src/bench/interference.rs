@@ -2,14 +2,15 @@
 //! request that is decoding, for each `--prefill-chunks` size, in interleaved rounds in one
 //! process (the model is loaded once; the chunk size is switched between runs).
 //!
-//! One run: stream A decodes the peer prompt's answer (greedy, end tokens ignored, `A_TOKENS`
-//! tokens); once A has `A_HEAD_START` tokens, stream B sends the same prompt (the prefix cache
-//! is off, so B computes all of it) for one token. A's time per output token is the gap
+//! One run: stream A decodes the peer prompt's answer (greedy, end tokens ignored); once A has
+//! `A_HEAD_START` tokens, stream B sends the same prompt (the prefix cache is off, so B
+//! computes all of it) for one token, and A stops `A_TAIL` tokens after B's first. A's time per output token is the gap
 //! between its consecutive tokens; the gaps that overlap B's prefill (B's start to B's first
 //! token) are what the chunk size bounds. Reported per size: median over rounds of A's TPOT
 //! p50 / p95 / max during B's prefill, A's p95 over its whole decode, and B's time to first
 //! token (what smaller chunks cost the prefilling request).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -21,10 +22,12 @@ use crate::generate::llama::Llama;
 use crate::generate::{Flow, GenerateRequest, Generator, Sampling, TokenTrace};
 use crate::telemetry::clock;
 
-/// Tokens stream A decodes: long enough to outlast B's prefill at any chunk size here.
-const A_TOKENS: usize = 160;
+/// Most tokens stream A decodes (it stops earlier, once B's prefill is over).
+const A_MAX_TOKENS: usize = 1024;
 /// A's tokens before B starts, so A is in its decode when B prefills.
 const A_HEAD_START: usize = 8;
+/// A's tokens after B's first token.
+const A_TAIL: usize = 8;
 
 #[derive(Debug, Serialize)]
 pub struct InterferencePoint {
@@ -109,13 +112,22 @@ fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest<'_> {
 
 fn run(generator: &Llama, prompt: &[u32]) -> Result<Run> {
     let (started_tx, started_rx) = mpsc::channel::<()>();
+    let b_done = AtomicBool::new(false);
     std::thread::scope(|scope| {
+        let b_done = &b_done;
         let a = scope.spawn(move || -> Result<Vec<Instant>> {
-            let mut times = Vec::with_capacity(A_TOKENS);
-            generator.generate(request(prompt, A_TOKENS), &stage(), &mut |_| {
+            let mut times = Vec::with_capacity(A_MAX_TOKENS);
+            let mut tail = 0;
+            generator.generate(request(prompt, A_MAX_TOKENS), &stage(), &mut |_| {
                 times.push(clock::now());
                 if times.len() == A_HEAD_START {
                     let _ = started_tx.send(());
+                }
+                if b_done.load(Ordering::Relaxed) {
+                    tail += 1;
+                    if tail >= A_TAIL {
+                        return Flow::Stop;
+                    }
                 }
                 Flow::Continue
             })?;
@@ -124,11 +136,12 @@ fn run(generator: &Llama, prompt: &[u32]) -> Result<Run> {
         // B waits for A's head start (or for A to end, which the check below reports).
         let _ = started_rx.recv();
         let b_start = clock::now();
-        let b = generator.generate(request(prompt, 1), &stage(), &mut |_| Flow::Continue)?;
-        let b_first = b.first_token_at.context("stream B generated nothing")?;
+        let b = generator.generate(request(prompt, 1), &stage(), &mut |_| Flow::Continue);
+        b_done.store(true, Ordering::Relaxed);
         let times = a.join().expect("stream A panicked")?;
-        if times.len() < A_TOKENS || *times.last().expect("tokens") < b_first {
-            bail!("stream A ended before stream B's prefill did: raise A_TOKENS");
+        let b_first = b?.first_token_at.context("stream B generated nothing")?;
+        if times.last().is_none_or(|&t| t < b_first) {
+            bail!("stream A ended before stream B's prefill did");
         }
         let gap = |w: &[Instant]| w[1].saturating_duration_since(w[0]);
         Ok(Run {
