@@ -16,7 +16,7 @@ use crate::api::{self, AppState, Readiness};
 use crate::config::{ModelArgs, PipelineArgs, ServeArgs, ServerArgs, StoreArgs};
 use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
-use crate::generate::llama::Llama;
+use crate::generate::llama::{Llama, WeightFormat};
 use crate::generate::tokenizer;
 use crate::generate::Generator;
 use crate::ingest::chunk::ChunkerConfig;
@@ -67,8 +67,12 @@ pub fn load_models_with(
     let embedder = BertEmbedder::load(&embed_dir, &embed_id, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
     let gen_dir = models::resolve(&args.gen_model, &args.models_dir, &[], args.fetch_models)?;
-    let generator = load_generator(&gen_dir, &device, args.max_context)
+    let format = args
+        .weight_format
+        .unwrap_or_else(|| WeightFormat::for_device(&device));
+    let generator = load_generator_as(&gen_dir, &device, args.max_context, format)
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
+        .with_prefill_chunk(args.prefill_chunk_tokens)
         .with_prefix_cache(args.prefix_cache_mb)
         .with_snapshots(snapshots);
     let reranker: Option<Arc<dyn Reranker>> = match args.reranker.as_str() {
@@ -109,6 +113,16 @@ pub fn load_generator(
     device: &candle_core::Device,
     max_context: usize,
 ) -> Result<Llama> {
+    load_generator_as(dir, device, max_context, WeightFormat::for_device(device))
+}
+
+/// [`load_generator`] in an explicit weight format (`--weight-format`).
+pub fn load_generator_as(
+    dir: &Path,
+    device: &candle_core::Device,
+    max_context: usize,
+    format: WeightFormat,
+) -> Result<Llama> {
     let gguf = gguf_in(dir)?;
     let tokenizer_json = dir.join("tokenizer.json");
     let tokenizer = if tokenizer_json.exists() {
@@ -116,7 +130,13 @@ pub fn load_generator(
     } else {
         tokenizer::from_gguf_file(&gguf)?
     };
-    Ok(Llama::load(&gguf, tokenizer, device, max_context)?)
+    Ok(Llama::load_with_format(
+        &gguf,
+        tokenizer,
+        device,
+        max_context,
+        format,
+    )?)
 }
 
 /// The last path component of a model spec: what clients call the model.

@@ -228,9 +228,37 @@ pub struct ModelArgs {
     /// MiB of prompt-prefix keys and values kept for later prompts to start from (LRU; 0: off).
     #[arg(long, env = "RAGSCOPE_PREFIX_CACHE_MB", default_value_t = crate::generate::PREFIX_CACHE_DEFAULT_MB)]
     pub prefix_cache_mb: usize,
+    /// Tokens per prefill chunk (a multiple of 32, 32-512). Between chunks, as between layers,
+    /// other requests' batched decode steps run, so a smaller chunk bounds their time per
+    /// output token while a long prompt prefills, at some cost to that prefill.
+    #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = crate::generate::llama::Llama::MAX_PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
+    pub prefill_chunk_tokens: usize,
+    /// The generator's weight format (`WeightFormat`'s names, e.g. `Bf16PrefillQ4Decode`);
+    /// unset: the device's default (`F32PrefillQ4Decode` on the CPU).
+    #[arg(long, env = "RAGSCOPE_WEIGHT_FORMAT", value_parser = weight_format)]
+    pub weight_format: Option<crate::generate::llama::WeightFormat>,
     /// Fetch missing models on start.
     #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
     pub fetch_models: bool,
+}
+
+/// `--prefill-chunk-tokens`: whole multiples of 32 (the split the prefill is invariant to).
+fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
+    let max = crate::generate::llama::Llama::MAX_PREFILL_CHUNK;
+    v.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| (32..=max).contains(n) && n.is_multiple_of(32))
+        .ok_or_else(|| format!("{v:?}: expected a multiple of 32 from 32 to {max}"))
+}
+
+/// `--weight-format`: one of `WeightFormat::ALL` by name.
+fn weight_format(v: &str) -> Result<crate::generate::llama::WeightFormat, String> {
+    use crate::generate::llama::WeightFormat;
+    WeightFormat::named(v.trim()).ok_or_else(|| {
+        let names: Vec<String> = WeightFormat::ALL.iter().map(|f| format!("{f:?}")).collect();
+        format!("{v:?}: expected one of {}", names.join(", "))
+    })
 }
 
 /// `--decode-step-links`: within the 128 links the OpenTelemetry SDK keeps per span.
@@ -605,6 +633,14 @@ pub struct BenchArgs {
     /// Tokens each stream decodes (with --streams).
     #[arg(long, default_value_t = 64)]
     pub stream_tokens: usize,
+    /// With --peer-inputs: instead, measure a decoding stream's time per output token while a
+    /// second stream prefills the peer prompt, for each --prefill-chunks size, in --rounds
+    /// interleaved rounds (medians).
+    #[arg(long, requires = "peer_inputs")]
+    pub prefill_interference: bool,
+    /// Prefill chunk sizes for --prefill-interference (multiples of 32, at most 512).
+    #[arg(long, value_delimiter = ',', default_value = "512,256,128,64", value_parser = prefill_chunk_tokens)]
+    pub prefill_chunks: Vec<usize>,
     /// Instead of the stage figures, time the decode matmul kernels on a synthetic 92,160 × 576
     /// matrix, in Q4_1 and Q8_0, for 1 to 16 activation rows: ms per multiply and GB/s of
     /// weights read. Needs no model.

@@ -17,12 +17,13 @@ use crate::generate::{ChatMessage, GenerateError, Generator};
 const DECODE: usize = 128;
 
 /// What runs when no format is named.
-const DEFAULT: [WeightFormat; 5] = [
+const DEFAULT: [WeightFormat; 6] = [
     WeightFormat::Shipped,
     WeightFormat::Q8_0,
     WeightFormat::F32,
     WeightFormat::F32PrefillQ8Decode,
     WeightFormat::F32PrefillQ4Decode,
+    WeightFormat::Bf16PrefillQ4Decode,
 ];
 
 /// Measures the formats `names` (all of [`DEFAULT`] when empty) and prints one line each.
@@ -50,7 +51,8 @@ pub fn run(args: &BenchArgs, names: &[String]) -> Result<()> {
         once()?;
         let runs = (0..3).map(|_| once()).collect::<Result<Vec<_>>>()?;
         println!(
-            "{format:?}: prompt {} tokens, prefill {:.0} tok/s, decode {:.1} tok/s (runs {runs:.1?})",
+            "{format:?} ({} prefill): prompt {} tokens, prefill {:.0} tok/s, decode {:.1} tok/s (runs {runs:.1?})",
+            model.prefill_kind().name(),
             prompt.len(),
             median(&mut runs.iter().map(|r| r.0).collect::<Vec<_>>()),
             median(&mut runs.iter().map(|r| r.1).collect::<Vec<_>>()),

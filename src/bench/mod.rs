@@ -2,6 +2,7 @@
 //! not assertions: the README quotes its output with the command that produced it.
 
 pub(crate) mod formats;
+mod interference;
 mod micro;
 mod overhead;
 mod peers;

@@ -19,7 +19,7 @@ use crate::app;
 use crate::config::BenchArgs;
 use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
-use crate::generate::llama::Llama;
+use crate::generate::llama::{Llama, WeightFormat};
 use crate::generate::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
     TokenLogprob, TokenTrace,
@@ -64,6 +64,9 @@ pub struct PeerReport {
     pub system: &'static str,
     pub threads: usize,
     pub weight_format: String,
+    /// How the prefill projections multiplied (`bf16`, `f32`), and the prefill chunk size.
+    pub prefill_precision: &'static str,
+    pub prefill_chunk_tokens: usize,
     /// The embedder's forward pass, e.g. `Cpu(Bf16)` (see `BertEmbedder::backend`).
     pub embed_backend: String,
     pub prompt_tokens: usize,
@@ -143,8 +146,12 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
     let embedder = BertEmbedder::load(&embed_dir, &m.embed_model, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
     let gen_dir = crate::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
-    let generator = app::load_generator(&gen_dir, &device, m.max_context)
-        .with_context(|| format!("loading generator from {}", gen_dir.display()))?;
+    let format = m
+        .weight_format
+        .unwrap_or_else(|| WeightFormat::for_device(&device));
+    let generator = app::load_generator_as(&gen_dir, &device, m.max_context, format)
+        .with_context(|| format!("loading generator from {}", gen_dir.display()))?
+        .with_prefill_chunk(m.prefill_chunk_tokens);
 
     std::fs::create_dir_all(dir)?;
     let path = dir.join("inputs.json");
@@ -157,6 +164,20 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
         inputs
     };
 
+    if args.prefill_interference {
+        let points = super::interference::measure(
+            &generator,
+            &inputs.prompt_tokens,
+            &args.prefill_chunks,
+            args.rounds,
+        )?;
+        if args.json {
+            println!("{}", serde_json::to_string(&points)?);
+        } else {
+            super::interference::print(inputs.prompt_tokens.len(), &points);
+        }
+        return Ok(());
+    }
     if !args.streams.is_empty() {
         let points = super::streams::measure(
             &generator,
@@ -181,6 +202,14 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!("ragscope bench on {}", path.display());
+        println!(
+            "{:<44} {:>12}",
+            "weight format",
+            format!(
+                "{} ({} prefill)",
+                report.weight_format, report.prefill_precision
+            )
+        );
         println!("{:<44} {:>12.1} ms", "time to first token", report.ttft_ms);
         println!("{:<44} {:>12.1} ms", "prefill", report.prefill_ms);
         println!(
@@ -352,6 +381,8 @@ fn measure(
         system: "ragscope",
         threads: candle_core::utils::get_num_threads(),
         weight_format: format!("{:?}", generator.weight_format()),
+        prefill_precision: generator.prefill_kind().name(),
+        prefill_chunk_tokens: generator.prefill_chunk(),
         embed_backend: format!("{:?}", embedder.backend()),
         prompt_tokens: inputs.prompt_tokens.len(),
         generated_tokens: n,

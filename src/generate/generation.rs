@@ -143,18 +143,22 @@ impl<'a> TextGeneration<'a> {
             ),
         )?;
         let gpu = GpuTimer::start(&net.device);
-        let prefilled = llama.prefill(req.prompt, &mut cache);
+        let prefilled = llama.prefill_traced(req.prompt, &mut cache, Some(&prefill));
         let (logits, cached) = on_stage(&prefill, prefilled)?;
         let logits = Logits::Device(logits);
         gpu.finish_into(&prefill, "prefill");
         let done = clock::now();
         let took = done.saturating_duration_since(prefill.started());
         let computed = n_prompt - cached;
+        let chunk = net.prefill_chunk().max(1);
         prefill.set_all([
             KeyValue::new(attr::GEN_AI_USAGE_INPUT_TOKENS, n_prompt as i64),
             KeyValue::new(attr::PREFILL_CACHED_TOKENS, cached as i64),
             KeyValue::new(attr::PREFILL_COMPUTED_TOKENS, computed as i64),
             KeyValue::new(attr::PREFILL_TOKENS_PER_SECOND, per_second(computed, took)),
+            KeyValue::new(attr::PREFILL_PRECISION, llama.prefill_kind().name()),
+            KeyValue::new(attr::PREFILL_CHUNK_SIZE, chunk as i64),
+            KeyValue::new(attr::PREFILL_CHUNKS, computed.div_ceil(chunk) as i64),
         ]);
         self.stage.set(KeyValue::new(
             attr::GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,

@@ -40,7 +40,7 @@ use crate::telemetry::span::Stage;
 
 #[cfg(test)]
 pub(crate) use super::testing::test_model_path;
-pub use super::weights::WeightFormat;
+pub use super::weights::{Bf16Kernel, Prefill, WeightFormat};
 
 /// The model name clients see.
 pub const MODEL_ID: &str = "SmolLM2-135M-Instruct";
@@ -109,12 +109,32 @@ impl Llama {
         max_context: usize,
         format: WeightFormat,
     ) -> Result<Llama, GenerateError> {
-        Self::load_edited(
+        Self::load_with_kernel(
             gguf_path,
             tokenizer,
             device,
             max_context,
             format,
+            Bf16Kernel::Detect,
+        )
+    }
+
+    /// Loads with an explicit weight format and, for [`WeightFormat::Bf16PrefillQ4Decode`], an
+    /// explicit choice of BF16 kernel (the tolerance and fallback tests).
+    pub fn load_with_kernel(
+        gguf_path: &Path,
+        tokenizer: Tokenizer,
+        device: &Device,
+        max_context: usize,
+        format: WeightFormat,
+        bf16: Bf16Kernel,
+    ) -> Result<Llama, GenerateError> {
+        Self::load_edited(
+            gguf_path,
+            tokenizer,
+            device,
+            max_context,
+            (format, bf16),
             |_| Ok(()),
         )
     }
@@ -126,7 +146,7 @@ impl Llama {
         tokenizer: Tokenizer,
         device: &Device,
         max_context: usize,
-        format: WeightFormat,
+        (format, bf16): (WeightFormat, Bf16Kernel),
         edit: impl FnOnce(&mut Gguf) -> Result<(), GenerateError>,
     ) -> Result<Llama, GenerateError> {
         let mut gguf = weights::read_gguf(gguf_path)?;
@@ -151,6 +171,7 @@ impl Llama {
             output,
             final_norm,
             format,
+            bf16,
             device,
             (&cos, &sin),
         )
@@ -186,6 +207,7 @@ impl Llama {
                 cos,
                 sin,
                 device: device.clone(),
+                prefill_chunk: forward::PREFILL_CHUNK.into(),
             },
             context_window: window,
             tokenizer,
@@ -210,6 +232,34 @@ impl Llama {
         self
     }
 
+    /// Prefills prompts in chunks of `tokens` (a multiple of
+    /// [`forward::PREFILL_CHUNK_MULTIPLE`], at most [`Llama::MAX_PREFILL_CHUNK`]; other values
+    /// are rounded down to one, and to at least one multiple). Between chunks, as between
+    /// layers, the batched decode steps of other requests take their turns.
+    pub fn with_prefill_chunk(self, tokens: usize) -> Llama {
+        self.set_prefill_chunk(tokens);
+        self
+    }
+
+    /// [`Llama::with_prefill_chunk`] on a loaded model, for the prefills that start from now
+    /// on (`ragscope bench --prefill-interference` switches sizes between rounds). Returns the
+    /// size set.
+    pub fn set_prefill_chunk(&self, tokens: usize) -> usize {
+        let m = forward::PREFILL_CHUNK_MULTIPLE;
+        let size = (tokens / m * m).clamp(m, Self::MAX_PREFILL_CHUNK);
+        let chunk = &self.transformer.prefill_chunk;
+        chunk.store(size, std::sync::atomic::Ordering::Relaxed);
+        size
+    }
+
+    /// The largest prefill chunk (and the default): see [`forward::PREFILL_CHUNK`].
+    pub const MAX_PREFILL_CHUNK: usize = forward::PREFILL_CHUNK;
+
+    /// Tokens per prefill chunk.
+    pub fn prefill_chunk(&self) -> usize {
+        self.transformer.prefill_chunk()
+    }
+
     /// Keeps up to `mb` MiB of prompt-prefix keys and values for later prompts to start from
     /// (0: none). Loading leaves it off, so benchmarks that repeat a prompt measure whole
     /// prefills; the server turns it on (`--prefix-cache-mb`).
@@ -221,19 +271,36 @@ impl Llama {
     /// Prefills `prompt` into the empty `cache`: positions covered by the longest cached prefix
     /// are copied in, the rest computed, then the prompt's whole blocks cached. Returns the last
     /// position's logits and the number of positions that came from the cache.
+    #[cfg(test)]
     pub(super) fn prefill(
         &self,
         prompt: &[u32],
         cache: &mut KvCache,
+    ) -> candle_core::Result<(candle_core::Tensor, usize)> {
+        self.prefill_traced(prompt, cache, None)
+    }
+
+    /// [`Llama::prefill`], with each computed chunk an event on `stage`.
+    pub(super) fn prefill_traced(
+        &self,
+        prompt: &[u32],
+        cache: &mut KvCache,
+        stage: Option<&crate::telemetry::span::Stage>,
     ) -> candle_core::Result<(candle_core::Tensor, usize)> {
         let hit = self.prefix.lookup(prompt);
         self.prefix.restore(&hit, cache)?;
         let cached = hit.tokens();
         drop(hit);
         let net = &self.transformer;
-        let logits = net.prefill(&prompt[cached..], cache, &self.schedule)?;
+        let logits = net.prefill_traced(&prompt[cached..], cache, &self.schedule, stage)?;
         self.prefix.insert(prompt, cache)?;
         Ok((logits, cached))
+    }
+
+    /// How this instance's prefill projections multiply (BF16 only where the format asks for
+    /// it and the CPU has it).
+    pub fn prefill_kind(&self) -> Prefill {
+        self.transformer.weights.prefill
     }
 
     /// The weight format this instance was loaded with.

@@ -314,7 +314,7 @@ pub fn load_for_replay(
         tokenizer,
         &Device::Cpu,
         snapshot.model.context_window,
-        format,
+        (format, super::llama::Bf16Kernel::Detect),
         |gguf| perturb.iter().try_for_each(|p| p.apply(gguf)),
     )
 }

@@ -13,6 +13,10 @@ use candle_core::{DType, Device, Module, Tensor};
 use super::cpu_decode::{self, CpuDecoder, RawLayer};
 use super::template::ChatTemplate;
 use super::GenerateError;
+use crate::embed::kernels::{
+    avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear, Precision,
+    Rows, PANEL,
+};
 
 /// How the projection matrices (attention and MLP) are held in memory. The token embedding,
 /// which doubles as the output head, stays as shipped (Q8_0).
@@ -37,6 +41,11 @@ pub enum WeightFormat {
     /// token than Q8_0), batched across requests.
     #[default]
     F32PrefillQ4Decode,
+    /// As [`WeightFormat::F32PrefillQ4Decode`], but the prefill projections multiply in BF16
+    /// with F32 accumulation (AVX-512 BF16 `vdpbf16ps`, the embedder's GEMM) where the CPU has
+    /// it; elsewhere they stay dense F32 on candle, exactly the default's prefill. Attention,
+    /// norms, RoPE, softmax and the output head stay F32. [`Prefill`] says which ran.
+    Bf16PrefillQ4Decode,
     /// The GPU default: dense F16 for prefill (tensor-core GEMMs through cuBLAS; activations are
     /// cast to F16 for the matmul and back), Q8_0 for decode (candle's quantised CUDA
     /// matrix-vector kernels read a quarter of F32's bytes per token).
@@ -45,12 +54,13 @@ pub enum WeightFormat {
 
 impl WeightFormat {
     /// Every format a name can pick (its `Debug` name, e.g. `F32PrefillQ8Decode`).
-    pub const ALL: [WeightFormat; 6] = [
+    pub const ALL: [WeightFormat; 7] = [
         WeightFormat::Shipped,
         WeightFormat::Q8_0,
         WeightFormat::F32,
         WeightFormat::F32PrefillQ8Decode,
         WeightFormat::F32PrefillQ4Decode,
+        WeightFormat::Bf16PrefillQ4Decode,
         WeightFormat::F16PrefillQ8Decode,
     ];
 
@@ -83,10 +93,176 @@ pub(super) struct Config {
     pub context_length: usize,
 }
 
+/// How [`WeightFormat::Bf16PrefillQ4Decode`] runs its prefill projections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefill {
+    /// BF16 weights and activations, F32 accumulation, on AVX-512 BF16.
+    Bf16,
+    /// Dense F32 on candle: every format but the BF16 one, and the BF16 one on a CPU without
+    /// AVX-512 BF16 (or when [`Bf16Kernel::ForceF32`] asked for it).
+    F32,
+    /// Weights and activations rounded to BF16 as the BF16 path rounds them, multiplied in F32
+    /// on the portable GEMM ([`Bf16Kernel::Emulate`]): the BF16 path's numerics (a product of
+    /// two BF16 values is exact in F32) on any CPU, at F32 speed or worse. For measuring the
+    /// BF16 tolerance where the CPU lacks the instructions.
+    Bf16Emulated,
+}
+
+impl Prefill {
+    /// As the `prefill` span's `rag.prefill.precision` says it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Prefill::Bf16 => "bf16",
+            Prefill::F32 => "f32",
+            Prefill::Bf16Emulated => "bf16-emulated",
+        }
+    }
+}
+
+/// What [`WeightFormat::Bf16PrefillQ4Decode`] asks of the CPU at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Bf16Kernel {
+    /// BF16 where the CPU has AVX-512 BF16, else the F32 fallback.
+    #[default]
+    Detect,
+    /// The F32 fallback even where BF16 would run (the fallback's test).
+    ForceF32,
+    /// [`Prefill::Bf16Emulated`].
+    Emulate,
+}
+
+impl Bf16Kernel {
+    /// What a BF16-prefill format gets with this choice on this CPU.
+    pub fn resolve(self) -> Prefill {
+        match self {
+            Bf16Kernel::Detect if avx512_bf16() => Prefill::Bf16,
+            Bf16Kernel::Detect | Bf16Kernel::ForceF32 => Prefill::F32,
+            Bf16Kernel::Emulate => Prefill::Bf16Emulated,
+        }
+    }
+}
+
+/// A projection matrix in the form its kernel reads.
+#[derive(Clone)]
+enum Matmul {
+    Candle(QMatMul),
+    /// The shared BF16 GEMM (or its emulation), split by output columns over candle's threads.
+    Linear(Arc<Bf16Proj>),
+}
+
+impl Matmul {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Matmul::Candle(m) => m.forward(x),
+            Matmul::Linear(l) => l.forward(x),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Matmul::Candle(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Matmul::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+            Matmul::Linear(l) => l.bytes(),
+        }
+    }
+}
+
+/// A projection for the embedder's [`Linear`] (zero bias: llama projections have none).
+struct Bf16Proj {
+    linear: Linear,
+    /// Round the input rows to BF16 before an F32 multiply ([`Prefill::Bf16Emulated`]).
+    emulate: bool,
+    k: usize,
+}
+
+impl Bf16Proj {
+    /// `dense` is `[n, k]` F32. With `emulate`, the weights are rounded to BF16 and kept in F32.
+    fn new(dense: &Tensor, emulate: bool) -> candle_core::Result<Bf16Proj> {
+        let (n, k) = dense.dims2()?;
+        let mut w = dense.flatten_all()?.to_vec1::<f32>()?;
+        let precision = if emulate {
+            for x in &mut w {
+                *x = from_bf16(to_bf16(*x));
+            }
+            Precision::F32
+        } else {
+            Precision::Bf16
+        };
+        let linear = Linear::new(&w, &vec![0.0; n], n, k, precision);
+        if !emulate && linear.precision() != Precision::Bf16 {
+            candle_core::bail!("[{n}, {k}] cannot be packed for the BF16 kernel");
+        }
+        Ok(Bf16Proj { linear, emulate, k })
+    }
+
+    fn bytes(&self) -> usize {
+        let elem = match self.linear.precision() {
+            Precision::Bf16 => 2,
+            Precision::F32 => 4,
+        };
+        self.linear.out_features() * self.k * elem
+    }
+
+    /// `x` `(m, k)` F32 → `(m, n)` F32. The columns are split in whole panels over candle's
+    /// threads (scoped threads, started per call: a few tens of µs against milliseconds of
+    /// GEMM for a prefill chunk). Each output element sums its `k` products in one fixed order
+    /// whatever `m` is, so this path gives a row the same result in any chunking of the prompt.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (m, k) = x.dims2()?;
+        if k != self.k {
+            candle_core::bail!("input has {k} features, the projection {}", self.k);
+        }
+        let mut a = x.flatten_all()?.to_vec1::<f32>()?;
+        let n = self.linear.out_features();
+        let bf16;
+        let rows = if self.emulate {
+            for v in &mut a {
+                *v = from_bf16(to_bf16(*v));
+            }
+            Rows::F32(&a)
+        } else {
+            let mut b = vec![0u16; a.len()];
+            convert_to_bf16(&a, &mut b);
+            bf16 = b;
+            Rows::Bf16(&bf16)
+        };
+        let mut out = vec![0f32; m * n];
+        let threads = candle_core::utils::get_num_threads().clamp(1, n.div_ceil(PANEL));
+        let dst = OutPtr(out.as_mut_ptr());
+        let part = |i: usize| {
+            let dst = &dst;
+            // SAFETY: `out` is `m * n` f32 and each part writes only its own columns.
+            unsafe {
+                self.linear.forward_columns(
+                    rows,
+                    m,
+                    dst.0,
+                    column_share(n, i, threads),
+                    Epilogue::None,
+                )
+            }
+        };
+        std::thread::scope(|s| {
+            for i in 1..threads {
+                s.spawn(move || part(i));
+            }
+            part(0);
+        });
+        Tensor::from_vec(out, (m, n), x.device())
+    }
+}
+
+/// The output buffer the column shares write in disjoint parts.
+struct OutPtr(*mut f32);
+// SAFETY: the threads holding it write disjoint columns, and the buffer outlives them.
+unsafe impl Sync for OutPtr {}
+
 /// One projection, held twice when prefill and decode prefer different formats.
 pub(super) struct Proj {
-    prefill: QMatMul,
-    decode: QMatMul,
+    prefill: Matmul,
+    decode: Matmul,
 }
 
 impl Proj {
@@ -117,8 +293,10 @@ pub(super) struct Weights {
     pub lm_head: QMatMul,
     pub layers: Vec<Layer>,
     pub final_norm: Tensor,
-    /// Decode without candle ops ([`WeightFormat::F32PrefillQ4Decode`] on the CPU).
+    /// Decode without candle ops (the `…Q4Decode` formats on the CPU).
     pub decoder: Option<Arc<CpuDecoder>>,
+    /// How the prefill projections multiply.
+    pub prefill: Prefill,
 }
 
 impl Weights {
@@ -130,10 +308,20 @@ impl Weights {
         output: Option<QTensor>,
         final_norm: QTensor,
         format: WeightFormat,
+        bf16: Bf16Kernel,
         device: &Device,
         rope: (&Tensor, &Tensor),
     ) -> candle_core::Result<Weights> {
-        let decoder = if format == WeightFormat::F32PrefillQ4Decode && device.is_cpu() {
+        let prefill = if format == WeightFormat::Bf16PrefillQ4Decode && device.is_cpu() {
+            bf16.resolve()
+        } else {
+            Prefill::F32
+        };
+        let q4_decode = matches!(
+            format,
+            WeightFormat::F32PrefillQ4Decode | WeightFormat::Bf16PrefillQ4Decode
+        );
+        let decoder = if q4_decode && device.is_cpu() {
             let raw: Vec<RawLayer<'_>> = raw_layers
                 .iter()
                 .map(
@@ -174,11 +362,11 @@ impl Weights {
         for [attn_norm, q, k, v, o, ffn_norm, gate, up, down] in &raw_layers {
             layers.push(Layer {
                 attn_norm: vector(attn_norm)?,
-                qkv: proj(&[q, k, v], format, device)?,
-                attn_out: proj(&[o], format, device)?,
+                qkv: proj(&[q, k, v], format, prefill, device)?,
+                attn_out: proj(&[o], format, prefill, device)?,
                 ffn_norm: vector(ffn_norm)?,
-                gate_up: proj(&[gate, up], format, device)?,
-                down: proj(&[down], format, device)?,
+                gate_up: proj(&[gate, up], format, prefill, device)?,
+                down: proj(&[down], format, prefill, device)?,
             });
         }
         let embed = Arc::new(move_q(embed, device)?);
@@ -192,6 +380,7 @@ impl Weights {
             layers,
             final_norm: vector(&final_norm)?,
             decoder,
+            prefill,
         })
     }
 
@@ -201,12 +390,6 @@ impl Weights {
         if let Some(decoder) = &self.decoder {
             return decoder.weight_bytes();
         }
-        let matmul = |m: &QMatMul| match m {
-            QMatMul::QTensor(q) => q.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
-                t.elem_count() * t.dtype().size_in_bytes()
-            }
-        };
         let vector = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let w = self;
         let layers: usize = w
@@ -215,13 +398,13 @@ impl Weights {
             .map(|l| {
                 [&l.qkv, &l.attn_out, &l.gate_up, &l.down]
                     .iter()
-                    .map(|p| matmul(&p.decode))
+                    .map(|p| p.decode.bytes())
                     .sum::<usize>()
                     + vector(&l.attn_norm)
                     + vector(&l.ffn_norm)
             })
             .sum();
-        layers + matmul(&w.lm_head) + vector(&w.final_norm)
+        layers + Matmul::Candle(w.lm_head.clone()).bytes() + vector(&w.final_norm)
     }
 }
 
@@ -383,8 +566,13 @@ fn move_q(t: QTensor, device: &Device) -> candle_core::Result<QTensor> {
 }
 
 /// Stacks the row-major matrices `parts` (each `(rows_i, k)`) into one `(Σ rows_i, k)` projection
-/// in `format`.
-fn proj(parts: &[&QTensor], format: WeightFormat, device: &Device) -> candle_core::Result<Proj> {
+/// in `format`, its prefill multiplying as `prefill` says.
+fn proj(
+    parts: &[&QTensor],
+    format: WeightFormat,
+    prefill: Prefill,
+    device: &Device,
+) -> candle_core::Result<Proj> {
     let cpu = Device::Cpu;
     let dense = || -> candle_core::Result<Tensor> {
         let ts = parts
@@ -439,13 +627,32 @@ fn proj(parts: &[&QTensor], format: WeightFormat, device: &Device) -> candle_cor
             let m = f32(dense()?)?;
             (m.clone(), m)
         }
+        // Only the BF16 copy when it runs: a one-token chunk takes it too, so a prompt's rows
+        // come out the same however it is chunked.
+        WeightFormat::Bf16PrefillQ4Decode => match prefill {
+            Prefill::F32 => {
+                let m = f32(dense()?)?;
+                (m.clone(), m)
+            }
+            Prefill::Bf16 | Prefill::Bf16Emulated => {
+                let emulate = prefill == Prefill::Bf16Emulated;
+                let m = Matmul::Linear(Arc::new(Bf16Proj::new(&dense()?, emulate)?));
+                return Ok(Proj {
+                    prefill: m.clone(),
+                    decode: m,
+                });
+            }
+        },
         WeightFormat::F16PrefillQ8Decode => {
             let d = dense()?;
             let f16 = QMatMul::TensorF16(d.to_dtype(DType::F16)?.to_device(device)?);
             (f16, q8(&d)?)
         }
     };
-    Ok(Proj { prefill, decode })
+    Ok(Proj {
+        prefill: Matmul::Candle(prefill),
+        decode: Matmul::Candle(decode),
+    })
 }
 
 #[cfg(test)]

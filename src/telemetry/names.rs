@@ -210,6 +210,8 @@ names! {
         TOKEN = "token",
         /// A failure snapshot was queued, on the failing `chat {model}` span.
         SNAPSHOT = "snapshot",
+        /// One chunk of a prompt prefilled, on the `prefill` span, at the chunk's end.
+        PREFILL_CHUNK = "prefill_chunk",
     }
 }
 
@@ -297,6 +299,15 @@ names! {
         PREFILL_TOKENS_PER_SECOND = "rag.prefill.tokens_per_second",
         PREFILL_CACHED_TOKENS = "rag.prefill.cached_tokens",
         PREFILL_COMPUTED_TOKENS = "rag.prefill.computed_tokens",
+        /// How the prefill projections multiplied: `bf16`, `f32` or `bf16-emulated`.
+        PREFILL_PRECISION = "rag.prefill.precision",
+        /// Tokens per prefill chunk (`--prefill-chunk-tokens`) and the chunks this prompt took.
+        PREFILL_CHUNK_SIZE = "rag.prefill.chunk_size",
+        PREFILL_CHUNKS = "rag.prefill.chunks",
+        /// On a `prefill_chunk` event: its first position, its tokens, its time.
+        PREFILL_CHUNK_START = "rag.prefill.chunk.start",
+        PREFILL_CHUNK_TOKENS = "rag.prefill.chunk.tokens",
+        PREFILL_CHUNK_DURATION_MS = "rag.prefill.chunk.duration_ms",
         DECODE_TOKENS_PER_SECOND = "rag.decode.tokens_per_second",
         DECODE_BATCH_SIZE_MAX = "rag.decode.batch_size.max",
         DECODE_BATCH_SIZE_MEAN = "rag.decode.batch_size.mean",
