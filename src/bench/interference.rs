@@ -107,6 +107,7 @@ fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest<'_> {
         ignore_eos: true,
         stop: &[],
         logprobs: None,
+        context_tokens: &[],
     }
 }
 
