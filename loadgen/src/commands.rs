@@ -327,8 +327,12 @@ pub async fn run_load_mirrored(
         .iter()
         .filter(|r| r.phase == Phase::Steady)
         .collect();
-    let stats =
-        PhaseStats::of(&steady, ran.steady_s, plan.offered_rps()).with_throughput(ran.throughput());
+    // A replay offers what the recording sent: its steady requests over their window.
+    let offered = match &replayed {
+        Some(_) => Some(steady.len() as f64 / ran.steady_s),
+        None => plan.offered_rps(),
+    };
+    let stats = PhaseStats::of(&steady, ran.steady_s, offered).with_throughput(ran.throughput());
     let mut config = merged(&[json!(a.target), json!(a.shape), json!(a.isolation)]);
     if let Some(path) = &a.replay {
         config["replay"] = json!(path);

@@ -1,6 +1,7 @@
 //! The load generator against the real server in-process: a hot/cold/no-match mix whose
-//! summary splits the caches by hit and miss from what the responses said, and a gRPC run
-//! over a connection the server closes every half second (so the channel reconnects).
+//! summary splits the caches by hit and miss from what the responses said, and a gRPC run.
+//! (What a maximum connection age does to a gRPC load is an experiment, not a test:
+//! docs/EXPERIMENTS.md, "Forced reconnects".)
 
 use std::path::Path;
 
@@ -16,15 +17,18 @@ fn run_args(argv: &[&str], out: &Path, queries: &Path) -> RunArgs {
     all.extend_from_slice(argv);
     let (out, queries) = (out.display().to_string(), queries.display().to_string());
     all.extend(["--out", &out, "--queries", &queries]);
-    match Cli::try_parse_from(all).expect("valid loadgen flags").command {
+    match Cli::try_parse_from(all)
+        .expect("valid loadgen flags")
+        .command
+    {
         Command::Run(a) => a,
         _ => unreachable!(),
     }
 }
 
 #[tokio::test]
-async fn a_mixed_load_splits_hits_from_misses_and_a_grpc_run_survives_reconnects() {
-    let app = spawn_app_with(&["--max-connection-age-s", "0.5"]).await;
+async fn a_mixed_load_splits_hits_from_misses_and_a_grpc_run_reports_the_same() {
+    let app = spawn_app_with(&["--http2-keepalive-interval-s", "0.2"]).await;
     app.ingest_fixtures().await;
     let tmp = tempfile::tempdir().unwrap();
     let queries = tmp.path().join("q.jsonl");
@@ -62,19 +66,28 @@ async fn a_mixed_load_splits_hits_from_misses_and_a_grpc_run_survives_reconnects
     assert_eq!(embed.cache, "query_embedding");
     assert_eq!(embed.known, records.len());
     // Every cold request missed; the server said so, not the client's guess.
-    for r in records.iter().filter(|r| r.query_kind == Some(QueryKind::Cold)) {
+    for r in records
+        .iter()
+        .filter(|r| r.query_kind == Some(QueryKind::Cold))
+    {
         assert_eq!(r.embedding_cached, Some(false), "{r:?}");
     }
     let cold = records
         .iter()
         .filter(|r| r.query_kind == Some(QueryKind::Cold))
         .count();
-    assert!(cold >= 1 && embed.hits >= 1 && embed.hits < embed.known, "{embed:?}");
+    assert!(
+        cold >= 1 && embed.hits >= 1 && embed.hits < embed.known,
+        "{embed:?}"
+    );
     assert!(embed.hit_ttft_ms.is_some() && embed.miss_ttft_ms.is_some());
     assert_eq!(caches.caches[1].cache, "prefix_kv");
     assert!(records.iter().all(|r| r.cached_tokens.is_some()));
     assert!(caches.kinds.iter().any(|k| k.kind == QueryKind::NoMatch));
-    for r in records.iter().filter(|r| r.query_kind == Some(QueryKind::NoMatch)) {
+    for r in records
+        .iter()
+        .filter(|r| r.query_kind == Some(QueryKind::NoMatch))
+    {
         assert!(r.filter.is_some());
     }
 
@@ -94,18 +107,17 @@ async fn a_mixed_load_splits_hits_from_misses_and_a_grpc_run_survives_reconnects
     let (summary, records) = run_load(&run_args(&flags, &tmp.path().join("grpc"), &queries))
         .await
         .unwrap();
-    let ok: Vec<_> = records.iter().filter(|r| r.ok).collect();
-    // A call caught by a closing connection may fail as UNAVAILABLE; most must not.
-    assert!(ok.len() >= 6, "{records:?}");
-    for r in &ok {
+    assert_eq!(records.len(), 8);
+    for r in &records {
+        assert!(r.ok, "{r:?}");
         assert!(r.ttft_ms.is_some() && r.tokens >= 1, "{r:?}");
         assert!(r.server_timings.as_ref().unwrap()["prefill_ms"] > 0.0);
         assert!(r.embedding_cached.is_some() && r.cached_tokens.is_some());
     }
-    assert!(records
-        .iter()
-        .filter_map(|r| r.error.as_deref())
-        .all(|e| e.starts_with("grpc_")));
-    assert_eq!(summary.steady.unwrap().ok as usize, ok.len());
+    // Two questions, 8 calls: at most the first call of each question per user misses.
+    let caches = summary.caches.expect("gRPC's Done carries the caches too");
+    let embed = &caches.caches[0];
+    assert!(embed.known == 8 && embed.hits >= 4, "{embed:?}");
+    assert_eq!(summary.steady.unwrap().ok, 8);
     app.stop().await;
 }
