@@ -179,6 +179,10 @@ pub fn load_pipeline(
         defaults: pipeline.clone(),
         chunker: chunker(store),
         query_cache: crate::embed::cache::QueryCache::new(pipeline.query_cache),
+        sentence_cache: crate::embed::cache::VectorCache::named(
+            "sentence_embedding",
+            pipeline.sentence_cache,
+        ),
     })
 }
 

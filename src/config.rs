@@ -10,6 +10,7 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::generate::TokenTrace;
 use crate::pipeline::context::{ContextMethod, ContextMode};
+use crate::pipeline::Overlap;
 use crate::prompt::PromptTemplate;
 
 #[derive(Debug, Parser)]
@@ -296,15 +297,29 @@ pub struct PipelineArgs {
     /// otherwise.
     #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
     pub no_repeat_ngram: usize,
+    /// Added to the logit of every token of a RAG answer's context passages (0 = off) unless
+    /// the request says otherwise: the small generator copies its sources' words more often
+    /// (docs/CONTEXT.md has the measurements).
+    #[arg(long, env = "RAGSCOPE_CONTEXT_BIAS", default_value_t = 0.0)]
+    pub context_bias: f32,
     /// The RAG prompt's wording (docs/CONTEXT.md compares them).
     #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
     pub prompt_template: PromptTemplate,
+    /// `on`: a RAG request prefills its prompt's head (system turn, history, question) into the
+    /// prefix cache while its query is embedded and searched, so its prefill starts from a hit
+    /// (a request's `overlap` overrides it). `off`: every stage in sequence.
+    #[arg(long, env = "RAGSCOPE_OVERLAP", value_enum, default_value_t = Overlap::Off)]
+    pub overlap: Overlap,
     /// How decode steps appear in traces: events, spans or off.
     #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
     pub token_trace: TokenTrace,
     /// Query embeddings kept in an LRU cache (0 turns it off).
     #[arg(long, env = "RAGSCOPE_QUERY_CACHE", default_value_t = 1024)]
     pub query_cache: usize,
+    /// Sentence vectors the context stage keeps in an LRU cache (0 turns it off): about 1.5 KiB
+    /// each with the default embedder, so the default holds ~24 MiB.
+    #[arg(long, env = "RAGSCOPE_SENTENCE_CACHE", default_value_t = 16384)]
+    pub sentence_cache: usize,
     /// Record query and answer text on spans (off by default: content may be sensitive).
     #[arg(long, env = "RAGSCOPE_CAPTURE_CONTENT", default_value_t = false, action = clap::ArgAction::Set)]
     pub capture_content: bool,
@@ -329,6 +344,7 @@ impl PipelineArgs {
         crate::generate::Sampling {
             repetition_penalty: self.repetition_penalty,
             no_repeat_ngram: self.no_repeat_ngram,
+            context_bias: self.context_bias,
             ..crate::generate::Sampling::default()
         }
     }

@@ -165,12 +165,15 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         let mut tally = AnswerTally::default();
         for q in &questions {
             let answer = ask(&pipeline, args, handle, &q.question)?;
-            let lower = answer.answer.to_lowercase();
-            let ok = q
-                .answer_contains
-                .iter()
-                .any(|f| lower.contains(&f.to_lowercase()));
+            let has_fact = |text: &str| {
+                let lower = text.to_lowercase();
+                q.answer_contains
+                    .iter()
+                    .any(|f| lower.contains(&f.to_lowercase()))
+            };
+            let ok = has_fact(&answer.answer);
             tally.add(&answer, ok);
+            tally.in_context += answer.context.iter().any(|c| has_fact(c)) as usize;
             println!(
                 "{} {:>4} {:>4}+{:<3} {}",
                 if ok { "ok  " } else { "MISS" },
@@ -188,13 +191,15 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         let n_answers = questions.len();
         println!(
             "\nanswer contains expected fact: {}/{n_answers} = {:.3}; mean prompt tokens {:.0}, \
-             mean answer tokens {:.1}; ran to max_tokens {}, repeated a phrase {}",
+             mean answer tokens {:.1}; ran to max_tokens {}, repeated a phrase {}; the fact was \
+             in the context for {}",
             tally.correct,
             tally.correct as f64 / n,
             tally.prompt_tokens as f64 / n,
             tally.answer_tokens as f64 / n,
             tally.length,
             tally.repeats,
+            tally.in_context,
         );
         let mut readme = AnswerTally::default();
         println!("\nthe README's examples:");
@@ -216,6 +221,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             "mean_answer_tokens": tally.answer_tokens as f64 / n,
             "ran_to_max_tokens": tally.length,
             "repeated_a_phrase": tally.repeats,
+            "fact_in_context": tally.in_context,
             "readme_examples": {"ran_to_max_tokens": readme.length, "repeated_a_phrase": readme.repeats},
         }));
     }
@@ -272,6 +278,8 @@ struct AnswerTally {
     length: usize,
     /// Answers that repeat a phrase ([`repeats_a_phrase`]).
     repeats: usize,
+    /// Questions whose context (what the prompt got) contained the expected fact.
+    in_context: usize,
 }
 
 impl AnswerTally {

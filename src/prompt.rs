@@ -72,6 +72,11 @@ impl PromptTemplate {
     }
 }
 
+/// Text that, generated after an answer, means the answer is over: the RAG templates' own
+/// section labels (a small model goes on to write the next "Question:" of its prompt's shape).
+/// A RAG answer stops at them as at a request's stop strings.
+pub const ANSWER_ENDS: &[&str] = &["\nQuestion:", "\nPassages:"];
+
 /// A rendered prompt and how it was built.
 #[derive(Debug, Clone)]
 pub struct Prompt {
@@ -101,6 +106,44 @@ pub fn build(
     )
 }
 
+/// The template's messages around `kept` passages, tokenized.
+fn render(
+    generator: &dyn Generator,
+    template: PromptTemplate,
+    history: &[ChatMessage],
+    question: &str,
+    kept: &[(usize, String)],
+) -> Result<Vec<u32>, GenerateError> {
+    let mut messages: Vec<ChatMessage> = template
+        .system()
+        .map(|s| ChatMessage::new("system", s))
+        .into_iter()
+        .collect();
+    messages.extend(history.iter().cloned());
+    messages.push(ChatMessage::new(
+        "user",
+        template.user_message(question, kept),
+    ));
+    generator.chat_prompt(&messages)
+}
+
+/// The head of every prompt [`build_with`] can make for this question, whatever the passages:
+/// the tokens that a prompt without passages and one with a passage share. Known before
+/// retrieval, so its prefill can start while the question is embedded and searched (with
+/// `question-last`: the system turn, the history and the question; with the templates that
+/// put passages first, the system turn and the history).
+pub fn head(
+    generator: &dyn Generator,
+    template: PromptTemplate,
+    history: &[ChatMessage],
+    question: &str,
+) -> Result<Vec<u32>, GenerateError> {
+    let none = render(generator, template, history, question, &[])?;
+    let one = render(generator, template, history, question, &[(0, "x".into())])?;
+    let shared = none.iter().zip(&one).take_while(|(a, b)| a == b).count();
+    Ok(none[..shared].to_vec())
+}
+
 /// Builds the chat prompt: the template's system message, earlier turns (`history`), then the
 /// passages and `question`, leaving room for `max_tokens` of answer.
 pub fn build_with(
@@ -113,19 +156,7 @@ pub fn build_with(
 ) -> Result<Prompt, GenerateError> {
     let window = generator.context_window();
     let budget = window.saturating_sub(max_tokens);
-    let render = |kept: &[(usize, String)]| -> Result<Vec<u32>, GenerateError> {
-        let mut messages: Vec<ChatMessage> = template
-            .system()
-            .map(|s| ChatMessage::new("system", s))
-            .into_iter()
-            .collect();
-        messages.extend(history.iter().cloned());
-        messages.push(ChatMessage::new(
-            "user",
-            template.user_message(question, kept),
-        ));
-        generator.chat_prompt(&messages)
-    };
+    let render = |kept: &[(usize, String)]| render(generator, template, history, question, kept);
     let mut kept: Vec<(usize, String)> = Vec::new();
     let mut tokens = render(&kept)?;
     if tokens.len() > budget {
@@ -170,4 +201,49 @@ pub fn build_with(
         kept: kept.into_iter().map(|(i, _)| i).collect(),
         truncated,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::llama::{test_model_path, Llama};
+
+    #[test]
+    fn the_head_starts_every_prompt_of_its_question() {
+        let path = test_model_path();
+        if !path.exists() {
+            eprintln!("skipping: {} not found", path.display());
+            return;
+        }
+        let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
+        let history = [
+            ChatMessage::new("user", "What does git stash do?"),
+            ChatMessage::new("assistant", "It shelves your changes."),
+        ];
+        let question = "How do I list stashes?";
+        let passages = [
+            "[x] `git stash list` lists the stash entries.",
+            "Other text.",
+        ];
+        for template in [
+            PromptTemplate::Numbered,
+            PromptTemplate::Brief,
+            PromptTemplate::QuestionLast,
+            PromptTemplate::Inline,
+        ] {
+            let head = head(&model, template, &history, question).unwrap();
+            for kept in [&passages[..0], &passages[..1], &passages[..]] {
+                let built = build_with(&model, template, &history, question, kept, 16).unwrap();
+                assert_eq!(&built.tokens[..head.len()], &head[..], "{template:?}");
+            }
+            let text = model.detokenize(&head).unwrap();
+            // Only question-last knows the question before the passages.
+            let asks = text.contains(question);
+            assert_eq!(asks, template == PromptTemplate::QuestionLast, "{text}");
+            assert!(
+                text.contains("What does git stash do?"),
+                "the history is in it"
+            );
+        }
+    }
 }

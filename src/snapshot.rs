@@ -94,6 +94,9 @@ pub struct SamplingFacts {
     pub ignore_eos: bool,
     pub stop: Vec<String>,
     pub logprobs: Option<usize>,
+    /// The tokens `context_bias` favoured (absent in snapshots of requests without it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub context_tokens: Vec<u32>,
 }
 
 /// The KV cache at the failure, positions `0..len` (prompt, then each token fed back).
@@ -407,6 +410,7 @@ mod tests {
                 ignore_eos: false,
                 stop: Vec::new(),
                 logprobs: None,
+                context_tokens: Vec::new(),
             },
             generated: Vec::new(),
             decode_batch_sizes: Vec::new(),

@@ -33,6 +33,8 @@ pub enum Command {
     /// Experiments that show a measurement trap on a real server.
     #[command(subcommand)]
     Experiment(Experiment),
+    /// Replicas and Qdrant a target rps at a p95 TTFT SLO needs, from a knee run (docs/SCALING.md).
+    Plan(crate::plan::PlanArgs),
 }
 
 #[derive(Debug, Subcommand)]

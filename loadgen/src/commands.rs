@@ -48,6 +48,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<u8> {
         Command::Experiment(Experiment::Tails(a)) => tails(&a).await.map(|_| 0),
         Command::Experiment(Experiment::Cold(a)) => cold_experiment(&a).await.map(|_| 0),
         Command::Experiment(Experiment::Reconnect(a)) => reconnect(&a).await.map(|_| 0),
+        Command::Plan(a) => crate::plan::run(&a).map(|_| 0),
     }
 }
 

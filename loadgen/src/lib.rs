@@ -18,6 +18,7 @@
 //! - [`mix`]: cold, no-match and perturbed queries; [`caches`]: hit/miss splits per cache.
 //! - [`replay`] and [`shadow`]: a recorded run sent again; requests mirrored to a second server.
 //! - [`grpc`]: the `ragscope.v1.Rag/Query` client (`--endpoint grpc`).
+//! - [`plan`]: `plan`, the replicas and Qdrant a target load needs, from a knee and Little's law.
 //! - [`commands`]: each subcommand end to end, writing `requests.jsonl`, `summary.json`, `report.html`,
 //!   `report.ipynb`.
 //!
@@ -36,6 +37,7 @@ pub mod isolation;
 pub mod knee;
 pub mod mix;
 pub mod notebook;
+pub mod plan;
 pub mod record;
 pub mod replay;
 pub mod report;

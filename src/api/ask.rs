@@ -54,6 +54,8 @@ pub struct Asked {
     pub decoding: Decoding,
     /// `context`, `context_budget`, `context_method`.
     pub context: ContextAsked,
+    /// Prefill the prompt's head beside retrieval; unset: the server's `--overlap`.
+    pub overlap: Option<bool>,
 }
 
 /// How the answer is decoded beyond temperature and top-p; every field is neutral by default.
@@ -180,6 +182,7 @@ impl Decoding {
             repetition_penalty: float(self.repetition_penalty, base.repetition_penalty),
             no_repeat_ngram: self.no_repeat_ngram_size.unwrap_or(base.no_repeat_ngram),
             penalize_prompt: self.penalize_prompt.unwrap_or(base.penalize_prompt),
+            context_bias: base.context_bias,
         }
     }
 }
@@ -202,6 +205,7 @@ pub fn rag_request(
         filter,
         decoding,
         context,
+        overlap,
     } = asked;
     let defaults = &pipeline.defaults;
     if query.trim().is_empty() {
@@ -273,6 +277,7 @@ pub fn rag_request(
         filter,
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
+        overlap: overlap.unwrap_or(defaults.overlap.on()),
     })
 }
 

@@ -459,6 +459,7 @@ fn rag_request(
         filter: None,
         decoding: plan.decoding.clone(),
         context: Default::default(),
+        overlap: None,
     };
     let rag = ask::rag_request(pipeline, state, asked).map_err(|e| match e.param.as_deref() {
         Some("query") => ApiError {

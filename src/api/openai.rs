@@ -62,6 +62,8 @@ pub struct ChatBody {
     pub context: Option<String>,
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
+    /// Extension: prefill the prompt's head while retrieving (unset: the server's `--overlap`).
+    pub overlap: Option<bool>,
     /// Accepted and ignored: they label or route the request but cannot change the answer.
     pub user: Option<String>,
     #[schema(value_type = Option<Object>)]
@@ -354,6 +356,7 @@ pub async fn chat_completions(
             budget: body.context_budget,
             method: body.context_method,
         },
+        overlap: body.overlap,
     };
     let with_logprobs = body.logprobs == Some(true);
     let include_usage = body

@@ -46,6 +46,8 @@ pub struct QueryBody {
     pub context: Option<String>,
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
+    /// Prefill the prompt's head while retrieving (unset: the server's `--overlap`).
+    pub overlap: Option<bool>,
 }
 
 /// A RAG answer with its sources; with `stream: true`, server-sent events `sources`,
@@ -86,6 +88,7 @@ pub async fn query(
             budget: body.context_budget,
             method: body.context_method,
         },
+        overlap: body.overlap,
     };
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked)?;
     if !body.stream {

@@ -230,6 +230,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 ignore_eos: false,
                 stop: &[],
                 logprobs: None,
+                context_tokens: &[],
             },
             &stage(),
             &mut |_| Flow::Continue,

@@ -308,6 +308,7 @@ fn measure(
                 ignore_eos: true,
                 stop: &[],
                 logprobs: None,
+                context_tokens: &[],
             },
             &stage(),
             &mut |_| Flow::Continue,

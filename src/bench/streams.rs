@@ -97,6 +97,7 @@ fn run(generator: &Llama, prompt: &[u32], n: usize, tokens: usize) -> Result<Vec
                         ignore_eos: true,
                         stop: &[],
                         logprobs: None,
+                        context_tokens: &[],
                     },
                     &stage(),
                     &mut |_| {

@@ -183,13 +183,8 @@ impl<'a> TextGeneration<'a> {
         } else {
             gpu::decode_sample_every()
         };
-        let mut sampler = Sampler::new(&req.sampling);
-        if req.sampling.penalize_prompt {
-            sampler = sampler.seeing(req.prompt);
-        }
-        if req.ignore_eos {
-            sampler = sampler.banning(&llama.eos);
-        }
+        let ban: &[u32] = if req.ignore_eos { &llama.eos } else { &[] };
+        let mut sampler = Sampler::for_request(&req.sampling, req.prompt, req.context_tokens, ban);
         let mut stream = Utf8Stream::new();
         let mut text = StopText::new(req.stop);
         let top_logprobs = req.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS));

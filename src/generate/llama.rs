@@ -361,6 +361,15 @@ impl Generator for Llama {
         self.snapshots.as_ref()
     }
 
+    fn warm(
+        &self,
+        head: &[u32],
+        stage: &Stage,
+        proceed: &dyn Fn() -> bool,
+    ) -> Result<Option<super::Warmed>, GenerateError> {
+        super::warm::warm(self, head, stage, proceed)
+    }
+
     fn generate(
         &self,
         req: GenerateRequest<'_>,

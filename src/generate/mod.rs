@@ -22,6 +22,7 @@ mod template;
 #[cfg(test)]
 mod testing;
 pub mod tokenizer;
+mod warm;
 mod weights;
 
 use std::time::{Duration, Instant};
@@ -70,6 +71,11 @@ pub struct Sampling {
     pub no_repeat_ngram: usize,
     /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
     pub penalize_prompt: bool,
+    /// Added to the logit of every token of the request's context passages
+    /// ([`GenerateRequest::context_tokens`]; 0 = off): a small model's answer leans towards
+    /// copying its sources' words (`--context-bias`, measured in docs/CONTEXT.md).
+    #[serde(default)]
+    pub context_bias: f32,
 }
 
 impl Sampling {
@@ -79,6 +85,7 @@ impl Sampling {
             || self.frequency_penalty != 0.0
             || self.repetition_penalty != 1.0
             || self.no_repeat_ngram > 0
+            || self.context_bias != 0.0
     }
 }
 
@@ -93,6 +100,7 @@ impl Default for Sampling {
             repetition_penalty: 1.0,
             no_repeat_ngram: 0,
             penalize_prompt: false,
+            context_bias: 0.0,
         }
     }
 }
@@ -185,6 +193,9 @@ pub struct GenerateRequest<'a> {
     /// `Some(k)`: each generated token's log-probability and its `k` (at most
     /// [`MAX_TOP_LOGPROBS`]) most likely alternatives.
     pub logprobs: Option<usize>,
+    /// The tokens of the prompt's context passages, which [`Sampling::context_bias`] favours
+    /// (empty: none).
+    pub context_tokens: &'a [u32],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -240,6 +251,17 @@ pub struct Generated {
     pub decode: Duration,
     /// When the first token was produced, on the shared clock.
     pub first_token_at: Option<Instant>,
+}
+
+/// What [`Generator::warm`] prefilled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Warmed {
+    /// Head tokens now in the prefix cache (its whole blocks).
+    pub head_tokens: usize,
+    /// Of those, the ones that were cached already.
+    pub cached_tokens: usize,
+    /// Positions computed.
+    pub computed_tokens: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -298,6 +320,21 @@ pub trait Generator: Send + Sync {
         top: usize,
         stage: &Stage,
     ) -> Result<Vec<TokenLogprob>, GenerateError>;
+
+    /// Prefills `head`, the start of a prompt still being built, into the prefix cache and
+    /// generates nothing, so the prompt's own prefill starts from a hit (the pipeline's
+    /// retrieval–generation overlap). `proceed` is asked once the prefill turn is held: `false`
+    /// (the request's own prefill got there first, or the request failed) skips the work.
+    /// `None`: nothing was prefilled (no prefix cache, a head shorter than a block, skipped).
+    fn warm(
+        &self,
+        head: &[u32],
+        stage: &Stage,
+        proceed: &dyn Fn() -> bool,
+    ) -> Result<Option<Warmed>, GenerateError> {
+        let _ = (head, stage, proceed);
+        Ok(None)
+    }
 
     /// Where this generator keeps failure snapshots (`GET /debug/snapshots`), if anywhere.
     fn snapshots(&self) -> Option<&std::sync::Arc<crate::snapshot::SnapshotStore>> {

@@ -45,8 +45,12 @@ pub(super) struct Pick {
     pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
 }
 
-/// The penalties and the n-gram block, with the generated tokens they look at.
+/// The penalties and the n-gram block, with the generated tokens they look at, and the bias
+/// towards the context's tokens.
 struct Penalties {
+    /// The context's distinct tokens, and what is added to their logits.
+    favoured: Vec<u32>,
+    bias: f32,
     presence: f32,
     frequency: f32,
     repetition: f32,
@@ -60,6 +64,8 @@ struct Penalties {
 impl Penalties {
     fn new(s: &Sampling) -> Option<Penalties> {
         s.penalises().then(|| Penalties {
+            favoured: Vec::new(),
+            bias: s.context_bias,
             presence: s.presence_penalty,
             frequency: s.frequency_penalty,
             repetition: s.repetition_penalty,
@@ -69,8 +75,16 @@ impl Penalties {
         })
     }
 
-    /// Adjusts the logits of the tokens seen so far; only those are touched.
+    /// Adjusts the logits of the context's tokens and of the tokens seen so far; only those
+    /// are touched.
     fn apply(&self, logits: &mut [f32]) {
+        if self.bias != 0.0 {
+            for &token in &self.favoured {
+                if let Some(l) = logits.get_mut(token as usize) {
+                    *l += self.bias;
+                }
+            }
+        }
         for (&token, &count) in &self.counts {
             let Some(l) = logits.get_mut(token as usize) else {
                 continue;
@@ -151,6 +165,24 @@ impl Sampler {
             penalties: Penalties::new(s),
             adjusted: Vec::new(),
         }
+    }
+
+    /// The sampler a generation request asks for: its sampling, the prompt counted for the
+    /// penalties when `penalize_prompt` says so, its context's tokens favoured, and `eos`
+    /// banned when it ignores the end of sequence.
+    pub fn for_request(s: &Sampling, prompt: &[u32], context: &[u32], ban: &[u32]) -> Sampler {
+        let mut sampler = Sampler::new(s);
+        if s.penalize_prompt {
+            sampler = sampler.seeing(prompt);
+        }
+        if let Some(p) = &mut sampler.penalties {
+            if p.bias != 0.0 {
+                p.favoured = context.to_vec();
+                p.favoured.sort_unstable();
+                p.favoured.dedup();
+            }
+        }
+        sampler.banning(ban)
     }
 
     /// Counts `prompt` as generated for the penalties and the n-gram block (when any apply).
@@ -368,6 +400,35 @@ mod tests {
         assert_eq!(Sampler::new(&s).seeing(&[0]).sample(&logits).unwrap(), 2);
         let plain = Sampler::new(&Sampling::default()).seeing(&[0]);
         assert!(plain.penalties.is_none());
+    }
+
+    #[test]
+    fn the_context_bias_favours_the_contexts_tokens_only() {
+        let logits = Logits::Host(vec![3.0, 2.0, 1.5, 0.0]);
+        let s = Sampling {
+            context_bias: 1.0,
+            ..Sampling::default()
+        };
+        // Token 2 is in the context: 1.5 + 1.0 beats 2.0 but not 3.0; with 2.0 it wins.
+        let pick = |s: &Sampling, context: &[u32]| {
+            Sampler::for_request(s, &[], context, &[])
+                .pick(&logits, Some(1))
+                .unwrap()
+        };
+        assert_eq!(pick(&s, &[2, 2]).token, 0);
+        let strong = Sampling {
+            context_bias: 2.0,
+            ..s
+        };
+        let p = pick(&strong, &[2, 2]);
+        assert_eq!(p.token, 2);
+        // The reported log-probabilities are the model's own, before the bias.
+        let (lp, top) = p.logprobs.unwrap();
+        assert_eq!(top[0].0, 0);
+        assert!(lp < top[0].1);
+        // No context, or no bias: the model's own pick.
+        assert_eq!(pick(&strong, &[]).token, 0);
+        assert_eq!(pick(&Sampling::default(), &[2]).token, 0);
     }
 
     #[test]

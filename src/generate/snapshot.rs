@@ -131,6 +131,7 @@ impl Watch<'_> {
                 ignore_eos: req.ignore_eos,
                 stop: req.stop.to_vec(),
                 logprobs: req.logprobs,
+                context_tokens: req.context_tokens.to_vec(),
             },
             generated: out.tokens.clone(),
             decode_batch_sizes: self.trail.steps.borrow().clone(),
@@ -431,13 +432,8 @@ pub fn replay(llama: &Llama, snap: &Snapshot) -> Result<Replay, GenerateError> {
     }
 
     let s = &snap.sampling;
-    let mut sampler = Sampler::new(&s.sampling);
-    if s.sampling.penalize_prompt {
-        sampler = sampler.seeing(prompt);
-    }
-    if s.ignore_eos {
-        sampler = sampler.banning(&llama.eos);
-    }
+    let ban: &[u32] = if s.ignore_eos { &llama.eos } else { &[] };
+    let mut sampler = Sampler::for_request(&s.sampling, prompt, &s.context_tokens, ban);
     let top = s.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS));
     let stage = Stage::root(span::REPLAY);
     let mut session = llama.schedule.session(&stage);

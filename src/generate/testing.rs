@@ -58,6 +58,7 @@ pub(super) fn request(
         ignore_eos: false,
         stop: &[],
         logprobs: None,
+        context_tokens: &[],
     }
 }
 

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use super::PipelineError;
 use crate::config::PipelineArgs;
+use crate::embed::cache::VectorCache;
 use crate::embed::Embedder;
 use crate::generate::{GenerateError, Generator};
 use crate::ingest::chunk::sentences;
@@ -139,6 +140,8 @@ pub struct Selection {
     pub passages: Vec<ContextPassage>,
     pub sentences_in: usize,
     pub sentences_out: usize,
+    /// Sentences whose vectors came from the sentence cache.
+    pub sentences_cached: usize,
     pub tokens_in: usize,
     pub tokens_out: usize,
 }
@@ -247,6 +250,7 @@ pub fn select_passages(texts: &[&str], tokens: &[usize], budget: usize) -> Selec
     Selection {
         sentences_in: 0,
         sentences_out: 0,
+        sentences_cached: 0,
         tokens_in: tokens.iter().sum(),
         tokens_out,
         passages,
@@ -329,6 +333,7 @@ pub fn select_sentences(
         passages,
         sentences_in: units.len(),
         sentences_out,
+        sentences_cached: 0,
         tokens_in: header_tokens.iter().sum::<usize>()
             + units.iter().map(|u| u.tokens).sum::<usize>(),
         tokens_out,
@@ -405,18 +410,49 @@ impl ContextSettings {
     }
 }
 
+/// Each text's vector from `cache`, the missing ones embedded in one embedder call (its spans
+/// under `stage`) and cached; also how many were cached.
+fn cached_vectors(
+    texts: &[&str],
+    embedder: &dyn Embedder,
+    cache: &VectorCache,
+    stage: &Stage,
+) -> Result<(Vec<Vec<f32>>, usize), PipelineError> {
+    let mut found = cache.get_all(texts);
+    let missing: Vec<usize> = (0..texts.len()).filter(|&i| found[i].is_none()).collect();
+    let cached = texts.len() - missing.len();
+    if !missing.is_empty() {
+        let batch: Vec<&str> = missing.iter().map(|&i| texts[i]).collect();
+        let vectors = embedder.embed(&batch, stage)?;
+        for (&i, v) in missing.iter().zip(vectors) {
+            cache.put(texts[i], v.clone());
+            found[i] = Some(v);
+        }
+    }
+    Ok((found.into_iter().flatten().collect(), cached))
+}
+
+/// What the context stage reads besides the passages: the models, and the cache of sentence
+/// vectors.
+pub struct Models<'a> {
+    pub generator: &'a dyn Generator,
+    pub embedder: &'a dyn Embedder,
+    pub sentences: &'a VectorCache,
+}
+
 /// Chooses the context for `question` from the reranked passages `texts`, counting tokens with
-/// the generator's tokenizer and, for the dense and hybrid methods, embedding every sentence
-/// in one embedder call (its spans go under `stage`).
+/// the generator's tokenizer and, for the dense and hybrid methods, scoring every sentence by
+/// its vector: from the sentence cache, the rest embedded in one embedder call (its spans go
+/// under `stage`).
 pub fn select(
     settings: ContextSettings,
     question: &str,
     query_vector: &[f32],
     texts: &[&str],
-    generator: &dyn Generator,
-    embedder: &dyn Embedder,
+    models: &Models<'_>,
     stage: &Stage,
 ) -> Result<Selection, PipelineError> {
+    let generator = models.generator;
     let count = |t: &str| generator.count_tokens(t);
     match settings.mode {
         ContextMode::Off | ContextMode::Passages => {
@@ -448,8 +484,11 @@ pub fn select(
                 .collect();
             let sentence_texts: Vec<&str> = flat.iter().map(|&(_, _, t)| t).collect();
             let lexical = lexical_scores(question, &sentence_texts);
+            let mut sentences_cached = 0;
             let dense = if settings.method.needs_vectors() && !sentence_texts.is_empty() {
-                let vectors = embedder.embed(&sentence_texts, stage)?;
+                let (vectors, cached) =
+                    cached_vectors(&sentence_texts, models.embedder, models.sentences, stage)?;
+                sentences_cached = cached;
                 Some(super::cosines(query_vector, &vectors))
             } else {
                 None
@@ -467,12 +506,10 @@ pub fn select(
                     })
                 })
                 .collect::<Result<Vec<_>, GenerateError>>()?;
-            Ok(select_sentences(
-                &split,
-                &header_tokens,
-                &units,
-                settings.budget,
-            ))
+            Ok(Selection {
+                sentences_cached,
+                ..select_sentences(&split, &header_tokens, &units, settings.budget)
+            })
         }
     }
 }

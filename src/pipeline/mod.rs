@@ -7,6 +7,7 @@
 
 pub mod context;
 pub mod events;
+pub mod overlap;
 mod plain;
 mod request;
 pub mod runner;
@@ -17,6 +18,7 @@ use std::sync::Arc;
 use opentelemetry::KeyValue;
 
 pub use events::{EventReceiver, EventSender, SendError};
+pub use overlap::Overlap;
 pub use request::{
     CacheUse, Choice, Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source,
     Streamed, Timings, Usage,
@@ -24,7 +26,7 @@ pub use request::{
 pub use runner::{StageRunner, StageSpec};
 
 use crate::config::PipelineArgs;
-use crate::embed::cache::QueryCache;
+use crate::embed::cache::{QueryCache, VectorCache};
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};
 use crate::generate::{self, Flow, GenerateRequest, Generated, Generator, Piece};
@@ -51,6 +53,8 @@ pub struct Pipeline {
     pub defaults: PipelineArgs,
     pub chunker: ChunkerConfig,
     pub query_cache: QueryCache,
+    /// Sentence vectors of the context stage.
+    pub sentence_cache: VectorCache,
 }
 
 impl Pipeline {
@@ -119,6 +123,8 @@ impl Pipeline {
         run.timings_mut().queue_ms = millis(request.elapsed());
         check_deadline(req, request)?;
 
+        // Dropped on an early return: a warm that has not started computing is called off.
+        let warm = self.start_warm(req, request);
         let (vector, cache) = self.embed_query(&mut run, req)?;
         let hits = self.retrieve(&mut run, req, &vector)?;
         let retrieved_at = std::time::Instant::now();
@@ -135,13 +141,42 @@ impl Pipeline {
         let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
         let built = self.build_prompt(&mut run, req, &texts)?;
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
+        if let Some(warm) = warm {
+            warm.finish();
+        }
         let gap = retrieved_at.elapsed();
-        let generated = self.generate(&mut run, req, &built.tokens, events)?;
+        let favoured = if req.sampling.context_bias != 0.0 {
+            self.generator.tokenize(&texts.join("\n"), false)?
+        } else {
+            Vec::new()
+        };
+        // The template's own labels end an answer: a small model that starts a new
+        // "Question:" is past the end of its answer.
+        let stop: Vec<String> = req
+            .stop
+            .iter()
+            .cloned()
+            .chain(prompt::ANSWER_ENDS.iter().map(|s| s.to_string()))
+            .collect();
+        let generated = self.generate(&mut run, req, &built.tokens, &favoured, &stop, events)?;
         let window = self.generator.context_window();
         record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
         let mut answer = self.finish(run, sources, generated);
         answer.cache = cache;
+        answer.context = texts.iter().map(|t| t.to_string()).collect();
         Ok(answer)
+    }
+
+    /// 0. With `overlap`: the prompt head's prefill, started beside embedding and retrieval
+    ///    ([`overlap`]). A head that cannot be built is left to the prompt stage to report.
+    fn start_warm(&self, req: &RagRequest, request: &Stage) -> Option<overlap::Warm> {
+        if !req.overlap {
+            return None;
+        }
+        let template = self.defaults.prompt_template;
+        let generator = self.generator.as_ref();
+        let head = prompt::head(generator, template, &req.history, &req.query).ok()?;
+        overlap::Warm::start(self.generator.clone(), head, request, req.deadline)
     }
 
     /// 1. The query's vector, from the query cache or the embedder, and whether the cache had it.
@@ -252,18 +287,19 @@ impl Pipeline {
             .profiled(embeds);
         run.run(spec, |stage| {
             let texts: Vec<&str> = ranked.iter().map(|s| s.text.as_str()).collect();
-            let chosen = context::select(
-                settings,
-                &req.query,
-                vector,
-                &texts,
-                self.generator.as_ref(),
-                self.embedder.as_ref(),
-                stage,
-            )?;
+            let models = context::Models {
+                generator: self.generator.as_ref(),
+                embedder: self.embedder.as_ref(),
+                sentences: &self.sentence_cache,
+            };
+            let chosen = context::select(settings, &req.query, vector, &texts, &models, stage)?;
             stage.set_all([
                 KeyValue::new(attr::CONTEXT_SENTENCES_IN, chosen.sentences_in as i64),
                 KeyValue::new(attr::CONTEXT_SENTENCES_OUT, chosen.sentences_out as i64),
+                KeyValue::new(
+                    attr::CONTEXT_SENTENCES_CACHED,
+                    chosen.sentences_cached as i64,
+                ),
                 KeyValue::new(attr::CONTEXT_TOKENS_IN, chosen.tokens_in as i64),
                 KeyValue::new(attr::CONTEXT_TOKENS_OUT, chosen.tokens_out as i64),
                 KeyValue::new(attr::CONTEXT_PASSAGES_OUT, chosen.passages.len() as i64),
@@ -305,6 +341,8 @@ impl Pipeline {
         run: &mut StageRunner,
         req: &RagRequest,
         prompt: &[u32],
+        context_tokens: &[u32],
+        stop: &[String],
         events: Option<&EventSender>,
     ) -> Result<Vec<Generated>, PipelineError> {
         let model = self.generator.model_id();
@@ -344,6 +382,7 @@ impl Pipeline {
                 0.0,
             ),
             (attr::REQUEST_REPETITION_PENALTY, s.repetition_penalty, 1.0),
+            (attr::REQUEST_CONTEXT_BIAS, s.context_bias, 0.0),
         ] {
             if value != neutral {
                 attributes.push(KeyValue::new(key, f64::from(value)));
@@ -406,8 +445,9 @@ impl Pipeline {
                     token_trace: self.defaults.token_trace,
                     deadline: Some(req.deadline),
                     ignore_eos: false,
-                    stop: &req.stop,
+                    stop,
                     logprobs: req.logprobs,
+                    context_tokens,
                 })
                 .collect();
             let generated =
@@ -508,6 +548,7 @@ impl Pipeline {
             finish_reason: first.finish_reason,
             logprobs: first.logprobs.clone(),
             choices,
+            context: Vec::new(),
             finished_at: clock::now(),
         }
     }

@@ -41,6 +41,8 @@ pub struct RagRequest {
     pub deadline: Instant,
     /// Faults to inject (empty unless the server allows injection).
     pub faults: Arc<FaultPlan>,
+    /// Prefill the prompt's head while embedding and retrieving (`--overlap`).
+    pub overlap: bool,
 }
 
 impl RagRequest {
@@ -60,6 +62,7 @@ impl RagRequest {
             context: ContextSettings::defaults(defaults, defaults.rerank_top_n),
             deadline: clock::now() + timeout,
             faults: Arc::default(),
+            overlap: defaults.overlap.on(),
         }
     }
 }
@@ -168,6 +171,9 @@ pub struct RagAnswer {
     /// Every choice, the first one included (the chat endpoint's `n`).
     #[serde(skip)]
     pub choices: Vec<Choice>,
+    /// The context passages' text as the prompt got it (RAG answers; `ragscope eval` reads it).
+    #[serde(skip)]
+    pub context: Vec<String>,
     /// When the worker finished, on the shared clock: the `respond` stage starts here.
     #[serde(skip)]
     pub finished_at: Instant,

@@ -183,6 +183,9 @@ names! {
         FORWARD = "forward",
         /// The wait for the prefill turn, only when another request is prefilling.
         PREFILL_QUEUE = "prefill_queue",
+        /// A RAG request's prompt head prefilled into the prefix cache beside `embeddings` and
+        /// `retrieval` (`overlap`), a child of the request.
+        WARM_PREFILL = "warm_prefill",
         /// One decode step: under a request's `decode` with `RAGSCOPE_TOKEN_TRACE=spans`, and
         /// a batched step of several requests as the root of a trace of its own
         /// (`--decode-step-spans`).
@@ -230,6 +233,8 @@ names! {
         QUEUE_EXPECTED_WAIT_MS = "rag.queue.expected_wait_ms",
         STREAM_EVENTS = "rag.stream.events",
         STREAM_STALLED_MS = "rag.stream.stalled_ms",
+        /// How a `warm_prefill` ended: `prefilled`, `called_off`, `skipped` or `failed`.
+        OVERLAP_OUTCOME = "rag.overlap.outcome",
         // GenAI.
         GEN_AI_OPERATION_NAME = "gen_ai.operation.name",
         GEN_AI_PROVIDER_NAME = "gen_ai.provider.name",
@@ -278,6 +283,7 @@ names! {
         CONTEXT_BUDGET = "rag.context.budget",
         CONTEXT_SENTENCES_IN = "rag.context.sentences_in",
         CONTEXT_SENTENCES_OUT = "rag.context.sentences_out",
+        CONTEXT_SENTENCES_CACHED = "rag.context.sentences_cached",
         CONTEXT_TOKENS_IN = "rag.context.tokens_in",
         CONTEXT_TOKENS_OUT = "rag.context.tokens_out",
         CONTEXT_PASSAGES_OUT = "rag.context.passages_out",
@@ -287,6 +293,7 @@ names! {
         REQUEST_REPETITION_PENALTY = "rag.request.repetition_penalty",
         REQUEST_NO_REPEAT_NGRAM_SIZE = "rag.request.no_repeat_ngram_size",
         REQUEST_PENALIZE_PROMPT = "rag.request.penalize_prompt",
+        REQUEST_CONTEXT_BIAS = "rag.request.context_bias",
         PREFILL_TOKENS_PER_SECOND = "rag.prefill.tokens_per_second",
         PREFILL_CACHED_TOKENS = "rag.prefill.cached_tokens",
         PREFILL_COMPUTED_TOKENS = "rag.prefill.computed_tokens",

@@ -148,6 +148,7 @@ fn fake_pipeline_over(
         defaults: args.pipeline.clone(),
         chunker: ragscope::app::chunker(&args.store),
         query_cache: ragscope::embed::cache::QueryCache::new(0),
+        sentence_cache: ragscope::embed::cache::VectorCache::named("sentence_embedding", 0),
     }
 }
 

@@ -20,6 +20,7 @@ mod loadgen;
 mod metrics;
 mod openai;
 mod openapi;
+mod overlap;
 mod overload;
 mod page;
 mod prefix_cache;

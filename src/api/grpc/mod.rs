@@ -218,6 +218,7 @@ impl Rag for RagService {
                 budget: r.context_budget.map(|v| v as usize),
                 method: r.context_method,
             },
+            overlap: r.overlap,
         };
         let req = ask::prepare(&self.state, &pipeline, &stage, &headers, asked)?;
         let events = ask::answer_stream(&pipeline, req, &stage)?;
