@@ -72,7 +72,7 @@ impl Mix {
             self.seed
                 .wrapping_mul(0x9e37_79b9_7f4a_7c15)
                 .wrapping_add(id.wrapping_mul(0xbf58_476d_1ce4_e5b9))
-                ^ 0x6d69_78,
+                ^ 0x006d_6978,
         );
         let u: f64 = rng.random();
         let (kind, mut query, filter) = if u < self.cold_share {
