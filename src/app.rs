@@ -313,6 +313,18 @@ pub async fn run(
     max_body_bytes: usize,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let connections = crate::config::ConnectionArgs::default();
+    run_with(listeners, state, max_body_bytes, connections, shutdown).await
+}
+
+/// [`run`], with the gRPC server's connection management (keepalive, maximum age) configured.
+pub async fn run_with(
+    listeners: Listeners,
+    state: AppState,
+    max_body_bytes: usize,
+    connections: crate::config::ConnectionArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     use futures::FutureExt;
     use std::future::IntoFuture;
     let (readiness, grace) = (state.readiness.clone(), state.shutdown_grace);
@@ -346,7 +358,7 @@ pub async fn run(
         .into_future();
     let grpc = async move {
         match listeners.grpc {
-            Some(listener) => api::grpc::serve(listener, state, max_body_bytes, stop)
+            Some(listener) => api::grpc::serve(listener, state, max_body_bytes, &connections, stop)
                 .await
                 .map_err(std::io::Error::other),
             None => Ok(()),
@@ -408,6 +420,7 @@ pub async fn serve(
     };
     let loading = state.clone();
     let max_body_bytes = args.server.max_body_bytes;
+    let connections = args.server.connections.clone();
     // An embedded store that cannot be opened (damaged files, another process holding it)
     // will not get better by waiting: the server stops and exits non-zero. A remote store
     // may come back, so then the server stays up and `/ready` reports the failure.
@@ -458,7 +471,7 @@ pub async fn serve(
             }
         }
     };
-    run(listeners, state, max_body_bytes, stop).await?;
+    run_with(listeners, state, max_body_bytes, connections, stop).await?;
     if let Some(e) = fatal.1.get() {
         anyhow::bail!("start-up failed: {e}");
     }

@@ -413,7 +413,28 @@ pub struct ServerArgs {
     #[arg(long, env = "RAGSCOPE_SHUTDOWN_GRACE_S", default_value_t = 30)]
     pub shutdown_grace_s: u64,
     #[command(flatten)]
+    pub connections: ConnectionArgs,
+    #[command(flatten)]
     pub snapshots: SnapshotArgs,
+}
+
+/// How the gRPC server manages its HTTP/2 connections: keepalive pings, and a maximum age after
+/// which a connection is closed gracefully (GOAWAY, calls in flight finish) so clients reconnect,
+/// as a load balancer in front of replicas needs. Unset: no pings, connections live forever.
+#[derive(Debug, Clone, Default, Args)]
+pub struct ConnectionArgs {
+    /// Seconds between HTTP/2 PINGs the gRPC server sends on each connection.
+    #[arg(long, env = "RAGSCOPE_HTTP2_KEEPALIVE_INTERVAL_S", value_parser = parse_seconds)]
+    pub http2_keepalive_interval_s: Option<Duration>,
+    /// Seconds to wait for a PING's answer before closing the connection (needs the interval).
+    #[arg(long, env = "RAGSCOPE_HTTP2_KEEPALIVE_TIMEOUT_S", value_parser = parse_seconds, requires = "http2_keepalive_interval_s")]
+    pub http2_keepalive_timeout_s: Option<Duration>,
+    /// Seconds after which a gRPC connection gets GOAWAY and is closed once its calls finish.
+    #[arg(long, env = "RAGSCOPE_MAX_CONNECTION_AGE_S", value_parser = parse_seconds)]
+    pub max_connection_age_s: Option<Duration>,
+    /// Seconds a connection past its age may still take to finish its calls before it is cut.
+    #[arg(long, env = "RAGSCOPE_MAX_CONNECTION_AGE_GRACE_S", value_parser = parse_seconds, requires = "max_connection_age_s")]
+    pub max_connection_age_grace_s: Option<Duration>,
 }
 
 /// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).

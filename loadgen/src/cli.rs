@@ -42,6 +42,59 @@ pub enum Experiment {
     /// Inject exponential and Pareto(α=1.5) delays of the same mean into one stage and compare
     /// the measured P99 (with its interval) with what light-tailed assumptions predict.
     Tails(TailsArgs),
+    /// A share of cold requests (caches miss) among hot ones, at each `--cold-share`, against
+    /// an all-hot baseline: the P99 amplification and the stage that missed.
+    Cold(ColdArgs),
+    /// The same gRPC load against servers with different maximum connection ages (or other
+    /// connection settings), in interleaved rounds: what forced reconnects do to P99.
+    Reconnect(ReconnectArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ColdArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// Cold shares to run, comma-separated (an all-hot arm at 0 runs first as the baseline).
+    #[arg(long, value_delimiter = ',', default_value = "0.01,0.1")]
+    pub cold_shares: Vec<f64>,
+    /// Requests per arm.
+    #[arg(long, default_value_t = 300)]
+    pub requests: u64,
+    /// Concurrent closed-loop users.
+    #[arg(long, default_value_t = 1)]
+    pub users: usize,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+    /// Output directory: one run per arm under it, and cold.json.
+    #[arg(long, default_value = "loadgen-cold")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ReconnectArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// An arm: `NAME=URL` of a server's gRPC address (started with the connection setting the
+    /// name stands for, e.g. `100ms=http://127.0.0.1:50053`). Repeat for each arm.
+    #[arg(long = "arm", required = true)]
+    pub arms: Vec<String>,
+    /// Rounds; each round runs every arm once, in turn, so drift on the box hits all arms alike.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Requests per arm and round.
+    #[arg(long, default_value_t = 100)]
+    pub requests: u64,
+    /// Concurrent closed-loop users (they share one HTTP/2 connection).
+    #[arg(long, default_value_t = 4)]
+    pub users: usize,
+    #[command(flatten)]
+    pub isolation: IsolationArgs,
+    #[arg(long, default_value = "loadgen-reconnect")]
+    pub out: PathBuf,
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -77,6 +130,8 @@ pub enum Endpoint {
     Rag,
     /// `POST /v1/chat/completions` with `stream: true` (OpenAI chunks, then `[DONE]`).
     Openai,
+    /// gRPC `ragscope.v1.Rag/Query` (server-streaming) at `--url` (the `--grpc-listen` address).
+    Grpc,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -136,6 +191,21 @@ pub struct Target {
     /// README's "Fault and latency injection"; the server needs `--faults true --fault-header true`).
     #[arg(long)]
     pub fault: Option<String>,
+    /// Share of requests that are cold: a variant of the drawn question never sent before, so
+    /// the server's query-embedding and prefix KV caches miss.
+    #[arg(long, default_value_t = 0.0)]
+    pub cold_share: f64,
+    /// Share of requests whose `filter` matches no document.
+    #[arg(long, default_value_t = 0.0)]
+    pub no_match_share: f64,
+    /// Share of requests whose question gets a typo or a paraphrase template (seeded, recorded
+    /// per request as `perturbation`).
+    #[arg(long, default_value_t = 0.0)]
+    pub perturb_rate: f64,
+    /// Mirror every request to this second server (same endpoint kind); its answers go to
+    /// `shadow.jsonl` and never hold up or enter the primary's figures.
+    #[arg(long)]
+    pub shadow: Option<String>,
 }
 
 /// How the load arrives and how long it lasts.
@@ -204,6 +274,10 @@ pub struct RunArgs {
     /// Attribution JSON (`ragscope attribute --json FILE`) to add a per-stage breakdown to the report.
     #[arg(long)]
     pub attribution: Option<PathBuf>,
+    /// Replay a recorded `requests.jsonl`: the same questions, filters and context sizes, sent
+    /// at the recorded offsets (the original inter-arrival times). `--perturb-rate` still applies.
+    #[arg(long, conflicts_with_all = ["mode", "rate", "users", "burst_rate", "burst_size", "think_ms", "cold_share", "no_match_share", "requests"])]
+    pub replay: Option<PathBuf>,
     /// No progress line on stderr.
     #[arg(long)]
     pub quiet: bool,

@@ -19,6 +19,8 @@ pub struct Ask {
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
     pub max_tokens: Option<usize>,
+    /// The `filter` object (`/v1/rag/query` and chat's extension).
+    pub filter: Option<Value>,
 }
 
 /// What came back.
@@ -33,10 +35,14 @@ pub struct Outcome {
     pub tokens: u64,
     pub prompt_tokens: Option<u64>,
     pub server_timings: Option<BTreeMap<String, f64>>,
+    /// `done.cache.query_embedding`: the server's query-embedding cache answered.
+    pub embedding_cached: Option<bool>,
+    /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens from the prefix KV cache.
+    pub cached_tokens: Option<u64>,
 }
 
 impl Outcome {
-    fn fail(&mut self, kind: impl Into<String>, detail: impl Into<String>) {
+    pub(crate) fn fail(&mut self, kind: impl Into<String>, detail: impl Into<String>) {
         if self.error.is_none() {
             self.error = Some(kind.into());
             self.error_detail = Some(detail.into());
@@ -56,7 +62,7 @@ pub fn traceparent() -> (String, String) {
 /// The JSON body for `endpoint`.
 pub fn body(endpoint: Endpoint, model: &str, ask: &Ask) -> Value {
     let mut b = match endpoint {
-        Endpoint::Rag => json!({"query": ask.query, "stream": true}),
+        Endpoint::Rag | Endpoint::Grpc => json!({"query": ask.query, "stream": true}),
         Endpoint::Openai => json!({
             "model": model,
             "messages": [{"role": "user", "content": ask.query}],
@@ -74,6 +80,9 @@ pub fn body(endpoint: Endpoint, model: &str, ask: &Ask) -> Value {
     if let Some(m) = ask.max_tokens {
         b["max_tokens"] = json!(m);
     }
+    if let Some(f) = &ask.filter {
+        b["filter"] = f.clone();
+    }
     b
 }
 
@@ -81,6 +90,7 @@ pub fn path(endpoint: Endpoint) -> &'static str {
     match endpoint {
         Endpoint::Rag => "/v1/rag/query",
         Endpoint::Openai => "/v1/chat/completions",
+        Endpoint::Grpc => "/ragscope.v1.Rag/Query",
     }
 }
 
@@ -114,6 +124,12 @@ pub async fn send(
             format!("no end of stream within {:.1} s", timeout.as_secs_f64()),
         );
     }
+    conclude(&mut out, &timing, start);
+    out
+}
+
+/// The client-side times of a finished exchange: TTFT, time per output token, end to end.
+pub(crate) fn conclude(out: &mut Outcome, timing: &Timing, start: Instant) {
     out.ttft_ms = timing.first.map(ms);
     if timing.events >= 2 {
         if let (Some(first), Some(last)) = (timing.first, timing.last) {
@@ -126,7 +142,6 @@ pub async fn send(
     if out.error.is_none() {
         out.e2e_ms = Some(ms(start.elapsed()));
     }
-    out
 }
 
 fn ms(d: Duration) -> f64 {
@@ -135,14 +150,14 @@ fn ms(d: Duration) -> f64 {
 
 /// Token event times, relative to the send.
 #[derive(Debug, Default)]
-struct Timing {
+pub(crate) struct Timing {
     first: Option<Duration>,
     last: Option<Duration>,
     events: u64,
 }
 
 impl Timing {
-    fn token(&mut self, at: Duration) {
+    pub(crate) fn token(&mut self, at: Duration) {
         self.first.get_or_insert(at);
         self.last = Some(at);
         self.events += 1;
@@ -201,8 +216,8 @@ async fn exchange(
         for event in parser.push(&chunk) {
             let at = start.elapsed();
             let step = match endpoint {
-                Endpoint::Rag => rag_event(&event, out),
                 Endpoint::Openai => chat_event(&event, out),
+                Endpoint::Rag | Endpoint::Grpc => rag_event(&event, out),
             };
             match step {
                 Step::Token => timing.token(at),
@@ -244,6 +259,7 @@ pub fn rag_event(event: &SseEvent, out: &mut Outcome) -> Step {
         "done" => {
             let v: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
             usage(&v["usage"], out);
+            out.embedding_cached = v["cache"]["query_embedding"].as_bool();
             if let Some(t) = v["timings"].as_object() {
                 out.server_timings = Some(
                     t.iter()
@@ -293,6 +309,9 @@ fn usage(u: &Value, out: &mut Outcome) {
     if let Some(p) = u["prompt_tokens"].as_u64() {
         out.prompt_tokens = Some(p);
     }
+    if let Some(c) = u["prompt_tokens_details"]["cached_tokens"].as_u64() {
+        out.cached_tokens = Some(c);
+    }
 }
 
 fn error_message(data: &str) -> String {
@@ -332,10 +351,13 @@ mod tests {
             rag_event(&ev("token", "{\"text\":\"a\"}"), &mut out),
             Step::Token
         );
-        let done = r#"{"usage":{"prompt_tokens":300,"completion_tokens":7,"total_tokens":307},
+        let done = r#"{"usage":{"prompt_tokens":300,"completion_tokens":7,"total_tokens":307,
+            "prompt_tokens_details":{"cached_tokens":288}},"cache":{"query_embedding":true},
             "timings":{"queue_ms":1.5,"embed_ms":9.0,"decode_ms":120.0},"finish_reason":"stop"}"#;
         assert_eq!(rag_event(&ev("done", done), &mut out), Step::Done);
         assert_eq!(out.tokens, 7);
+        assert_eq!(out.cached_tokens, Some(288));
+        assert_eq!(out.embedding_cached, Some(true));
         assert_eq!(out.prompt_tokens, Some(300));
         let t = out.server_timings.unwrap();
         assert_eq!(t["embed_ms"], 9.0);
@@ -382,6 +404,7 @@ mod tests {
             top_k: Some(8),
             rerank_top_n: Some(3),
             max_tokens: Some(16),
+            filter: Some(json!({"doc_id": "none"})),
         };
         let rag = body(Endpoint::Rag, "m", &ask);
         assert_eq!(rag["query"], "q");
@@ -389,6 +412,7 @@ mod tests {
         assert_eq!(rag["top_k"], 8);
         assert_eq!(rag["rerank_top_n"], 3);
         assert_eq!(rag["max_tokens"], 16);
+        assert_eq!(rag["filter"]["doc_id"], "none");
         let chat = body(Endpoint::Openai, "m", &ask);
         assert_eq!(chat["messages"][0]["content"], "q");
         assert_eq!(chat["model"], "m");
@@ -399,9 +423,11 @@ mod tests {
                 top_k: None,
                 rerank_top_n: None,
                 max_tokens: None,
+                filter: None,
                 ..ask
             },
         );
         assert!(bare.get("top_k").is_none());
+        assert!(bare.get("filter").is_none());
     }
 }

@@ -9,10 +9,12 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde_json::{json, Value};
 
+use crate::caches::CacheReport;
 use crate::cli::{
-    Cli, Command, Experiment, GateArgs, IsolationArgs, KneeArgs, Mode, ReportArgs, RunArgs,
-    TailsArgs, Target,
+    Cli, ColdArgs, Command, Experiment, GateArgs, IsolationArgs, KneeArgs, Mode, ReconnectArgs,
+    ReportArgs, RunArgs, TailsArgs, Target,
 };
+use crate::cold;
 use crate::experiment;
 use crate::gate::{self, Baseline, Decision, Measured};
 use crate::isolation::{self, Isolation, Sampler};
@@ -22,6 +24,7 @@ use crate::record::{self, RequestRecord};
 use crate::report::{self, Attribution};
 use crate::runner::{Plan, ProgressPrinter, Runner};
 use crate::schedule::{load_queries, Arrivals, Phase, Phases};
+use crate::shadow::ShadowReport;
 use crate::stats::PhaseStats;
 use crate::summary::Summary;
 
@@ -43,6 +46,8 @@ pub async fn dispatch(command: Command) -> anyhow::Result<u8> {
         }),
         Command::Report(a) => report(&a).map(|_| 0),
         Command::Experiment(Experiment::Tails(a)) => tails(&a).await.map(|_| 0),
+        Command::Experiment(Experiment::Cold(a)) => cold_experiment(&a).await.map(|_| 0),
+        Command::Experiment(Experiment::Reconnect(a)) => reconnect(&a).await.map(|_| 0),
         Command::Plan(a) => crate::plan::run(&a).map(|_| 0),
     }
 }
@@ -77,6 +82,82 @@ pub async fn tails(a: &TailsArgs) -> anyhow::Result<Vec<experiment::Arm>> {
     std::fs::write(&path, serde_json::to_string_pretty(&arms)? + "\n")?;
     println!("wrote {}", path.display());
     Ok(arms)
+}
+
+/// `experiment cold`: an all-hot baseline arm, then one arm per cold share, each a closed-loop
+/// run after the hot set has been sent once (so its hits are hits).
+pub async fn cold_experiment(a: &ColdArgs) -> anyhow::Result<Vec<cold::ColdArm>> {
+    if a.requests == 0 || a.users == 0 {
+        bail!("--requests and --users must be at least 1");
+    }
+    if a.cold_shares.iter().any(|&c| !(0.0..=1.0).contains(&c)) {
+        bail!("--cold-shares: each must be in [0, 1]");
+    }
+    let queries = load_queries(&a.target.queries)?;
+    eprintln!(
+        "cold: warming the hot set ({} questions, once each)",
+        queries.len()
+    );
+    let warm = Runner::new(cold::hot_target(&a.target), queries)?;
+    let warmed = warm.send_each().await;
+    let failed = warmed.iter().filter(|r| !r.ok).count();
+    if failed > 0 {
+        bail!(
+            "warming the hot set: {failed} of {} requests failed",
+            warmed.len()
+        );
+    }
+    let mut arms = Vec::new();
+    for share in cold::shares(&a.cold_shares) {
+        let args = cold::arm_args(a, share);
+        eprintln!("cold: arm at cold share {share}");
+        let (mut summary, records) = run_load(&args).await?;
+        summary.command = format!("experiment cold (share {share})");
+        write_outputs(&args.out, &summary, &records, None)?;
+        if let Some(i) = &summary.isolation {
+            print_isolation(i);
+        }
+        arms.push(cold::ColdArm::of(share, &summary));
+    }
+    cold::amplify(&mut arms);
+    print!("{}", cold::table(&arms));
+    std::fs::create_dir_all(&a.out)?;
+    let path = a.out.join("cold.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&arms)? + "\n")?;
+    println!("wrote {}", path.display());
+    Ok(arms)
+}
+
+/// `experiment reconnect`: every arm's server, in turn, for `--rounds` rounds.
+pub async fn reconnect(a: &ReconnectArgs) -> anyhow::Result<Vec<cold::ReconnectArm>> {
+    if a.requests == 0 || a.users == 0 || a.rounds == 0 {
+        bail!("--requests, --users and --rounds must be at least 1");
+    }
+    let arms = cold::parse_arms(&a.arms)?;
+    let mut records: Vec<Vec<RequestRecord>> = vec![Vec::new(); arms.len()];
+    for round in 0..a.rounds {
+        for (i, (name, url)) in arms.iter().enumerate() {
+            eprintln!("reconnect: round {round}, arm {name} ({url})");
+            let args = cold::reconnect_args(a, url, &format!("{name}-round{round}"), round);
+            let (summary, rs) = run_load(&args).await?;
+            write_outputs(&args.out, &summary, &rs, None)?;
+            if let Some(iso) = &summary.isolation {
+                print_isolation(iso);
+            }
+            records[i].extend(rs.into_iter().filter(|r| r.phase == Phase::Steady));
+        }
+    }
+    let result: Vec<cold::ReconnectArm> = arms
+        .iter()
+        .zip(&records)
+        .map(|((name, url), rs)| cold::ReconnectArm::of(name, url, rs))
+        .collect();
+    print!("{}", cold::reconnect_table(&result));
+    std::fs::create_dir_all(&a.out)?;
+    let path = a.out.join("reconnect.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&result)? + "\n")?;
+    println!("wrote {}", path.display());
+    Ok(result)
 }
 
 fn unix_ms() -> u64 {
@@ -191,6 +272,14 @@ fn print_isolation(i: &Isolation) {
 
 /// Runs one load and returns its summary and records, without writing anything.
 pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord>)> {
+    let (summary, records, _) = run_load_mirrored(a).await?;
+    Ok((summary, records))
+}
+
+/// [`run_load`], also returning the `--shadow` server's records (empty without one).
+pub async fn run_load_mirrored(
+    a: &RunArgs,
+) -> anyhow::Result<(Summary, Vec<RequestRecord>, Vec<RequestRecord>)> {
     check_target(&a.target)?;
     let s = &a.shape;
     if !positive(s.duration) || s.warmup < 0.0 || s.cooldown < 0.0 {
@@ -207,37 +296,64 @@ pub async fn run_load(a: &RunArgs) -> anyhow::Result<(Summary, Vec<RequestRecord
     if s.mode == Mode::Closed && s.users == 0 {
         bail!("closed loop needs --users >= 1");
     }
-    let queries = load_queries(&a.target.queries)?;
+    // A replay carries its questions; the query set is only its fallback.
+    let queries = match (&a.replay, load_queries(&a.target.queries)) {
+        (Some(_), Err(_)) => vec![String::new()],
+        (_, q) => q?,
+    };
+    let replayed = match &a.replay {
+        Some(path) => Some(crate::replay::load(path, &queries)?),
+        None => None,
+    };
     let runner = Runner::new(a.target.clone(), queries)?;
     stop_on_ctrl_c(&runner);
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let plan = Plan::from_shape(s, a.target.seed);
     let sampler = start_isolation(&a.target.url, &a.isolation).await?;
-    let ran = runner.run(&plan, String::new()).await;
+    let ran = match &replayed {
+        Some(items) => runner.replay(items).await,
+        None => runner.run(&plan, String::new()).await,
+    };
     let isolation = sampler.finish().await;
     drop(printer);
+    let shadow_records = runner.shadow_records().await;
+    let shadow = a
+        .target
+        .shadow
+        .as_ref()
+        .map(|url| ShadowReport::of(url, &ran.records, &shadow_records));
     let steady: Vec<&RequestRecord> = ran
         .records
         .iter()
         .filter(|r| r.phase == Phase::Steady)
         .collect();
-    let stats =
-        PhaseStats::of(&steady, ran.steady_s, plan.offered_rps()).with_throughput(ran.throughput());
+    // A replay offers what the recording sent: its steady requests over their window.
+    let offered = match &replayed {
+        Some(_) => Some(steady.len() as f64 / ran.steady_s),
+        None => plan.offered_rps(),
+    };
+    let stats = PhaseStats::of(&steady, ran.steady_s, offered).with_throughput(ran.throughput());
+    let mut config = merged(&[json!(a.target), json!(a.shape), json!(a.isolation)]);
+    if let Some(path) = &a.replay {
+        config["replay"] = json!(path);
+    }
     let summary = Summary {
         tool: "ragscope-loadgen".into(),
         command: "run".into(),
-        config: merged(&[json!(a.target), json!(a.shape), json!(a.isolation)]),
+        config,
         started_unix_ms,
-        phases: Some(plan.phases),
+        phases: replayed.is_none().then_some(plan.phases),
         requests_by_phase: Summary::count_phases(&ran.records),
         steady: Some(stats),
         steps: Vec::new(),
         knee: None,
         isolation,
         gate: None,
+        caches: CacheReport::of(&steady),
+        shadow,
     };
-    Ok((summary, ran.records))
+    Ok((summary, ran.records, shadow_records))
 }
 
 fn print_steady(s: &PhaseStats) {
@@ -273,10 +389,19 @@ fn print_steady(s: &PhaseStats) {
 
 pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
     let attribution = read_attribution(a.attribution.as_deref())?;
-    let (summary, records) = run_load(a).await?;
+    let (summary, records, shadow) = run_load_mirrored(a).await?;
     write_outputs(&a.out, &summary, &records, attribution.as_ref())?;
     if let Some(s) = &summary.steady {
         print_steady(s);
+    }
+    if let Some(c) = &summary.caches {
+        for line in c.lines() {
+            println!("  {line}");
+        }
+    }
+    if let Some(r) = &summary.shadow {
+        record::write_jsonl(&a.out.join("shadow.jsonl"), &shadow)?;
+        print!("{}", r.table());
     }
     if let Some(i) = &summary.isolation {
         print_isolation(i);
@@ -387,6 +512,8 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
         knee: Some(found),
         isolation,
         gate: None,
+        caches: None,
+        shadow: None,
     };
     if let Some(i) = &summary.isolation {
         print_isolation(i);

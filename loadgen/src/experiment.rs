@@ -157,6 +157,7 @@ pub fn arm_args(a: &TailsArgs, plan: &serde_json::Value, name: &str) -> RunArgs 
         isolation: a.isolation.clone(),
         out: a.out.join(name),
         attribution: None,
+        replay: None,
         quiet: a.quiet,
     }
 }

@@ -60,6 +60,46 @@ pub struct RequestRecord {
     /// The server's own per-stage milliseconds from the `done` event (`timings`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub server_timings: Option<BTreeMap<String, f64>>,
+    /// The question as sent (what `run --replay` sends again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query: Option<String>,
+    /// The `filter` sent, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filter: Option<serde_json::Value>,
+    /// What the query mix made of this request: `hot` (from the query set), `cold` (a variant
+    /// never sent before) or `no_match` (a filter that matches no document).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_kind: Option<QueryKind>,
+    /// The perturbation applied to the question (`typo:swap@12`, `template:3`), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perturbation: Option<String>,
+    /// The server said the query's vector came from its query-embedding cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding_cached: Option<bool>,
+    /// Prompt tokens the server took from its prefix KV cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
+}
+
+/// What the query mix drew for a request.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "snake_case")]
+pub enum QueryKind {
+    Hot,
+    Cold,
+    NoMatch,
+}
+
+impl QueryKind {
+    pub const ALL: [QueryKind; 3] = [QueryKind::Hot, QueryKind::Cold, QueryKind::NoMatch];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QueryKind::Hot => "hot",
+            QueryKind::Cold => "cold",
+            QueryKind::NoMatch => "no_match",
+        }
+    }
 }
 
 pub fn write_jsonl(path: &Path, records: &[RequestRecord]) -> anyhow::Result<()> {

@@ -96,6 +96,12 @@ pub fn render(
         let _ = write!(h, "<h2>Steady phase</h2>");
         headline(&mut h, s);
     }
+    if let Some(c) = &summary.caches {
+        caches_section(&mut h, c);
+    }
+    if let Some(r) = &summary.shadow {
+        shadow_section(&mut h, r);
+    }
     if let Some(rows) = &summary.gate {
         gate_section(&mut h, rows);
     }
@@ -243,6 +249,67 @@ fn percentile_row(h: &mut String, name: &str, p: Option<Percentiles>) {
             );
         }
     }
+}
+
+const PERCENTILE_HEAD: &str = "<tr><th>ms</th><th>count</th><th>mean</th><th>p50</th><th>p90</th><th>p95</th><th>p99</th><th>p99.9</th><th>max</th></tr>";
+
+fn caches_section(h: &mut String, c: &crate::caches::CacheReport) {
+    let _ = write!(
+        h,
+        "<h2>Caches: hit and miss (steady phase)</h2><p class=\"note\">As each response said: <code>cache.query_embedding</code>, and a prefix hit when more than half the prompt's tokens came from the prefix KV cache (<code>cached_tokens</code>).</p><table><tr><th>cache</th><th>hit rate</th><th>hits / known</th><th>a miss costs most in</th></tr>"
+    );
+    for r in &c.caches {
+        let missed = r.missed_stage.as_ref().map_or("–".into(), |s| {
+            format!("{s} (+{:.1} ms at the median)", r.miss_minus_hit_ms[s])
+        });
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{:.1}%</td><td>{} / {}</td><td>{}</td></tr>",
+            escape(&r.cache),
+            r.hit_rate * 100.0,
+            r.hits,
+            r.known,
+            escape(&missed)
+        );
+    }
+    let _ = write!(h, "</table><table>{PERCENTILE_HEAD}");
+    for r in &c.caches {
+        percentile_row(h, &format!("TTFT, {} hit", r.cache), r.hit_ttft_ms);
+        percentile_row(h, &format!("TTFT, {} miss", r.cache), r.miss_ttft_ms);
+    }
+    for k in &c.kinds {
+        percentile_row(h, &format!("TTFT, {} queries", k.kind.name()), k.ttft_ms);
+    }
+    h.push_str("</table>");
+}
+
+fn shadow_section(h: &mut String, r: &crate::shadow::ShadowReport) {
+    let _ = write!(
+        h,
+        "<h2>Shadow: {} against the primary</h2><p class=\"note\">{} requests mirrored, {} answered, {} paired with the primary by request id; errors {}. The shadow's requests ran on tasks of their own: the primary's figures above are the primary's alone.</p><table><tr><th>ms</th><th>primary p50</th><th>primary p95</th><th>shadow p50</th><th>shadow p95</th><th>paired Δ median (shadow − primary)</th></tr>",
+        escape(&r.url),
+        r.mirrored,
+        r.shadow_ok,
+        r.paired,
+        escape(&format!("{:?}", r.shadow_errors_by_kind))
+    );
+    for row in &r.rows {
+        let p = |p: &Option<Percentiles>, f: fn(&Percentiles) -> f64| {
+            p.as_ref().map_or("–".into(), |p| format!("{:.1}", f(p)))
+        };
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape(&row.stage),
+            p(&row.primary, |p| p.p50),
+            p(&row.primary, |p| p.p95),
+            p(&row.shadow, |p| p.p50),
+            p(&row.shadow, |p| p.p95),
+            row.median_paired_diff_ms
+                .map_or("–".into(), |d| format!("{d:+.1}"))
+        );
+    }
+    h.push_str("</table>");
 }
 
 fn gate_section(h: &mut String, rows: &[crate::gate::Row]) {

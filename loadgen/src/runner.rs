@@ -12,9 +12,11 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::task::JoinSet;
 
-use crate::cli::{Mode, Shape, Target};
+use crate::cli::{Endpoint, Mode, Shape, Target};
 use crate::client::{self, Ask, Outcome};
+use crate::mix::{Drawn, Mix};
 use crate::record::RequestRecord;
+use crate::replay::Replayed;
 use crate::schedule::{exponential, Arrivals, Gradient, Phase, Phases, Zipf};
 
 /// One load to run: the shape, its phases, and which knee step it is (if any).
@@ -179,9 +181,38 @@ impl Drop for ProgressPrinter {
     }
 }
 
+/// Where requests go: an HTTP base URL, or a gRPC channel.
+#[derive(Clone)]
+enum Conn {
+    Http(String),
+    Grpc(tonic::transport::Channel),
+}
+
+impl Conn {
+    fn new(endpoint: Endpoint, url: &str) -> anyhow::Result<Conn> {
+        Ok(match endpoint {
+            Endpoint::Grpc => Conn::Grpc(crate::grpc::channel(url)?),
+            _ => Conn::Http(url.to_string()),
+        })
+    }
+}
+
+/// The mirror of every request to a second server: separate tasks, bounded like the primary's
+/// in-flight requests, collected only after the primary's load has finished.
+struct Shadow {
+    conn: Conn,
+    tasks: Mutex<JoinSet<RequestRecord>>,
+    in_flight: Arc<AtomicU64>,
+    dropped: Mutex<Vec<RequestRecord>>,
+}
+
 /// Sends requests for one command; ids and times run on across the plans it is given.
 pub struct Runner {
     http: reqwest::Client,
+    conn: Conn,
+    grpc_headers: crate::grpc::Headers,
+    shadow: Option<Shadow>,
+    mix: Mix,
     target: Target,
     queries: Arc<Vec<String>>,
     zipf: Zipf,
@@ -194,6 +225,7 @@ pub struct Runner {
 }
 
 /// A request about to go out.
+#[derive(Clone)]
 struct Sending {
     id: u64,
     phase: Phase,
@@ -204,6 +236,8 @@ struct Sending {
     rank: usize,
     top_k: Option<usize>,
     rerank_top_n: Option<usize>,
+    /// A replayed request's question and filter; unset, the mix draws them.
+    drawn: Option<Drawn>,
 }
 
 impl Runner {
@@ -231,8 +265,32 @@ impl Runner {
             .pool_max_idle_per_host(target.max_in_flight)
             .connect_timeout(Duration::from_secs(10))
             .build()?;
+        let mix = Mix {
+            cold_share: target.cold_share,
+            no_match_share: target.no_match_share,
+            perturb_rate: target.perturb_rate,
+            seed: target.seed,
+            nonce: unix_ms(),
+        };
+        mix.check()?;
+        let shadow = match &target.shadow {
+            Some(url) => Some(Shadow {
+                conn: Conn::new(target.endpoint, url)?,
+                tasks: Mutex::new(JoinSet::new()),
+                in_flight: Arc::new(AtomicU64::new(0)),
+                dropped: Mutex::new(Vec::new()),
+            }),
+            None => None,
+        };
         Ok(Arc::new(Runner {
             http,
+            conn: Conn::new(target.endpoint, &target.url)?,
+            grpc_headers: crate::grpc::Headers {
+                api_key: target.api_key.clone(),
+                fault: target.fault.clone(),
+            },
+            shadow,
+            mix,
             target,
             queries: Arc::new(queries),
             zipf,
@@ -306,6 +364,7 @@ impl Runner {
                 rank,
                 top_k,
                 rerank_top_n,
+                drawn: None,
             };
             if self.progress.in_flight.load(Ordering::Relaxed) >= self.target.max_in_flight as u64 {
                 records.push(self.dropped(sending));
@@ -380,6 +439,7 @@ impl Runner {
                         rank,
                         top_k,
                         rerank_top_n,
+                        drawn: None,
                     };
                     records.push(runner.send(sending).await);
                     if plan.think_ms > 0.0 {
@@ -411,32 +471,224 @@ impl Runner {
         let p = &self.progress;
         p.sent.fetch_add(1, Ordering::Relaxed);
         p.in_flight.fetch_add(1, Ordering::Relaxed);
-        let (traceparent, trace_id) = client::traceparent();
+        let drawn = match s.drawn.clone() {
+            Some(d) => d,
+            None => self.mix.draw(&self.queries[s.rank], s.id),
+        };
         let ask = Ask {
-            query: self.queries[s.rank].clone(),
+            query: drawn.query.clone(),
             top_k: s.top_k,
             rerank_top_n: s.rerank_top_n,
             max_tokens: self.target.max_tokens,
+            filter: drawn.filter.clone(),
         };
+        if let Some(shadow) = &self.shadow {
+            self.mirror(shadow, &s, &drawn, &ask);
+        }
+        let (traceparent, trace_id) = client::traceparent();
         let sent_s = self.now_s();
         let sent_unix_ms = unix_ms();
-        let outcome = client::send(
-            &self.http,
-            &self.target.url,
-            self.target.endpoint,
-            &self.target.model,
-            &ask,
-            &traceparent,
-            Duration::from_secs_f64(self.target.timeout),
-        )
-        .await;
+        let outcome = self.exchange(&self.conn, &ask, &traceparent).await;
         let done_s = self.now_s();
         p.in_flight.fetch_sub(1, Ordering::Relaxed);
         p.completed.fetch_add(1, Ordering::Relaxed);
         if outcome.error.is_some() {
             p.errors.fetch_add(1, Ordering::Relaxed);
         }
-        record(s, (sent_s, done_s), sent_unix_ms, trace_id, outcome)
+        record(s, drawn, (sent_s, done_s), sent_unix_ms, trace_id, outcome)
+    }
+
+    /// One exchange with `conn`, over HTTP or gRPC.
+    async fn exchange(&self, conn: &Conn, ask: &Ask, traceparent: &str) -> Outcome {
+        let timeout = Duration::from_secs_f64(self.target.timeout);
+        match conn {
+            Conn::Http(url) => {
+                client::send(
+                    &self.http,
+                    url,
+                    self.target.endpoint,
+                    &self.target.model,
+                    ask,
+                    traceparent,
+                    timeout,
+                )
+                .await
+            }
+            Conn::Grpc(channel) => {
+                crate::grpc::send(channel, &self.grpc_headers, ask, traceparent, timeout).await
+            }
+        }
+    }
+
+    /// Sends the same request to the shadow server on a task of its own: the primary's request
+    /// goes out without waiting for it, and its record is kept apart.
+    fn mirror(&self, shadow: &Shadow, s: &Sending, drawn: &Drawn, ask: &Ask) {
+        let copy = Sending {
+            drawn: Some(drawn.clone()),
+            ..s.clone()
+        };
+        if shadow.in_flight.load(Ordering::Relaxed) >= self.target.max_in_flight as u64 {
+            let now = self.now_s();
+            let outcome = Outcome {
+                error: Some("dropped".into()),
+                error_detail: Some("shadow: too many requests in flight".into()),
+                ..Outcome::default()
+            };
+            let r = record(
+                copy,
+                drawn.clone(),
+                (now, now),
+                unix_ms(),
+                String::new(),
+                outcome,
+            );
+            shadow.dropped.lock().unwrap().push(r);
+            return;
+        }
+        shadow.in_flight.fetch_add(1, Ordering::Relaxed);
+        let in_flight = Arc::clone(&shadow.in_flight);
+        let conn = shadow.conn.clone();
+        let (http, target, grpc_headers, t0) = (
+            self.http.clone(),
+            self.target.clone(),
+            self.grpc_headers.clone(),
+            self.t0,
+        );
+        let ask = ask.clone();
+        let drawn = drawn.clone();
+        shadow.tasks.lock().unwrap().spawn(async move {
+            let (traceparent, trace_id) = client::traceparent();
+            let sent_s = t0.elapsed().as_secs_f64();
+            let sent_unix_ms = unix_ms();
+            let timeout = Duration::from_secs_f64(target.timeout);
+            let outcome = match &conn {
+                Conn::Http(url) => {
+                    client::send(
+                        &http,
+                        url,
+                        target.endpoint,
+                        &target.model,
+                        &ask,
+                        &traceparent,
+                        timeout,
+                    )
+                    .await
+                }
+                Conn::Grpc(ch) => {
+                    crate::grpc::send(ch, &grpc_headers, &ask, &traceparent, timeout).await
+                }
+            };
+            in_flight.fetch_sub(1, Ordering::Relaxed);
+            let done_s = t0.elapsed().as_secs_f64();
+            record(
+                copy,
+                drawn,
+                (sent_s, done_s),
+                sent_unix_ms,
+                trace_id,
+                outcome,
+            )
+        });
+    }
+
+    /// The shadow's records, once every mirrored request has finished (empty without
+    /// `--shadow`). Call after the primary's load: it waits up to the request timeout.
+    pub async fn shadow_records(&self) -> Vec<RequestRecord> {
+        let Some(shadow) = &self.shadow else {
+            return Vec::new();
+        };
+        let mut tasks = std::mem::take(&mut *shadow.tasks.lock().unwrap());
+        let mut out = std::mem::take(&mut *shadow.dropped.lock().unwrap());
+        while let Some(done) = tasks.join_next().await {
+            if let Ok(r) = done {
+                out.push(r);
+            }
+        }
+        out.sort_by_key(|r| r.id);
+        out
+    }
+
+    /// Sends every question of the query set once, in order, one at a time (to fill the
+    /// server's caches with the hot set before an experiment measures it).
+    pub async fn send_each(self: &Arc<Runner>) -> Vec<RequestRecord> {
+        let mut records = Vec::new();
+        for rank in 0..self.queries.len() {
+            if self.stopped() {
+                break;
+            }
+            let (top_k, rerank_top_n) = self.gradient.at(rank, self.zipf.len(), 0.0, 1.0);
+            let sending = Sending {
+                id: self.next_id.fetch_add(1, Ordering::Relaxed),
+                phase: Phase::Warmup,
+                step: None,
+                offered_rps: None,
+                user: Some(0),
+                scheduled_s: None,
+                rank,
+                top_k,
+                rerank_top_n,
+                drawn: None,
+            };
+            records.push(self.send(sending).await);
+        }
+        records
+    }
+
+    /// Sends the replayed requests at their recorded offsets from now (open loop: a request
+    /// goes out at its time whatever the server does).
+    pub async fn replay(self: &Arc<Runner>, items: &[Replayed]) -> Ran {
+        let base = tokio::time::Instant::now();
+        let base_s = self.now_s();
+        let mut tasks = JoinSet::new();
+        let mut records = Vec::new();
+        let mut stopped_at = None;
+        for item in items {
+            tokio::select! {
+                _ = tokio::time::sleep_until(base + Duration::from_secs_f64(item.at_s)) => {}
+                _ = self.stopping() => {
+                    stopped_at = Some(base.elapsed().as_secs_f64());
+                    break;
+                }
+            }
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            let mut drawn = item.drawn.clone();
+            if let Some((q, what)) = self.mix.perturb_at(&drawn.query, id) {
+                drawn.query = q;
+                drawn.perturbation = Some(what);
+            }
+            let sending = Sending {
+                id,
+                phase: item.phase,
+                step: None,
+                offered_rps: None,
+                user: None,
+                scheduled_s: Some(base_s + item.at_s),
+                rank: item.rank,
+                top_k: item.top_k,
+                rerank_top_n: item.rerank_top_n,
+                drawn: Some(drawn),
+            };
+            if self.progress.in_flight.load(Ordering::Relaxed) >= self.target.max_in_flight as u64 {
+                records.push(self.dropped(sending));
+                continue;
+            }
+            let runner = Arc::clone(self);
+            tasks.spawn(async move { runner.send(sending).await });
+        }
+        while let Some(done) = tasks.join_next().await {
+            if let Ok(r) = done {
+                records.push(r);
+            }
+        }
+        records.sort_by_key(|r| r.id);
+        let (start, end) = crate::replay::steady_window(items);
+        let end = stopped_at.map_or(end, |t: f64| t.min(end));
+        Ran {
+            records,
+            steady_s: (end - start).max(1e-3),
+            steady_start_s: base_s + start,
+            stopped_early: stopped_at.is_some(),
+        }
     }
 
     /// A request the open loop could not send because too many were in flight.
@@ -451,12 +703,17 @@ impl Runner {
             ..Outcome::default()
         };
         let now = self.now_s();
-        record(s, (now, now), unix_ms(), String::new(), outcome)
+        let drawn = match s.drawn.clone() {
+            Some(d) => d,
+            None => self.mix.draw(&self.queries[s.rank], s.id),
+        };
+        record(s, drawn, (now, now), unix_ms(), String::new(), outcome)
     }
 }
 
 fn record(
     s: Sending,
+    drawn: Drawn,
     (sent_s, done_s): (f64, f64),
     sent_unix_ms: u64,
     trace_id: String,
@@ -486,6 +743,12 @@ fn record(
         tokens: o.tokens,
         prompt_tokens: o.prompt_tokens,
         server_timings: o.server_timings,
+        query: Some(drawn.query),
+        filter: drawn.filter,
+        query_kind: Some(drawn.kind),
+        perturbation: drawn.perturbation,
+        embedding_cached: o.embedding_cached,
+        cached_tokens: o.cached_tokens,
     }
 }
 

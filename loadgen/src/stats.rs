@@ -247,6 +247,12 @@ mod tests {
             tokens: 4,
             prompt_tokens: None,
             server_timings: ok.then(|| [("embed_ms".to_string(), ttft / 10.0)].into()),
+            query: None,
+            filter: None,
+            query_kind: None,
+            perturbation: None,
+            embedding_cached: None,
+            cached_tokens: None,
         }
     }
 

@@ -5,11 +5,13 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::caches::CacheReport;
 use crate::gate::Row;
 use crate::isolation::Isolation;
 use crate::knee::{Knee, StepResult};
 use crate::record::RequestRecord;
 use crate::schedule::Phases;
+use crate::shadow::ShadowReport;
 use crate::stats::PhaseStats;
 
 /// `summary.json`: the configuration, the steady-phase figures, and the knee or gate outcome.
@@ -40,6 +42,12 @@ pub struct Summary {
     /// Gate: the compared metrics and the verdict.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gate: Option<Vec<Row>>,
+    /// Steady phase: per-cache hit rates and TTFT by hit and miss, and by query kind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub caches: Option<CacheReport>,
+    /// `--shadow`: the mirrored server against the primary, stage by stage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowReport>,
 }
 
 impl Summary {

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use utoipa::{OpenApi, ToSchema};
 
 use super::auth::{scope_for, Scope};
-use crate::pipeline::{Source, Timings, Usage};
+use crate::pipeline::{CacheUse, Source, Timings, Usage};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -75,6 +75,7 @@ const CLOSED: &[&str] = &[
     "Usage",
     "PromptTokensDetails",
     "Timings",
+    "CacheUse",
 ];
 
 /// The document, built once.
@@ -367,6 +368,7 @@ pub struct RagToken {
 pub struct RagDone {
     pub usage: Usage,
     pub timings: Timings,
+    pub cache: CacheUse,
     pub finish_reason: FinishReason,
 }
 

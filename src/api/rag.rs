@@ -101,7 +101,7 @@ pub async fn query(
         .into_response())
 }
 
-/// SSE events: `sources`, then `token`s, then `done` (usage, timings) or `error`.
+/// SSE events: `sources`, then `token`s, then `done` (usage, timings, cache) or `error`.
 fn sse_events(
     events: impl Stream<Item = AnswerEvent> + Send + 'static,
     stage: RequestStage,
@@ -119,7 +119,7 @@ fn sse_events(
                 SseEvent::default().event("token").json_data(data)
             }
             AnswerEvent::Done(a) => SseEvent::default().event("done").json_data(
-                json!({"usage": a.usage, "timings": a.timings, "finish_reason": a.finish_reason}),
+                json!({"usage": a.usage, "timings": a.timings, "cache": a.cache, "finish_reason": a.finish_reason}),
             ),
             AnswerEvent::Failed(e) => {
                 super::stream_failed(&stage, &e);

@@ -20,8 +20,8 @@ use opentelemetry::KeyValue;
 pub use events::{EventReceiver, EventSender, SendError};
 pub use overlap::Overlap;
 pub use request::{
-    Choice, Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source, Streamed,
-    Timings, Usage,
+    CacheUse, Choice, Event, PipelineError, PromptTokensDetails, RagAnswer, RagRequest, Source,
+    Streamed, Timings, Usage,
 };
 pub use runner::{StageRunner, StageSpec};
 
@@ -125,7 +125,7 @@ impl Pipeline {
 
         // Dropped on an early return: a warm that has not started computing is called off.
         let warm = self.start_warm(req, request);
-        let vector = self.embed_query(&mut run, req)?;
+        let (vector, cache) = self.embed_query(&mut run, req)?;
         let hits = self.retrieve(&mut run, req, &vector)?;
         let retrieved_at = std::time::Instant::now();
         let mut ranked = self.rank(&mut run, &req.query, hits)?;
@@ -162,6 +162,7 @@ impl Pipeline {
         let window = self.generator.context_window();
         record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
         let mut answer = self.finish(run, sources, generated);
+        answer.cache = cache;
         answer.context = texts.iter().map(|t| t.to_string()).collect();
         Ok(answer)
     }
@@ -178,24 +179,28 @@ impl Pipeline {
         overlap::Warm::start(self.generator.clone(), head, request, req.deadline)
     }
 
-    /// 1. The query's vector, from the query cache or the embedder.
+    /// 1. The query's vector, from the query cache or the embedder, and whether the cache had it.
     fn embed_query(
         &self,
         run: &mut StageRunner,
         req: &RagRequest,
-    ) -> Result<Vec<f32>, PipelineError> {
+    ) -> Result<(Vec<f32>, CacheUse), PipelineError> {
         let cached = self.query_cache.get(&req.query);
+        let cache = CacheUse {
+            query_embedding: cached.is_some(),
+        };
         let spec = StageSpec::model(StageKind::Embed, self.embedder.model_id())
             .with([KeyValue::new(attr::CACHE_HIT, cached.is_some())])
             .profiled(cached.is_none());
-        run.run(spec, |stage| match cached {
+        let vector = run.run(spec, |stage| match cached {
             Some(vector) => Ok(vector),
             None => {
                 let vector = self.embedder.embed(&[&req.query], stage)?.remove(0);
                 self.query_cache.put(&req.query, vector.clone());
                 Ok(vector)
             }
-        })
+        })?;
+        Ok((vector, cache))
     }
 
     /// 2. The `top_k` nearest chunks.
@@ -539,6 +544,7 @@ impl Pipeline {
                 prompt_tokens_details: PromptTokensDetails { cached_tokens },
             },
             timings,
+            cache: CacheUse::default(),
             finish_reason: first.finish_reason,
             logprobs: first.logprobs.clone(),
             choices,

@@ -110,6 +110,14 @@ pub struct PromptTokensDetails {
     pub cached_tokens: usize,
 }
 
+/// Which per-request caches answered (the prefix cache's share is `usage.prompt_tokens_details`),
+/// so a load generator can split its latencies by hit and miss.
+#[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
+pub struct CacheUse {
+    /// The query's vector came from the query-embedding cache (the embedder did not run).
+    pub query_embedding: bool,
+}
+
 /// Milliseconds per stage, equal to the durations of the stage spans.
 #[derive(Debug, Clone, Copy, Default, Serialize, utoipa::ToSchema)]
 pub struct Timings {
@@ -153,6 +161,7 @@ pub struct RagAnswer {
     /// Completion tokens of every choice.
     pub usage: Usage,
     pub timings: Timings,
+    pub cache: CacheUse,
     #[schema(value_type = crate::api::openapi::FinishReason)]
     pub finish_reason: FinishReason,
     /// The first choice's log-probabilities, when asked for.

@@ -165,13 +165,24 @@ async fn serve(
         ragscope::tenant::Tenants::new(&args.tenants, &state.auth.tenants()).expect("tenant flags"),
     );
     state.shutdown_grace = args.server.shutdown_grace();
-    serve_state(state, args.server.max_body_bytes, tmp).await
+    let connections = args.server.connections.clone();
+    serve_state_with(state, args.server.max_body_bytes, connections, tmp).await
 }
 
 /// Serves `state` over HTTP and gRPC, each on a port 0 of its own.
 pub async fn serve_state(
     state: ragscope::api::AppState,
     max_body_bytes: usize,
+    tmp: Option<tempfile::TempDir>,
+) -> TestApp {
+    serve_state_with(state, max_body_bytes, Default::default(), tmp).await
+}
+
+/// [`serve_state`] with the gRPC server's connection settings (keepalive, maximum age).
+pub async fn serve_state_with(
+    state: ragscope::api::AppState,
+    max_body_bytes: usize,
+    connections: ragscope::config::ConnectionArgs,
     tmp: Option<tempfile::TempDir>,
 ) -> TestApp {
     let listeners = ragscope::app::Listeners {
@@ -186,7 +197,7 @@ pub async fn serve_state(
     let (tx, rx) = oneshot::channel();
     let server = tokio::spawn(async move {
         let _tmp = tmp;
-        ragscope::app::run(listeners, state, max_body_bytes, async {
+        ragscope::app::run_with(listeners, state, max_body_bytes, connections, async {
             let _ = rx.await;
         })
         .await

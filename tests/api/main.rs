@@ -16,6 +16,7 @@ mod faults;
 mod fuzz;
 mod grpc;
 mod helpers;
+mod loadgen;
 mod metrics;
 mod openai;
 mod openapi;

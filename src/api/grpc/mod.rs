@@ -48,6 +48,7 @@ pub async fn serve(
     listener: TcpListener,
     state: AppState,
     max_message_bytes: usize,
+    connections: &crate::config::ConnectionArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -78,7 +79,16 @@ pub async fn serve(
         .max_encoding_message_size(max_message_bytes);
     let rag = tonic::service::interceptor::InterceptedService::new(rag, interceptor);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(connections.http2_keepalive_interval_s)
+        .http2_keepalive_timeout(connections.http2_keepalive_timeout_s);
+    if let Some(age) = connections.max_connection_age_s {
+        server = server.max_connection_age(age);
+    }
+    if let Some(grace) = connections.max_connection_age_grace_s {
+        server = server.max_connection_age_grace(grace);
+    }
+    server
         .layer(trace::TraceLayer { readiness })
         .layer(tenants)
         .add_service(rag)
@@ -371,6 +381,7 @@ fn done(a: &RagAnswer) -> Done {
             total_ms: t.total_ms,
         }),
         finish_reason: a.finish_reason.as_str().to_string(),
+        query_embedding_cached: a.cache.query_embedding,
     }
 }
 
