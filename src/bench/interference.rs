@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::{median, percentile, stage};
 use crate::generate::llama::Llama;
-use crate::generate::{Flow, GenerateRequest, Generator, Sampling, TokenTrace};
+use crate::generate::{Flow, GenerateRequest, Generator};
 use crate::telemetry::clock;
 
 /// Most tokens stream A decodes (it stops earlier, once B's prefill is over).
@@ -97,20 +97,6 @@ pub fn measure(
         .collect())
 }
 
-fn request(prompt: &[u32], max_tokens: usize) -> GenerateRequest<'_> {
-    GenerateRequest {
-        prompt,
-        max_tokens,
-        sampling: Sampling::default(),
-        token_trace: TokenTrace::Off,
-        deadline: None,
-        ignore_eos: true,
-        stop: &[],
-        logprobs: None,
-        context_tokens: &[],
-    }
-}
-
 fn run(generator: &Llama, prompt: &[u32]) -> Result<Run> {
     let (started_tx, started_rx) = mpsc::channel::<()>();
     let b_done = AtomicBool::new(false);
@@ -119,25 +105,31 @@ fn run(generator: &Llama, prompt: &[u32]) -> Result<Run> {
         let a = scope.spawn(move || -> Result<Vec<Instant>> {
             let mut times = Vec::with_capacity(A_MAX_TOKENS);
             let mut tail = 0;
-            generator.generate(request(prompt, A_MAX_TOKENS), &stage(), &mut |_| {
-                times.push(clock::now());
-                if times.len() == A_HEAD_START {
-                    let _ = started_tx.send(());
-                }
-                if b_done.load(Ordering::Relaxed) {
-                    tail += 1;
-                    if tail >= A_TAIL {
-                        return Flow::Stop;
+            generator.generate(
+                GenerateRequest::benchmark(prompt, A_MAX_TOKENS),
+                &stage(),
+                &mut |_| {
+                    times.push(clock::now());
+                    if times.len() == A_HEAD_START {
+                        let _ = started_tx.send(());
                     }
-                }
-                Flow::Continue
-            })?;
+                    if b_done.load(Ordering::Relaxed) {
+                        tail += 1;
+                        if tail >= A_TAIL {
+                            return Flow::Stop;
+                        }
+                    }
+                    Flow::Continue
+                },
+            )?;
             Ok(times)
         });
         // B waits for A's head start (or for A to end, which the check below reports).
         let _ = started_rx.recv();
         let b_start = clock::now();
-        let b = generator.generate(request(prompt, 1), &stage(), &mut |_| Flow::Continue);
+        let b = generator.generate(GenerateRequest::benchmark(prompt, 1), &stage(), &mut |_| {
+            Flow::Continue
+        });
         b_done.store(true, Ordering::Relaxed);
         let times = a.join().expect("stream A panicked")?;
         let b_first = b?.first_token_at.context("stream B generated nothing")?;

@@ -21,8 +21,7 @@ use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
 use crate::generate::llama::{Llama, WeightFormat};
 use crate::generate::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
-    TokenLogprob, TokenTrace,
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, TokenLogprob,
 };
 use crate::ingest::{self, chunk};
 use crate::telemetry::{clock, span::Stage};
@@ -328,17 +327,7 @@ fn measure(
     let generate = |max_tokens: usize| {
         let start = clock::now();
         let out = generator.generate(
-            GenerateRequest {
-                prompt: &inputs.prompt_tokens,
-                max_tokens,
-                sampling: Sampling::default(),
-                token_trace: TokenTrace::Off,
-                deadline: None,
-                ignore_eos: true,
-                stop: &[],
-                logprobs: None,
-                context_tokens: &[],
-            },
+            GenerateRequest::benchmark(&inputs.prompt_tokens, max_tokens),
             &stage(),
             &mut |_| Flow::Continue,
         );

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use super::{percentile, stage};
 use crate::generate::llama::Llama;
-use crate::generate::{Flow, GenerateRequest, Generator, Sampling, TokenTrace};
+use crate::generate::{Flow, GenerateRequest, Generator};
 use crate::telemetry::clock;
 
 #[derive(Debug, Serialize)]
@@ -88,17 +88,7 @@ fn run(generator: &Llama, prompt: &[u32], n: usize, tokens: usize) -> Result<Vec
             scope.spawn(|| {
                 let mut run: Option<StreamRun> = None;
                 let out = generator.generate(
-                    GenerateRequest {
-                        prompt,
-                        max_tokens: tokens,
-                        sampling: Sampling::default(),
-                        token_trace: TokenTrace::Off,
-                        deadline: None,
-                        ignore_eos: true,
-                        stop: &[],
-                        logprobs: None,
-                        context_tokens: &[],
-                    },
+                    GenerateRequest::benchmark(prompt, tokens),
                     &stage(),
                     &mut |_| {
                         match &mut run {

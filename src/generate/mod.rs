@@ -198,6 +198,24 @@ pub struct GenerateRequest<'a> {
     pub context_tokens: &'a [u32],
 }
 
+impl<'a> GenerateRequest<'a> {
+    /// What the benchmarks measure: greedy, no token trace, exactly `max_tokens` tokens
+    /// (end-of-sequence never picked), nothing else asked.
+    pub fn benchmark(prompt: &'a [u32], max_tokens: usize) -> GenerateRequest<'a> {
+        GenerateRequest {
+            prompt,
+            max_tokens,
+            sampling: Sampling::default(),
+            token_trace: TokenTrace::Off,
+            deadline: None,
+            ignore_eos: true,
+            stop: &[],
+            logprobs: None,
+            context_tokens: &[],
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
