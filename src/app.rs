@@ -203,6 +203,7 @@ pub fn load_pipeline(
             "sentence_embedding",
             pipeline.sentence_cache,
         ),
+        prompts: crate::embed::cache::PromptMemory::uncounted(pipeline.query_cache),
     })
 }
 

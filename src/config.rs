@@ -341,7 +341,9 @@ pub struct PipelineArgs {
     /// How decode steps appear in traces: events, spans or off.
     #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
     pub token_trace: TokenTrace,
-    /// Query embeddings kept in an LRU cache (0 turns it off).
+    /// Query embeddings kept in an LRU cache (0 turns it off). As many questions' last prompt
+    /// token ids are remembered too (~1 KiB each), so admission can tell a prompt the prefix
+    /// cache holds from one it must compute.
     #[arg(long, env = "RAGSCOPE_QUERY_CACHE", default_value_t = 1024)]
     pub query_cache: usize,
     /// Sentence vectors the context stage keeps in an LRU cache (0 turns it off): about 1.5 KiB

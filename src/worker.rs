@@ -2,10 +2,11 @@
 //!
 //! Model compute never runs on the async runtime's threads: a job is queued here and run by a
 //! dedicated thread. Before a job is queued, its wait is predicted from measured service times
-//! (an EWMA per [`JobKind`]) and the jobs ahead of it; a job whose predicted wait is above the
-//! configured maximum, or that could not finish before its deadline, is refused at once (the
-//! API answers 429 with a `Retry-After` from the same prediction), as is any job beyond the
-//! queue's capacity. So an admitted request waits about as long as the limit at most, and a
+//! (an EWMA per [`JobKind`] and, where admission can tell, per [`Warmth`]: a prompt found in
+//! the prefix cache or one to compute) and the jobs ahead of it; a job whose predicted wait is
+//! above the configured maximum, or that could not finish before its deadline, is refused at
+//! once (the API answers 429 with a `Retry-After` from the same prediction), as is any job
+//! beyond the queue's capacity. So an admitted request waits about as long as the limit at most, and a
 //! refused one costs nothing: no embedding or tokenisation has run. Before all of these, a job
 //! must fit its tenant's quota ([`crate::tenant`]): its request and token buckets and its share
 //! of the queue. Each job's wait is a
@@ -46,6 +47,22 @@ impl JobKind {
     fn index(self) -> usize {
         self as usize
     }
+}
+
+/// What admission can tell of a job's cost before it runs: whether its prompt is expected to
+/// find its prefix in the generator's prefix cache. A RAG prompt computed from scratch costs
+/// three to four times the prefill of one found there (1.1 s against 0.3 s on the 2-core box),
+/// and a run of such prompts in the queue is what made admitted requests wait past the limit
+/// under overload, so the two are timed apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Warmth {
+    /// Nothing known (not a RAG request): the kind's estimate over all its jobs.
+    #[default]
+    Unknown,
+    /// Most of its prompt is cached.
+    Warm,
+    /// Most of its prompt will be computed.
+    Cold,
 }
 
 /// Why a job was not admitted.
@@ -121,12 +138,15 @@ impl std::fmt::Display for Refused {
 /// What the admission decision knows: measured service times, the jobs ahead, and how far
 /// measured waits have run past their predictions.
 struct Ledger {
-    /// EWMA of measured service times, seconds, per [`JobKind`]; `None` until one was measured.
-    service: [Option<f64>; JobKind::COUNT],
+    /// Measured service times per [`JobKind`], all of its jobs.
+    service: [Estimate; JobKind::COUNT],
+    /// Measured service times per [`JobKind`] of the jobs whose [`Warmth`] was known: warm,
+    /// cold.
+    by_warmth: [[Estimate; 2]; JobKind::COUNT],
     /// Queued jobs in arrival order.
     queued: VecDeque<Queued>,
-    /// Jobs running now, with their start.
-    running: Vec<(u64, JobKind, Instant)>,
+    /// Jobs running now.
+    running: Vec<Started>,
     next_id: u64,
     calibration: Calibration,
 }
@@ -135,6 +155,7 @@ struct Ledger {
 struct Queued {
     id: u64,
     kind: JobKind,
+    warmth: Warmth,
     /// Its tenant's name.
     tenant: Option<Arc<str>>,
     /// The uncorrected wait predicted when it was admitted, seconds, and when that was.
@@ -147,6 +168,7 @@ impl Queued {
         Queued {
             id,
             kind,
+            warmth: Warmth::Unknown,
             tenant: None,
             predicted: 0.0,
             at: Instant::now(),
@@ -154,8 +176,37 @@ impl Queued {
     }
 }
 
+/// A job on a worker, since `at`.
+#[derive(Debug, Clone, Copy)]
+struct Started {
+    id: u64,
+    kind: JobKind,
+    warmth: Warmth,
+    at: Instant,
+}
+
 /// Weight of the newest measurement in the service-time EWMA: about the last ten jobs count.
 const EWMA_WEIGHT: f64 = 0.2;
+
+/// An EWMA of measured service times and of their absolute deviation from it, seconds.
+#[derive(Debug, Clone, Copy, Default)]
+struct Estimate {
+    /// `None` until a job was measured.
+    mean: Option<f64>,
+    spread: f64,
+}
+
+impl Estimate {
+    fn add(&mut self, x: f64) {
+        match self.mean {
+            None => self.mean = Some(x),
+            Some(m) => {
+                self.spread += EWMA_WEIGHT * ((x - m).abs() - self.spread);
+                self.mean = Some(m + EWMA_WEIGHT * (x - m));
+            }
+        }
+    }
+}
 
 /// The correction applied to predicted waits, learned from the jobs that waited.
 ///
@@ -216,7 +267,8 @@ impl Calibration {
 impl Ledger {
     fn new() -> Ledger {
         Ledger {
-            service: [None; JobKind::COUNT],
+            service: [Estimate::default(); JobKind::COUNT],
+            by_warmth: [[Estimate::default(); 2]; JobKind::COUNT],
             queued: VecDeque::new(),
             running: Vec::new(),
             next_id: 0,
@@ -224,24 +276,49 @@ impl Ledger {
         }
     }
 
-    /// The expected service time of a `kind` job, seconds. Before one has finished (a cold
-    /// start) the longest-running job of that kind bounds it from below, so a burst at start-up
-    /// is not admitted as if jobs took no time.
-    fn service_of(&self, kind: JobKind) -> f64 {
-        self.service[kind.index()].unwrap_or_else(|| {
+    /// What is known of the service time of a `kind` job of `warmth`: its own class's
+    /// measurements once there are some, else the kind's.
+    fn estimate(&self, kind: JobKind, warmth: Warmth) -> Estimate {
+        let own = match warmth {
+            Warmth::Unknown => None,
+            Warmth::Warm => Some(self.by_warmth[kind.index()][0]),
+            Warmth::Cold => Some(self.by_warmth[kind.index()][1]),
+        };
+        own.filter(|e| e.mean.is_some())
+            .unwrap_or(self.service[kind.index()])
+    }
+
+    /// The expected service time of a `kind` job of `warmth`, seconds. Before one has finished
+    /// (a cold start) the longest-running job of that kind bounds it from below, so a burst at
+    /// start-up is not admitted as if jobs took no time.
+    fn service_of(&self, kind: JobKind, warmth: Warmth) -> f64 {
+        self.estimate(kind, warmth).mean.unwrap_or_else(|| {
             let now = Instant::now();
             self.running
                 .iter()
-                .filter(|&&(_, k, _)| k == kind)
-                .map(|&(_, _, started)| now.saturating_duration_since(started).as_secs_f64())
+                .filter(|s| s.kind == kind)
+                .map(|s| now.saturating_duration_since(s.at).as_secs_f64())
                 .fold(0.0, f64::max)
         })
     }
 
-    fn record(&mut self, kind: JobKind, took: Duration) {
+    /// How long a running job is expected to run on: its expected service time less what it
+    /// has run, and at least the usual deviation (a job past the mean has not ended yet, so
+    /// zero would be the one value known to be wrong).
+    fn remaining(&self, job: &Started, now: Instant) -> f64 {
+        let elapsed = now.saturating_duration_since(job.at).as_secs_f64();
+        let spread = self.estimate(job.kind, job.warmth).spread;
+        (self.service_of(job.kind, job.warmth) - elapsed).max(spread)
+    }
+
+    fn record(&mut self, kind: JobKind, warmth: Warmth, took: Duration) {
         let x = took.as_secs_f64();
-        let slot = &mut self.service[kind.index()];
-        *slot = Some(slot.map_or(x, |m| m + EWMA_WEIGHT * (x - m)));
+        self.service[kind.index()].add(x);
+        match warmth {
+            Warmth::Unknown => {}
+            Warmth::Warm => self.by_warmth[kind.index()][0].add(x),
+            Warmth::Cold => self.by_warmth[kind.index()][1].add(x),
+        }
     }
 
     /// When a job submitted now would start, in seconds from now: the running jobs' expected
@@ -252,10 +329,7 @@ impl Ledger {
         let mut free: Vec<f64> = self
             .running
             .iter()
-            .map(|&(_, kind, started)| {
-                let elapsed = now.saturating_duration_since(started).as_secs_f64();
-                (self.service_of(kind) - elapsed).max(0.0)
-            })
+            .map(|job| self.remaining(job, now))
             .collect();
         free.resize(workers.max(free.len()), 0.0);
         let earliest = |free: &[f64]| {
@@ -267,7 +341,7 @@ impl Ledger {
         let first_free = earliest(&free).1;
         for q in &self.queued {
             let (i, t) = earliest(&free);
-            free[i] = t + self.service_of(q.kind);
+            free[i] = t + self.service_of(q.kind, q.warmth);
         }
         (earliest(&free).1, first_free)
     }
@@ -301,12 +375,15 @@ pub struct Admission {
     pub deadline: Option<Instant>,
     /// The request's tenant ([`crate::tenant::current`] when created); ingest has no quota.
     pub tenant: Option<Tenant>,
+    /// Whether its prompt is expected to be cached, when that is known.
+    pub warmth: Warmth,
 }
 
 impl Admission {
     pub fn new(kind: JobKind) -> Admission {
         Admission {
             kind,
+            warmth: Warmth::Unknown,
             deadline: None,
             tenant: crate::tenant::current().filter(|_| kind != JobKind::Ingest),
         }
@@ -314,6 +391,11 @@ impl Admission {
 
     pub fn by(mut self, deadline: Instant) -> Admission {
         self.deadline = Some(deadline);
+        self
+    }
+
+    pub fn warmth(mut self, warmth: Warmth) -> Admission {
+        self.warmth = warmth;
         self
     }
 }
@@ -393,13 +475,17 @@ impl Workers {
     /// (`/ready` shows them).
     pub fn outlook(&self) -> serde_json::Value {
         let l = self.ledger.lock().expect("worker ledger lock");
-        let service = |k: JobKind| l.service[k.index()].map(|s| (s * 1e3).round());
+        let ms = |e: Estimate| e.mean.map(|s| (s * 1e3).round());
+        let service = |k: JobKind| ms(l.service[k.index()]);
+        let query = l.by_warmth[JobKind::Query.index()];
         serde_json::json!({
             "expected_wait_ms": (l.expected_wait(self.workers, Instant::now()).0 * 1e3).round(),
             "wait_correction": (l.calibration.factor() * 100.0).round() / 100.0,
             "max_wait_ms": self.max_wait.map(|d| d.as_millis() as u64),
             "service_ms": {
                 "query": service(JobKind::Query),
+                "query_cached_prompt": ms(query[0]),
+                "query_computed_prompt": ms(query[1]),
                 "embed": service(JobKind::Embed),
                 "rerank": service(JobKind::Rerank),
                 "ingest": service(JobKind::Ingest),
@@ -420,7 +506,7 @@ impl Workers {
         T: Send + 'static,
         F: FnOnce() -> T + Send + 'static,
     {
-        let kind = admission.kind;
+        let (kind, warmth) = (admission.kind, admission.warmth);
         let tenant = admission.tenant.clone();
         let (id, expected) = self.admit(&admission).inspect_err(|r| {
             metrics()
@@ -444,7 +530,7 @@ impl Workers {
         let job: Job = Box::new(move || {
             depth.fetch_sub(1, Ordering::Relaxed);
             metrics().stage(StageKind::Queue, queue.end());
-            let mut running = Running::start(ledger, id, kind);
+            let mut running = Running::start(ledger, id, kind, warmth);
             if done_tx.is_closed() {
                 // A skipped job measures nothing about the service time.
                 return;
@@ -491,7 +577,7 @@ impl Workers {
         }
         let predicted = l.predicted_wait(self.workers, now).0;
         let (wait, first_free) = l.expected_wait(self.workers, now);
-        let own = l.service_of(admission.kind);
+        let own = l.service_of(admission.kind, admission.warmth);
         let refuse = |reason, allowed: f64| Refused {
             reason,
             wait: Duration::from_secs_f64(wait),
@@ -525,6 +611,7 @@ impl Workers {
             tenant,
             predicted,
             at: now,
+            warmth: admission.warmth,
             ..Queued::new(id, admission.kind)
         });
         Ok((id, Duration::from_secs_f64(wait)))
@@ -572,27 +659,28 @@ impl Workers {
 /// duration feeds the service-time estimate once it has finished normally.
 struct Running {
     ledger: Arc<Mutex<Ledger>>,
-    id: u64,
-    kind: JobKind,
-    started: Instant,
+    job: Started,
     measured: bool,
 }
 
 impl Running {
-    fn start(ledger: Arc<Mutex<Ledger>>, id: u64, kind: JobKind) -> Running {
-        let started = Instant::now();
+    fn start(ledger: Arc<Mutex<Ledger>>, id: u64, kind: JobKind, warmth: Warmth) -> Running {
+        let job = Started {
+            id,
+            kind,
+            warmth,
+            at: Instant::now(),
+        };
         if let Ok(mut l) = ledger.lock() {
             if let Some(q) = l.remove_queued(id) {
-                let waited = started.saturating_duration_since(q.at).as_secs_f64();
+                let waited = job.at.saturating_duration_since(q.at).as_secs_f64();
                 l.calibration.observe(q.predicted, waited);
             }
-            l.running.push((id, kind, started));
+            l.running.push(job);
         }
         Running {
             ledger,
-            id,
-            kind,
-            started,
+            job,
             measured: false,
         }
     }
@@ -601,9 +689,10 @@ impl Running {
 impl Drop for Running {
     fn drop(&mut self) {
         if let Ok(mut l) = self.ledger.lock() {
-            l.running.retain(|&(i, ..)| i != self.id);
+            l.running.retain(|s| s.id != self.job.id);
             if self.measured {
-                l.record(self.kind, self.started.elapsed());
+                let job = self.job;
+                l.record(job.kind, job.warmth, job.at.elapsed());
             }
         }
     }
@@ -647,6 +736,15 @@ mod tests {
 
     fn any() -> Admission {
         Admission::new(JobKind::Embed)
+    }
+
+    fn query(id: u64, at: Instant) -> Started {
+        Started {
+            id,
+            kind: JobKind::Query,
+            warmth: Warmth::Unknown,
+            at,
+        }
     }
 
     #[tokio::test]
@@ -697,10 +795,10 @@ mod tests {
     fn the_predicted_wait_hands_the_queue_to_the_first_free_worker() {
         let now = Instant::now();
         let mut l = Ledger {
-            running: vec![(0, JobKind::Query, now)],
+            running: vec![query(0, now)],
             ..Ledger::new()
         };
-        l.record(JobKind::Query, Duration::from_secs(1));
+        l.record(JobKind::Query, Warmth::Unknown, Duration::from_secs(1));
         // One worker busy for 1 s more, one idle: a job now starts at once.
         assert_eq!(l.predicted_wait(2, now), (0.0, 0.0));
         for id in 1..=3 {
@@ -710,8 +808,8 @@ mod tests {
         let (wait, first_free) = l.predicted_wait(2, now);
         assert!((wait - 2.0).abs() < 1e-9, "{wait}");
         assert_eq!(first_free, 0.0);
-        l.record(JobKind::Query, Duration::from_secs(2));
-        assert!((l.service_of(JobKind::Query) - 1.2).abs() < 1e-9);
+        l.record(JobKind::Query, Warmth::Unknown, Duration::from_secs(2));
+        assert!((l.service_of(JobKind::Query, Warmth::Unknown) - 1.2).abs() < 1e-9);
     }
 
     #[test]
@@ -720,16 +818,57 @@ mod tests {
         let started = now - Duration::from_secs(3);
         let mut l = Ledger {
             queued: VecDeque::from([Queued::new(1, JobKind::Query)]),
-            running: vec![(0, JobKind::Query, started)],
+            running: vec![query(0, started)],
             ..Ledger::new()
         };
-        assert!(l.service_of(JobKind::Query) >= 3.0);
-        assert_eq!(l.service_of(JobKind::Embed), 0.0);
+        assert!(l.service_of(JobKind::Query, Warmth::Unknown) >= 3.0);
+        assert_eq!(l.service_of(JobKind::Embed, Warmth::Unknown), 0.0);
         // One worker: the running job's remaining time is unknown (0), the queued one ~3 s.
         let (wait, _) = l.predicted_wait(1, now);
         assert!(wait >= 3.0, "{wait}");
-        l.record(JobKind::Query, Duration::from_secs(1));
-        assert_eq!(l.service_of(JobKind::Query), 1.0);
+        l.record(JobKind::Query, Warmth::Unknown, Duration::from_secs(1));
+        assert_eq!(l.service_of(JobKind::Query, Warmth::Unknown), 1.0);
+    }
+
+    #[test]
+    fn cached_and_computed_prompts_are_timed_apart_and_an_overrun_job_still_counts() {
+        let now = Instant::now();
+        let mut l = Ledger::new();
+        for _ in 0..10 {
+            l.record(JobKind::Query, Warmth::Warm, Duration::from_secs(1));
+            l.record(JobKind::Query, Warmth::Cold, Duration::from_secs(3));
+        }
+        assert!((l.service_of(JobKind::Query, Warmth::Warm) - 1.0).abs() < 1e-9);
+        assert!((l.service_of(JobKind::Query, Warmth::Cold) - 3.0).abs() < 1e-9);
+        // Unknown warmth: everything measured (the EWMA ends on a cold job).
+        let all = l.service_of(JobKind::Query, Warmth::Unknown);
+        assert!((1.0..3.0).contains(&all), "{all}");
+        // A class never measured falls back to its kind.
+        let mut fresh = Ledger::new();
+        fresh.record(JobKind::Query, Warmth::Unknown, Duration::from_secs(2));
+        assert_eq!(fresh.service_of(JobKind::Query, Warmth::Cold), 2.0);
+        // One worker, a queue of two computed prompts and one cached one: 3 + 3 + 1 s.
+        for (id, warmth) in [(1, Warmth::Cold), (2, Warmth::Cold), (3, Warmth::Warm)] {
+            l.queued.push_back(Queued {
+                warmth,
+                ..Queued::new(id, JobKind::Query)
+            });
+        }
+        let (wait, _) = l.predicted_wait(1, now);
+        assert!((wait - 7.0).abs() < 1e-9, "{wait}");
+        // A job running past its mean is expected to take about a deviation more, not nothing.
+        l.queued.clear();
+        for x in [2.0, 4.0, 2.0, 4.0] {
+            l.record(JobKind::Query, Warmth::Warm, Duration::from_secs_f64(x));
+        }
+        let overrun = Started {
+            warmth: Warmth::Warm,
+            ..query(0, now - Duration::from_secs(10))
+        };
+        l.running.push(overrun);
+        let spread = l.estimate(JobKind::Query, Warmth::Warm).spread;
+        assert!(spread > 0.5, "{spread}");
+        assert_eq!(l.predicted_wait(1, now).0, spread);
     }
 
     #[test]
@@ -747,7 +886,7 @@ mod tests {
         assert!((1.7..2.4).contains(&k), "{k}");
         let mut l = Ledger::new();
         l.calibration = c;
-        l.record(JobKind::Query, Duration::from_secs(2));
+        l.record(JobKind::Query, Warmth::Unknown, Duration::from_secs(2));
         l.queued.push_back(Queued::new(1, JobKind::Query));
         let now = Instant::now();
         let (raw, _) = l.predicted_wait(1, now);
@@ -803,7 +942,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(5)).await;
         let l = w.ledger.lock().unwrap();
         assert!(l.running.is_empty() && l.queued.is_empty());
-        assert_eq!(l.service[JobKind::Embed.index()], None);
+        assert_eq!(l.service[JobKind::Embed.index()].mean, None);
     }
 
     #[tokio::test]

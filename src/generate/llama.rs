@@ -428,6 +428,10 @@ impl Generator for Llama {
         self.snapshots.as_ref()
     }
 
+    fn cached_prefix(&self, prompt: &[u32]) -> usize {
+        self.prefix.peek(prompt)
+    }
+
     fn warm(
         &self,
         head: &[u32],

@@ -354,6 +354,13 @@ pub trait Generator: Send + Sync {
         Ok(None)
     }
 
+    /// How many leading tokens of `prompt` a prefill would find in the prefix cache now; uses
+    /// nothing and counts nothing. 0 without a prefix cache.
+    fn cached_prefix(&self, prompt: &[u32]) -> usize {
+        let _ = prompt;
+        0
+    }
+
     /// Where this generator keeps failure snapshots (`GET /debug/snapshots`), if anywhere.
     fn snapshots(&self) -> Option<&std::sync::Arc<crate::snapshot::SnapshotStore>> {
         None

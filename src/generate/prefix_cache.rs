@@ -152,6 +152,17 @@ impl PrefixCache {
         hit
     }
 
+    /// Tokens of `prompt` that [`PrefixCache::lookup`] would find now, without using the blocks
+    /// or counting a lookup (admission's guess at a prefill's cost).
+    pub fn peek(&self, prompt: &[u32]) -> usize {
+        if !self.enabled() {
+            return 0;
+        }
+        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
+        let prompt = &prompt[..usable * BLOCK_TOKENS];
+        self.lock().matching(prompt, &chain_keys(prompt)) * BLOCK_TOKENS
+    }
+
     fn count(&self, own: &AtomicU64, global: &AtomicU64, n: u64) {
         own.fetch_add(n, Relaxed);
         global.fetch_add(n, Relaxed);
@@ -405,6 +416,11 @@ mod tests {
         assert_eq!(cache.lookup(&b).tokens(), 16, "differs in the second block");
         b[3] = 7;
         assert_eq!(cache.lookup(&b).tokens(), 0, "differs in the first block");
+        // A peek finds what a lookup would, and counts nothing.
+        assert_eq!(
+            (cache.peek(&a), cache.peek(&a[..32]), cache.peek(&b)),
+            (32, 16, 0)
+        );
         assert_eq!(cache.counts.lookups.load(Relaxed), 6);
         assert_eq!(cache.counts.hits.load(Relaxed), 4);
         assert_eq!(cache.counts.hit_tokens.load(Relaxed), 32 + 16 + 32 + 16);

@@ -26,7 +26,7 @@ pub use request::{
 pub use runner::{StageRunner, StageSpec};
 
 use crate::config::PipelineArgs;
-use crate::embed::cache::{QueryCache, VectorCache};
+use crate::embed::cache::{PromptMemory, QueryCache, VectorCache};
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};
 use crate::generate::{self, Flow, GenerateRequest, Generated, Generator, Piece};
@@ -39,7 +39,7 @@ use crate::telemetry::clock::{self, millis};
 use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
-use crate::worker::{Admission, JobKind, Workers};
+use crate::worker::{Admission, JobKind, Warmth, Workers};
 use context::{ContextMode, ContextPassage};
 
 /// Everything a request needs, shared by all requests.
@@ -55,6 +55,9 @@ pub struct Pipeline {
     pub query_cache: QueryCache,
     /// Sentence vectors of the context stage.
     pub sentence_cache: VectorCache,
+    /// Each recent question's last prompt, for admission's guess at whether the prefix cache
+    /// holds it ([`Pipeline::warmth_of`]).
+    pub prompts: PromptMemory,
 }
 
 impl Pipeline {
@@ -105,11 +108,28 @@ impl Pipeline {
     > {
         let this = self.clone();
         let stage = request.clone();
-        let admission = Admission::new(JobKind::Query).by(req.deadline);
+        let admission = Admission::new(JobKind::Query)
+            .by(req.deadline)
+            .warmth(self.warmth_of(&req.query));
         let rx = self.workers.submit(admission, request, move || {
             job(&this, &req, &stage, events.as_ref())
         })?;
         Ok(async move { rx.await.map_err(|_| PipelineError::WorkerGone)? })
+    }
+
+    /// Whether `question`'s prompt is expected to find its prefix cached: its last prompt, if
+    /// it was asked recently, mostly in the prefix cache now. A question not asked recently has
+    /// a prompt to compute. Costs a hash lookup and a block-hash walk, no tokenisation.
+    fn warmth_of(&self, question: &str) -> Warmth {
+        if self.prompts.capacity() == 0 {
+            return Warmth::Unknown;
+        }
+        match self.prompts.get(question) {
+            Some(prompt) if 2 * self.generator.cached_prefix(&prompt) >= prompt.len() => {
+                Warmth::Warm
+            }
+            _ => Warmth::Cold,
+        }
     }
 
     /// The RAG path itself, on a worker thread.
@@ -140,6 +160,8 @@ impl Pipeline {
 
         let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
         let built = self.build_prompt(&mut run, req, &texts)?;
+        self.prompts
+            .replace(&req.query, built.tokens.as_slice().into());
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
         if let Some(warm) = warm {
             warm.finish();

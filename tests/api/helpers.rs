@@ -149,6 +149,7 @@ fn fake_pipeline_over(
         chunker: ragscope::app::chunker(&args.store),
         query_cache: ragscope::embed::cache::QueryCache::new(0),
         sentence_cache: ragscope::embed::cache::VectorCache::named("sentence_embedding", 0),
+        prompts: ragscope::embed::cache::PromptMemory::uncounted(0),
     }
 }
 
