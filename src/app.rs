@@ -318,7 +318,8 @@ pub async fn run(
     run_with(listeners, state, max_body_bytes, connections, shutdown).await
 }
 
-/// [`run`], with the gRPC server's connection management (keepalive, maximum age) configured.
+/// [`run`], with connection management (HTTP/2 keepalive, maximum connection age) for both the
+/// HTTP and the gRPC server.
 pub async fn run_with(
     listeners: Listeners,
     state: AppState,
@@ -327,7 +328,6 @@ pub async fn run_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use futures::FutureExt;
-    use std::future::IntoFuture;
     let (readiness, grace) = (state.readiness.clone(), state.shutdown_grace);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stop = async move {
@@ -354,14 +354,20 @@ pub async fn run_with(
         let _ = stop_tx.send(true);
         drained
     };
-    let http = axum::serve(listeners.http, api::router(state.clone(), max_body_bytes))
-        .with_graceful_shutdown(stop.clone())
-        .into_future();
+    let http = api::http::serve(
+        listeners.http,
+        api::router(state.clone(), max_body_bytes),
+        &connections,
+        stop.clone(),
+    );
+    let grpc_connections = connections.clone();
     let grpc = async move {
         match listeners.grpc {
-            Some(listener) => api::grpc::serve(listener, state, max_body_bytes, &connections, stop)
-                .await
-                .map_err(std::io::Error::other),
+            Some(listener) => {
+                api::grpc::serve(listener, state, max_body_bytes, &grpc_connections, stop)
+                    .await
+                    .map_err(std::io::Error::other)
+            }
             None => Ok(()),
         }
     };

@@ -420,18 +420,21 @@ pub struct ServerArgs {
     pub snapshots: SnapshotArgs,
 }
 
-/// How the gRPC server manages its HTTP/2 connections: keepalive pings, and a maximum age after
-/// which a connection is closed gracefully (GOAWAY, calls in flight finish) so clients reconnect,
-/// as a load balancer in front of replicas needs. Unset: no pings, connections live forever.
+/// How the HTTP and gRPC servers manage their connections: HTTP/2 keepalive pings, and a maximum
+/// age after which a connection is closed gracefully (HTTP/1 finishes its response in flight then
+/// closes, HTTP/2 sends GOAWAY and finishes its streams) so clients reconnect, as a load balancer
+/// in front of replicas needs. Unset: no pings, connections live forever.
 #[derive(Debug, Clone, Default, Args)]
 pub struct ConnectionArgs {
-    /// Seconds between HTTP/2 PINGs the gRPC server sends on each connection.
+    /// Seconds between HTTP/2 PINGs the servers send on each HTTP/2 connection (gRPC, h2c).
     #[arg(long, env = "RAGSCOPE_HTTP2_KEEPALIVE_INTERVAL_S", value_parser = parse_seconds)]
     pub http2_keepalive_interval_s: Option<Duration>,
     /// Seconds to wait for a PING's answer before closing the connection (needs the interval).
     #[arg(long, env = "RAGSCOPE_HTTP2_KEEPALIVE_TIMEOUT_S", value_parser = parse_seconds, requires = "http2_keepalive_interval_s")]
     pub http2_keepalive_timeout_s: Option<Duration>,
-    /// Seconds after which a gRPC connection gets GOAWAY and is closed once its calls finish.
+    /// Seconds after which a connection is closed once its requests finish (HTTP/2: GOAWAY).
+    /// The HTTP server draws each connection's age within ±10% of it, so connections opened
+    /// together do not all close together.
     #[arg(long, env = "RAGSCOPE_MAX_CONNECTION_AGE_S", value_parser = parse_seconds)]
     pub max_connection_age_s: Option<Duration>,
     /// Seconds a connection past its age may still take to finish its calls before it is cut.

@@ -236,6 +236,7 @@ pub(crate) mod tests {
             perturbation: None,
             embedding_cached: Some(embed_hit),
             cached_tokens: Some(cached),
+            retried: false,
         }
     }
 

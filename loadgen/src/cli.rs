@@ -45,8 +45,9 @@ pub enum Experiment {
     /// A share of cold requests (caches miss) among hot ones, at each `--cold-share`, against
     /// an all-hot baseline: the P99 amplification and the stage that missed.
     Cold(ColdArgs),
-    /// The same gRPC load against servers with different maximum connection ages (or other
-    /// connection settings), in interleaved rounds: what forced reconnects do to P99.
+    /// The same load (gRPC or HTTP) against servers with different maximum connection ages
+    /// (or other connection settings), in interleaved rounds, with and without the client's
+    /// retry of refused requests: what forced reconnects do to P99.
     Reconnect(ReconnectArgs),
 }
 
@@ -76,17 +77,22 @@ pub struct ColdArgs {
 pub struct ReconnectArgs {
     #[command(flatten)]
     pub target: Target,
-    /// An arm: `NAME=URL` of a server's gRPC address (started with the connection setting the
-    /// name stands for, e.g. `100ms=http://127.0.0.1:50053`). Repeat for each arm.
+    /// An arm: `NAME=URL` of a server (started with the connection setting the name stands
+    /// for, e.g. `100ms=http://127.0.0.1:50053`): its gRPC address with `--endpoint grpc`, its
+    /// HTTP one otherwise. Repeat for each arm.
     #[arg(long = "arm", required = true)]
     pub arms: Vec<String>,
+    /// Also run every arm with `--retry-refused`, as `NAME+retry`, right after it.
+    #[arg(long)]
+    pub with_retry: bool,
     /// Rounds; each round runs every arm once, in turn, so drift on the box hits all arms alike.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
     /// Requests per arm and round.
     #[arg(long, default_value_t = 100)]
     pub requests: u64,
-    /// Concurrent closed-loop users (they share one HTTP/2 connection).
+    /// Concurrent closed-loop users (over gRPC they share one HTTP/2 connection; over HTTP
+    /// each holds a keep-alive connection of the pool).
     #[arg(long, default_value_t = 4)]
     pub users: usize,
     #[command(flatten)]
@@ -206,6 +212,13 @@ pub struct Target {
     /// `shadow.jsonl` and never hold up or enter the primary's figures.
     #[arg(long)]
     pub shadow: Option<String>,
+    /// Send a request again, once, when its connection refused it before any response came
+    /// back (gRPC `Cancelled`/`Unavailable` on a channel that had its GOAWAY; HTTP: a pooled
+    /// connection closed under the request). Recorded per request as `retried`; its times
+    /// count from the first attempt.
+    #[arg(long)]
+    #[serde(default)]
+    pub retry_refused: bool,
 }
 
 /// How the load arrives and how long it lasts.

@@ -1,6 +1,8 @@
 //! One streaming request, timed on the client: time to first token (the first token event),
 //! time per output token (mean gap after the first) and end to end (send to the last event).
 //! Failures are sorted into kinds: `http_<status>`, `timeout`, `connect`, `request`, `stream`.
+//! With `retry`, a request its connection refused (closed under it before any response: a
+//! server's maximum connection age) is sent once more, timed from the first attempt.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -39,6 +41,8 @@ pub struct Outcome {
     pub embedding_cached: Option<bool>,
     /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens from the prefix KV cache.
     pub cached_tokens: Option<u64>,
+    /// The connection refused the first attempt; this is the second.
+    pub retried: bool,
 }
 
 impl Outcome {
@@ -48,6 +52,21 @@ impl Outcome {
             self.error_detail = Some(detail.into());
         }
     }
+
+    /// Cleared for the second attempt at a refused request.
+    pub(crate) fn retry(&mut self) {
+        *self = Outcome {
+            retried: true,
+            ..Outcome::default()
+        };
+    }
+}
+
+/// Whether an attempt's connection refused it (so a retry may go out on a fresh one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Attempt {
+    Refused,
+    Done,
 }
 
 /// A fresh W3C `traceparent` with the sampled flag, and its trace id.
@@ -94,31 +113,32 @@ pub fn path(endpoint: Endpoint) -> &'static str {
     }
 }
 
+/// One HTTP request: where it goes, what it carries.
+pub struct HttpRequest<'a> {
+    pub http: &'a reqwest::Client,
+    pub base_url: &'a str,
+    pub endpoint: Endpoint,
+    pub model: &'a str,
+    pub traceparent: &'a str,
+    /// Send it again, once, if its connection refuses it.
+    pub retry: bool,
+}
+
 /// Sends one request and reads its stream to the end, within `timeout`.
-pub async fn send(
-    http: &reqwest::Client,
-    base_url: &str,
-    endpoint: Endpoint,
-    model: &str,
-    ask: &Ask,
-    traceparent: &str,
-    timeout: Duration,
-) -> Outcome {
+pub async fn send(r: &HttpRequest<'_>, ask: &Ask, timeout: Duration) -> Outcome {
     let mut out = Outcome::default();
     let start = Instant::now();
     let mut timing = Timing::default();
-    let url = format!("{}{}", base_url.trim_end_matches('/'), path(endpoint));
-    let exchange = exchange(
-        http,
-        &url,
-        endpoint,
-        body(endpoint, model, ask),
-        traceparent,
-        start,
-        &mut out,
-        &mut timing,
-    );
-    if tokio::time::timeout(timeout, exchange).await.is_err() {
+    let url = format!("{}{}", r.base_url.trim_end_matches('/'), path(r.endpoint));
+    let body = body(r.endpoint, r.model, ask);
+    let attempts = async {
+        let first = exchange(r, &url, body.clone(), start, &mut out, &mut timing).await;
+        if first == Attempt::Refused && r.retry {
+            out.retry();
+            exchange(r, &url, body, start, &mut out, &mut timing).await;
+        }
+    };
+    if tokio::time::timeout(timeout, attempts).await.is_err() {
         out.fail(
             "timeout",
             format!("no end of stream within {:.1} s", timeout.as_secs_f64()),
@@ -164,20 +184,18 @@ impl Timing {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn exchange(
-    http: &reqwest::Client,
+    r: &HttpRequest<'_>,
     url: &str,
-    endpoint: Endpoint,
     body: Value,
-    traceparent: &str,
     start: Instant,
     out: &mut Outcome,
     timing: &mut Timing,
-) {
-    let response = http
+) -> Attempt {
+    let response = r
+        .http
         .post(url)
-        .header("traceparent", traceparent)
+        .header("traceparent", r.traceparent)
         .header("accept", "text/event-stream")
         .json(&body)
         .send()
@@ -192,9 +210,15 @@ async fn exchange(
             } else {
                 "request"
             };
-            return out.fail(kind, error_chain(&e));
+            out.fail(kind, error_chain(&e));
+            return if kind == "request" && closed_under(&e) {
+                Attempt::Refused
+            } else {
+                Attempt::Done
+            };
         }
     };
+    let endpoint = r.endpoint;
     let status = response.status();
     out.status = Some(status.as_u16());
     if !status.is_success() {
@@ -203,7 +227,8 @@ async fn exchange(
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
             .unwrap_or(text);
-        return out.fail(format!("http_{}", status.as_u16()), message);
+        out.fail(format!("http_{}", status.as_u16()), message);
+        return Attempt::Done;
     }
     let mut parser = SseParser::new();
     let mut stream = response.bytes_stream();
@@ -211,7 +236,10 @@ async fn exchange(
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
-            Err(e) => return out.fail("stream", error_chain(&e)),
+            Err(e) => {
+                out.fail("stream", error_chain(&e));
+                return Attempt::Done;
+            }
         };
         for event in parser.push(&chunk) {
             let at = start.elapsed();
@@ -223,13 +251,35 @@ async fn exchange(
                 Step::Token => timing.token(at),
                 Step::Done => finished = true,
                 Step::Other => {}
-                Step::Failed => return,
+                Step::Failed => return Attempt::Done,
             }
         }
     }
     if !finished {
         out.fail("stream", "the stream ended before its final event");
     }
+    Attempt::Done
+}
+
+/// The connection closed under the request before any response: a pooled keep-alive
+/// connection the server shut (its maximum age) just as the request went out on it.
+fn closed_under(e: &reqwest::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(inner) = source {
+        if let Some(h) = inner.downcast_ref::<hyper::Error>() {
+            if h.is_incomplete_message() || h.is_canceled() {
+                return true;
+            }
+        }
+        if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::{BrokenPipe, ConnectionReset};
+            if matches!(io.kind(), ConnectionReset | BrokenPipe) {
+                return true;
+            }
+        }
+        source = inner.source();
+    }
+    false
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

@@ -7,8 +7,10 @@
 //! table shows each arm's P50/P99 TTFT with intervals, the P99 amplification against the
 //! all-hot arm, the caches' hit rates and the stage a miss costs most in.
 //!
-//! `experiment reconnect`: the same gRPC load against servers that differ in their connection
-//! settings (`--max-connection-age-s`), in interleaved rounds so the box's drift is shared.
+//! `experiment reconnect`: the same load (gRPC, or HTTP with `--endpoint rag`) against servers
+//! that differ in their connection settings (`--max-connection-age-s`), in interleaved rounds so
+//! the box's drift is shared; with `--with-retry` each arm runs again with the client retrying
+//! a request its closing connection refused, so the table shows both the trap and the fix.
 
 use std::collections::BTreeMap;
 
@@ -16,7 +18,7 @@ use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
 use crate::caches::CacheReport;
-use crate::cli::{ColdArgs, Endpoint, Mode, ReconnectArgs, RunArgs, Shape};
+use crate::cli::{ColdArgs, Mode, ReconnectArgs, RunArgs, Shape};
 use crate::record::RequestRecord;
 use crate::stats::Percentiles;
 use crate::summary::Summary;
@@ -202,12 +204,47 @@ pub fn parse_arms(arms: &[String]) -> anyhow::Result<Vec<(String, String)>> {
         .collect()
 }
 
-/// The run of one reconnect arm in one round.
-pub fn reconnect_args(a: &ReconnectArgs, url: &str, name: &str, round: usize) -> RunArgs {
+/// One arm of `experiment reconnect`: a server, and whether the client retries refused requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReconnectRun {
+    pub name: String,
+    pub url: String,
+    pub retry: bool,
+}
+
+/// The arms to run: each `--arm`, and with `with_retry` the same server again as `NAME+retry`
+/// right after it (so both see the same drift). The flag `--retry-refused` retries in every arm.
+pub fn reconnect_runs(
+    arms: &[(String, String)],
+    with_retry: bool,
+    retry_all: bool,
+) -> Vec<ReconnectRun> {
+    let mut runs = Vec::new();
+    for (name, url) in arms {
+        runs.push(ReconnectRun {
+            name: name.clone(),
+            url: url.clone(),
+            retry: retry_all,
+        });
+        if with_retry && !retry_all {
+            runs.push(ReconnectRun {
+                name: format!("{name}+retry"),
+                url: url.clone(),
+                retry: true,
+            });
+        }
+    }
+    runs
+}
+
+/// The run of one reconnect arm in one round: the same seed in every arm of a round, so each
+/// arm sees the same questions in the same order.
+pub fn reconnect_args(a: &ReconnectArgs, arm: &ReconnectRun, round: usize) -> RunArgs {
     let mut target = a.target.clone();
-    target.url = url.to_string();
-    target.endpoint = Endpoint::Grpc;
+    target.url = arm.url.clone();
+    target.retry_refused = arm.retry;
     target.seed = target.seed.wrapping_add(round as u64);
+    let name = format!("{}-round{round}", arm.name);
     RunArgs {
         target,
         shape: closed(a.requests, a.users),
@@ -226,6 +263,10 @@ pub struct ReconnectArm {
     pub url: String,
     pub requests: usize,
     pub errors_by_kind: BTreeMap<String, u64>,
+    /// Requests sent a second time because their connection refused the first.
+    pub retried: usize,
+    /// Of those, the ones whose second attempt succeeded.
+    pub retried_ok: usize,
     pub ttft_ms: Option<Percentiles>,
     pub e2e_ms: Option<Percentiles>,
 }
@@ -241,6 +282,8 @@ impl ReconnectArm {
             url: url.into(),
             requests: records.len(),
             errors_by_kind: errors,
+            retried: records.iter().filter(|r| r.retried).count(),
+            retried_ok: records.iter().filter(|r| r.retried && r.ok).count(),
             ttft_ms: Percentiles::of(records.iter().filter(|r| r.ok).filter_map(|r| r.ttft_ms)),
             e2e_ms: Percentiles::of(records.iter().filter_map(|r| r.e2e_ms)),
         }
@@ -250,8 +293,8 @@ impl ReconnectArm {
 pub fn reconnect_table(arms: &[ReconnectArm]) -> String {
     let base = arms.first().and_then(|a| a.ttft_ms);
     let mut s = format!(
-        "{:<10} {:>8} {:>24} {:>26} {:>8}  errors\n",
-        "arm", "requests", "TTFT p50 ms [95% CI]", "TTFT p99 ms [95% CI]", "p99 ×"
+        "{:<14} {:>8} {:>24} {:>26} {:>8} {:>8}  errors\n",
+        "arm", "requests", "TTFT p50 ms [95% CI]", "TTFT p99 ms [95% CI]", "p99 ×", "retried"
     );
     for a in arms {
         let (p50, p99, x) = a.ttft_ms.map_or(("–".into(), "–".into(), "–".into()), |t| {
@@ -262,8 +305,14 @@ pub fn reconnect_table(arms: &[ReconnectArm]) -> String {
             )
         });
         s.push_str(&format!(
-            "{:<10} {:>8} {:>24} {:>26} {:>8}  {:?}\n",
-            a.name, a.requests, p50, p99, x, a.errors_by_kind
+            "{:<14} {:>8} {:>24} {:>26} {:>8} {:>8}  {:?}\n",
+            a.name,
+            a.requests,
+            p50,
+            p99,
+            x,
+            format!("{}/{}", a.retried_ok, a.retried),
+            a.errors_by_kind
         ));
     }
     s
@@ -311,9 +360,41 @@ mod tests {
             .collect();
         rs[0].ok = false;
         rs[0].error = Some("grpc_unavailable".into());
+        rs[0].retried = true;
+        rs[1].retried = true;
         let arm = ReconnectArm::of("100ms", "http://b:2", &rs);
         assert_eq!(arm.errors_by_kind["grpc_unavailable"], 1);
+        assert_eq!((arm.retried, arm.retried_ok), (2, 1));
         assert_eq!(arm.ttft_ms.unwrap().count, 19);
-        assert!(reconnect_table(&[arm]).contains("100ms"));
+        let table = reconnect_table(&[arm]);
+        assert!(table.contains("100ms") && table.contains("1/2"), "{table}");
+    }
+
+    #[test]
+    fn with_retry_each_arm_runs_again_right_after_itself() {
+        let arms = [
+            ("off".to_string(), "u1".to_string()),
+            ("1s".to_string(), "u2".to_string()),
+        ];
+        let names = |runs: Vec<ReconnectRun>| -> Vec<(String, bool)> {
+            runs.into_iter().map(|r| (r.name, r.retry)).collect()
+        };
+        assert_eq!(
+            names(reconnect_runs(&arms, true, false)),
+            [
+                ("off", false),
+                ("off+retry", true),
+                ("1s", false),
+                ("1s+retry", true)
+            ]
+            .map(|(n, r)| (n.to_string(), r))
+        );
+        assert_eq!(
+            names(reconnect_runs(&arms, false, false)),
+            [("off".to_string(), false), ("1s".to_string(), false)]
+        );
+        // `--retry-refused` alone: every arm retries, under its own name.
+        assert!(reconnect_runs(&arms, true, true).iter().all(|r| r.retry));
+        assert_eq!(reconnect_runs(&arms, true, true).len(), 2);
     }
 }

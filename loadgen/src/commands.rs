@@ -134,11 +134,12 @@ pub async fn reconnect(a: &ReconnectArgs) -> anyhow::Result<Vec<cold::ReconnectA
         bail!("--requests, --users and --rounds must be at least 1");
     }
     let arms = cold::parse_arms(&a.arms)?;
-    let mut records: Vec<Vec<RequestRecord>> = vec![Vec::new(); arms.len()];
+    let runs = cold::reconnect_runs(&arms, a.with_retry, a.target.retry_refused);
+    let mut records: Vec<Vec<RequestRecord>> = vec![Vec::new(); runs.len()];
     for round in 0..a.rounds {
-        for (i, (name, url)) in arms.iter().enumerate() {
-            eprintln!("reconnect: round {round}, arm {name} ({url})");
-            let args = cold::reconnect_args(a, url, &format!("{name}-round{round}"), round);
+        for (i, arm) in runs.iter().enumerate() {
+            eprintln!("reconnect: round {round}, arm {} ({})", arm.name, arm.url);
+            let args = cold::reconnect_args(a, arm, round);
             let (summary, rs) = run_load(&args).await?;
             write_outputs(&args.out, &summary, &rs, None)?;
             if let Some(iso) = &summary.isolation {
@@ -147,10 +148,10 @@ pub async fn reconnect(a: &ReconnectArgs) -> anyhow::Result<Vec<cold::ReconnectA
             records[i].extend(rs.into_iter().filter(|r| r.phase == Phase::Steady));
         }
     }
-    let result: Vec<cold::ReconnectArm> = arms
+    let result: Vec<cold::ReconnectArm> = runs
         .iter()
         .zip(&records)
-        .map(|((name, url), rs)| cold::ReconnectArm::of(name, url, rs))
+        .map(|(arm, rs)| cold::ReconnectArm::of(&arm.name, &arm.url, rs))
         .collect();
     print!("{}", cold::reconnect_table(&result));
     std::fs::create_dir_all(&a.out)?;

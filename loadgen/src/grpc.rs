@@ -1,8 +1,9 @@
 //! One `ragscope.v1.Rag/Query` call, timed like an HTTP stream: TTFT at the first `token`
 //! event, time per output token after it, end to end at `done`. All calls share one channel
 //! (one HTTP/2 connection, multiplexed), which is what a server's maximum connection age
-//! closes: tonic's channel reconnects on the next call, and what that costs shows in the
-//! latencies and in the `grpc_unavailable` errors of calls caught by it.
+//! closes: a call sent on the channel after the server's GOAWAY and before it has reconnected
+//! fails at once (`grpc_cancelled`, or `grpc_unavailable`), and tonic does not retry it. With
+//! `retry` such a call is sent once more, on the channel reconnected by then.
 
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,7 @@ use serde_json::Value;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::client::{conclude, Ask, Outcome, Timing};
+use crate::client::{conclude, Ask, Attempt, Outcome, Timing};
 
 /// The code generated from the server's `proto/ragscope.proto` (client only).
 pub mod proto {
@@ -35,6 +36,8 @@ pub fn channel(url: &str) -> anyhow::Result<Channel> {
 pub struct Headers {
     pub api_key: Option<String>,
     pub fault: Option<String>,
+    /// Send a call again, once, when its connection refused it.
+    pub retry: bool,
 }
 
 /// Sends one query and reads its stream to the end, within `timeout`.
@@ -48,15 +51,31 @@ pub async fn send(
     let mut out = Outcome::default();
     let start = Instant::now();
     let mut timing = Timing::default();
-    let call = exchange(
-        channel,
-        headers,
-        ask,
-        traceparent,
-        start,
-        &mut out,
-        &mut timing,
-    );
+    let call = async {
+        let first = exchange(
+            channel,
+            headers,
+            ask,
+            traceparent,
+            start,
+            &mut out,
+            &mut timing,
+        )
+        .await;
+        if first == Attempt::Refused && headers.retry {
+            out.retry();
+            exchange(
+                channel,
+                headers,
+                ask,
+                traceparent,
+                start,
+                &mut out,
+                &mut timing,
+            )
+            .await;
+        }
+    };
     if tokio::time::timeout(timeout, call).await.is_err() {
         out.fail(
             "timeout",
@@ -90,7 +109,7 @@ async fn exchange(
     start: Instant,
     out: &mut Outcome,
     timing: &mut Timing,
-) {
+) -> Attempt {
     let mut call = tonic::Request::new(request(ask));
     let meta = call.metadata_mut();
     let value = |s: &str| MetadataValue::try_from(s).ok();
@@ -110,7 +129,10 @@ async fn exchange(
     let mut client = RagClient::new(channel.clone());
     let mut stream = match client.query(call).await {
         Ok(r) => r.into_inner(),
-        Err(status) => return fail(out, &status),
+        Err(status) => {
+            fail(out, &status);
+            return refused(&status);
+        }
     };
     out.status = Some(200);
     loop {
@@ -119,13 +141,31 @@ async fn exchange(
                 Some(Event::Token(_)) => timing.token(start.elapsed()),
                 Some(Event::Done(done)) => {
                     finished(out, done);
-                    return;
+                    return Attempt::Done;
                 }
                 Some(Event::Sources(_)) | None => {}
             },
-            Ok(None) => return out.fail("stream", "the stream ended before its final event"),
-            Err(status) => return fail(out, &status),
+            Ok(None) => {
+                out.fail("stream", "the stream ended before its final event");
+                return Attempt::Done;
+            }
+            Err(status) => {
+                fail(out, &status);
+                return Attempt::Done;
+            }
         }
+    }
+}
+
+/// A call its connection refused before any response: `Cancelled` is what hyper answers for a
+/// call sent on a connection that had its GOAWAY, `Unavailable` for one whose connection closed
+/// or could not open. Such a status is made from a transport error, its source; one the server
+/// sent (a draining server's `Unavailable` too) has none and is an answer, not retried.
+fn refused(status: &tonic::Status) -> Attempt {
+    let transport = std::error::Error::source(status).is_some();
+    match status.code() {
+        tonic::Code::Cancelled | tonic::Code::Unavailable if transport => Attempt::Refused,
+        _ => Attempt::Done,
     }
 }
 
@@ -237,6 +277,20 @@ mod tests {
         })
         .filter
         .is_none());
+    }
+
+    #[test]
+    fn only_a_status_from_the_transport_counts_as_refused() {
+        let sent = tonic::Status::unavailable("the server is shutting down");
+        assert_eq!(refused(&sent), Attempt::Done);
+        let mut io = tonic::Status::cancelled("operation was canceled");
+        io.set_source(std::sync::Arc::new(std::io::Error::other(
+            "connection closing",
+        )));
+        assert_eq!(refused(&io), Attempt::Refused);
+        let mut exhausted = tonic::Status::resource_exhausted("queue full");
+        exhausted.set_source(std::sync::Arc::new(std::io::Error::other("x")));
+        assert_eq!(refused(&exhausted), Attempt::Done);
     }
 
     #[test]

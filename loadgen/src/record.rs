@@ -79,6 +79,9 @@ pub struct RequestRecord {
     /// Prompt tokens the server took from its prefix KV cache.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_tokens: Option<u64>,
+    /// Sent a second time because its connection refused the first (`--retry-refused`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub retried: bool,
 }
 
 /// What the query mix drew for a request.

@@ -288,6 +288,7 @@ impl Runner {
             grpc_headers: crate::grpc::Headers {
                 api_key: target.api_key.clone(),
                 fault: target.fault.clone(),
+                retry: target.retry_refused,
             },
             shadow,
             mix,
@@ -488,7 +489,15 @@ impl Runner {
         let (traceparent, trace_id) = client::traceparent();
         let sent_s = self.now_s();
         let sent_unix_ms = unix_ms();
-        let outcome = self.exchange(&self.conn, &ask, &traceparent).await;
+        let outcome = exchange(
+            &self.conn,
+            &self.http,
+            &self.target,
+            &self.grpc_headers,
+            &ask,
+            &traceparent,
+        )
+        .await;
         let done_s = self.now_s();
         p.in_flight.fetch_sub(1, Ordering::Relaxed);
         p.completed.fetch_add(1, Ordering::Relaxed);
@@ -496,28 +505,6 @@ impl Runner {
             p.errors.fetch_add(1, Ordering::Relaxed);
         }
         record(s, drawn, (sent_s, done_s), sent_unix_ms, trace_id, outcome)
-    }
-
-    /// One exchange with `conn`, over HTTP or gRPC.
-    async fn exchange(&self, conn: &Conn, ask: &Ask, traceparent: &str) -> Outcome {
-        let timeout = Duration::from_secs_f64(self.target.timeout);
-        match conn {
-            Conn::Http(url) => {
-                client::send(
-                    &self.http,
-                    url,
-                    self.target.endpoint,
-                    &self.target.model,
-                    ask,
-                    traceparent,
-                    timeout,
-                )
-                .await
-            }
-            Conn::Grpc(channel) => {
-                crate::grpc::send(channel, &self.grpc_headers, ask, traceparent, timeout).await
-            }
-        }
     }
 
     /// Sends the same request to the shadow server on a task of its own: the primary's request
@@ -560,24 +547,7 @@ impl Runner {
             let (traceparent, trace_id) = client::traceparent();
             let sent_s = t0.elapsed().as_secs_f64();
             let sent_unix_ms = unix_ms();
-            let timeout = Duration::from_secs_f64(target.timeout);
-            let outcome = match &conn {
-                Conn::Http(url) => {
-                    client::send(
-                        &http,
-                        url,
-                        target.endpoint,
-                        &target.model,
-                        &ask,
-                        &traceparent,
-                        timeout,
-                    )
-                    .await
-                }
-                Conn::Grpc(ch) => {
-                    crate::grpc::send(ch, &grpc_headers, &ask, &traceparent, timeout).await
-                }
-            };
+            let outcome = exchange(&conn, &http, &target, &grpc_headers, &ask, &traceparent).await;
             in_flight.fetch_sub(1, Ordering::Relaxed);
             let done_s = t0.elapsed().as_secs_f64();
             record(
@@ -711,6 +681,34 @@ impl Runner {
     }
 }
 
+/// One exchange with `conn`, over HTTP or gRPC.
+async fn exchange(
+    conn: &Conn,
+    http: &reqwest::Client,
+    target: &Target,
+    grpc_headers: &crate::grpc::Headers,
+    ask: &Ask,
+    traceparent: &str,
+) -> Outcome {
+    let timeout = Duration::from_secs_f64(target.timeout);
+    match conn {
+        Conn::Http(url) => {
+            let request = client::HttpRequest {
+                http,
+                base_url: url,
+                endpoint: target.endpoint,
+                model: &target.model,
+                traceparent,
+                retry: target.retry_refused,
+            };
+            client::send(&request, ask, timeout).await
+        }
+        Conn::Grpc(channel) => {
+            crate::grpc::send(channel, grpc_headers, ask, traceparent, timeout).await
+        }
+    }
+}
+
 fn record(
     s: Sending,
     drawn: Drawn,
@@ -749,6 +747,7 @@ fn record(
         perturbation: drawn.perturbation,
         embedding_cached: o.embedding_cached,
         cached_tokens: o.cached_tokens,
+        retried: o.retried,
     }
 }
 

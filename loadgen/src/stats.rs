@@ -253,6 +253,7 @@ mod tests {
             perturbation: None,
             embedding_cached: None,
             cached_tokens: None,
+            retried: false,
         }
     }
 

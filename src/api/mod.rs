@@ -10,6 +10,7 @@ pub mod completions;
 pub mod documents;
 pub mod error;
 pub mod grpc;
+pub mod http;
 pub mod json;
 pub mod openai;
 pub mod openapi;

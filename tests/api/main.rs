@@ -5,6 +5,7 @@ mod auth;
 mod catalogue;
 mod clients;
 mod completions;
+mod connections;
 mod context;
 mod coverage;
 mod crash;

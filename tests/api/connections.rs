@@ -1,0 +1,130 @@
+//! The HTTP server's connection management (`--max-connection-age-s`): a keep-alive client's
+//! connection is closed once past its age, after the response in flight, busy or idle, and the
+//! client's next request goes out on a new connection. Connections are counted where the
+//! client opens them (a layer on reqwest's connector), so nothing on the server is trusted.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::fakes::FakeGenerator;
+use crate::helpers::spawn_fake_app_with;
+
+/// Counts the connections a client opens.
+#[derive(Clone)]
+struct CountConnections(Arc<AtomicUsize>);
+
+impl<S> tower::Layer<S> for CountConnections {
+    type Service = Counted<S>;
+    fn layer(&self, inner: S) -> Counted<S> {
+        Counted {
+            inner,
+            opened: self.0.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+struct Counted<S> {
+    inner: S,
+    opened: Arc<AtomicUsize>,
+}
+
+impl<S: tower::Service<R>, R> tower::Service<R> for Counted<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+    fn call(&mut self, request: R) -> S::Future {
+        self.opened.fetch_add(1, Ordering::SeqCst);
+        self.inner.call(request)
+    }
+}
+
+#[tokio::test]
+async fn an_aged_connection_finishes_its_answer_then_the_client_reconnects() {
+    // 15 stand-in tokens of 100 ms: an answer started at once is still streaming when its
+    // connection's age (1 s ± 10%) passes.
+    let app = spawn_fake_app_with(
+        FakeGenerator {
+            tokens: 15,
+            token_us: 100_000,
+        },
+        &["--max-connection-age-s", "1"],
+    )
+    .await;
+    app.ingest_fixtures().await;
+    let opened = Arc::new(AtomicUsize::new(0));
+    let client = reqwest::Client::builder()
+        .connector_layer(CountConnections(opened.clone()))
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap();
+    let health = || async {
+        let r = client.get(app.url("/health")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+    };
+
+    let first_opened = Instant::now();
+    health().await;
+    assert_eq!(opened.load(Ordering::SeqCst), 1);
+    let answer = client
+        .post(app.url("/v1/rag/query"))
+        .json(&json!({"query": "What is the capital of Zorbia?", "max_tokens": 15, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 200);
+    let body = answer.text().await.expect("the answer completes");
+    let took = first_opened.elapsed();
+    let events: Vec<String> = crate::query::sse_events(&body)
+        .into_iter()
+        .map(|(event, _)| event)
+        .collect();
+    assert_eq!(events.last().map(String::as_str), Some("done"), "{body}");
+    assert!(
+        took > Duration::from_millis(1200),
+        "the answer ended after {took:?}, before the connection's age could pass"
+    );
+    assert_eq!(
+        opened.load(Ordering::SeqCst),
+        1,
+        "the answer went out on the first connection"
+    );
+
+    // Past its age, the server closed that connection once the answer was out.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second_opened = Instant::now();
+    health().await;
+    assert_eq!(opened.load(Ordering::SeqCst), 2, "a new connection");
+
+    // An idle connection is closed at its age too.
+    tokio::time::sleep(Duration::from_millis(1400).saturating_sub(second_opened.elapsed())).await;
+    health().await;
+    assert_eq!(opened.load(Ordering::SeqCst), 3, "the idle one was closed");
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn without_an_age_a_keep_alive_connection_is_kept() {
+    let app = spawn_fake_app_with(FakeGenerator::new(2), &[]).await;
+    let opened = Arc::new(AtomicUsize::new(0));
+    let client = reqwest::Client::builder()
+        .connector_layer(CountConnections(opened.clone()))
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        let r = client.get(app.url("/health")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(opened.load(Ordering::SeqCst), 1);
+    app.stop().await;
+}
