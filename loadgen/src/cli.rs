@@ -82,7 +82,8 @@ pub struct ReconnectArgs {
     /// HTTP one otherwise. Repeat for each arm.
     #[arg(long = "arm", required = true)]
     pub arms: Vec<String>,
-    /// Also run every arm with `--retry-refused`, as `NAME+retry`, right after it.
+    /// Also run every arm with `--retry-refused`, as `NAME+retry`, next to it (after it in
+    /// even rounds, before it in odd ones, so neither always finds the other's caches warm).
     #[arg(long)]
     pub with_retry: bool,
     /// Rounds; each round runs every arm once, in turn, so drift on the box hits all arms alike.

@@ -213,7 +213,7 @@ pub struct ReconnectRun {
 }
 
 /// The arms to run: each `--arm`, and with `with_retry` the same server again as `NAME+retry`
-/// right after it (so both see the same drift). The flag `--retry-refused` retries in every arm.
+/// next to it (so both see the same drift; [`round_order`] alternates which goes first). The flag `--retry-refused` retries in every arm.
 pub fn reconnect_runs(
     arms: &[(String, String)],
     with_retry: bool,
@@ -235,6 +235,25 @@ pub fn reconnect_runs(
         }
     }
     runs
+}
+
+/// The order of `runs` in round `round`: as given in even rounds; in odd rounds each arm's
+/// `+retry` run goes before it. The second of a pair runs the same seeded questions on the same
+/// server just after the first, so it finds them cached; alternating gives each half its turn.
+pub fn round_order(runs: &[ReconnectRun], round: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..runs.len()).collect();
+    if round % 2 == 1 {
+        let mut i = 0;
+        while i + 1 < runs.len() {
+            if runs[i + 1].retry && !runs[i].retry && runs[i + 1].url == runs[i].url {
+                order.swap(i, i + 1);
+                i += 2;
+            } else {
+                i += 1;
+            }
+        }
+    }
+    order
 }
 
 /// The run of one reconnect arm in one round: the same seed in every arm of a round, so each
@@ -389,6 +408,14 @@ mod tests {
             ]
             .map(|(n, r)| (n.to_string(), r))
         );
+        let runs = reconnect_runs(&arms, true, false);
+        assert_eq!(round_order(&runs, 0), [0, 1, 2, 3]);
+        assert_eq!(
+            round_order(&runs, 1),
+            [1, 0, 3, 2],
+            "retry first in odd rounds"
+        );
+        assert_eq!(round_order(&reconnect_runs(&arms, false, false), 1), [0, 1]);
         assert_eq!(
             names(reconnect_runs(&arms, false, false)),
             [("off".to_string(), false), ("1s".to_string(), false)]

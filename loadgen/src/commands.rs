@@ -137,7 +137,8 @@ pub async fn reconnect(a: &ReconnectArgs) -> anyhow::Result<Vec<cold::ReconnectA
     let runs = cold::reconnect_runs(&arms, a.with_retry, a.target.retry_refused);
     let mut records: Vec<Vec<RequestRecord>> = vec![Vec::new(); runs.len()];
     for round in 0..a.rounds {
-        for (i, arm) in runs.iter().enumerate() {
+        for i in cold::round_order(&runs, round) {
+            let arm = &runs[i];
             eprintln!("reconnect: round {round}, arm {} ({})", arm.name, arm.url);
             let args = cold::reconnect_args(a, arm, round);
             let (summary, rs) = run_load(&args).await?;
