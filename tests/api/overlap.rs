@@ -43,10 +43,22 @@ fn warm_spans(spans: &[Value]) -> Vec<&Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overlapped_request_prefills_its_head_beside_retrieval_with_the_same_answer() {
     record_spans();
-    let app = spawn_app().await;
+    let app = spawn_app_with(&["--faults", "true", "--fault-header", "true"]).await;
     app.ingest_fixtures().await;
     let body = json!({"query": QUESTION, "max_tokens": 8, "overlap": true});
-    let overlapped = ask(&app, body).await;
+    // Retrieval held 300 ms, so the warm's thread gets its prefill turn before the prompt is
+    // built even on a busy machine (without it the request's own prefill sometimes came first
+    // under a parallel test run, and the warm was called off).
+    let r = app
+        .client
+        .post(app.url("/v1/rag/query"))
+        .header("x-ragscope-fault", r#"{"retrieval": {"delay_ms": 300}}"#)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let overlapped: Value = r.json().await.unwrap();
     let spans = last_trace(&app).await;
     let root = span(&spans, "POST /v1/rag/query");
     let warm = span(&spans, "warm_prefill");
