@@ -52,19 +52,12 @@ pub async fn send(
     let start = Instant::now();
     let mut timing = Timing::default();
     let call = async {
-        let first = exchange(
-            channel,
-            headers,
-            ask,
-            traceparent,
-            start,
-            &mut out,
-            &mut timing,
-        )
-        .await;
-        if first == Attempt::Refused && headers.retry {
-            out.retry();
-            exchange(
+        // A refused first attempt is sent once more when the client retries.
+        for attempt in 0..2 {
+            if attempt > 0 {
+                out.retry();
+            }
+            let sent = exchange(
                 channel,
                 headers,
                 ask,
@@ -74,6 +67,9 @@ pub async fn send(
                 &mut timing,
             )
             .await;
+            if sent != Attempt::Refused || !headers.retry {
+                break;
+            }
         }
     };
     if tokio::time::timeout(timeout, call).await.is_err() {
