@@ -133,10 +133,9 @@ impl PrefixCache {
         if !self.enabled() {
             return hit;
         }
-        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
-        let keys = chain_keys(&prompt[..usable * BLOCK_TOKENS]);
+        let (usable, keys) = reusable(prompt);
         let mut blocks = self.lock();
-        let matched = blocks.matching(&prompt[..usable * BLOCK_TOKENS], &keys);
+        let matched = blocks.matching(usable, &keys);
         blocks.touch(&keys[..matched]);
         hit.blocks = keys[..matched]
             .iter()
@@ -158,9 +157,8 @@ impl PrefixCache {
         if !self.enabled() {
             return 0;
         }
-        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
-        let prompt = &prompt[..usable * BLOCK_TOKENS];
-        self.lock().matching(prompt, &chain_keys(prompt)) * BLOCK_TOKENS
+        let (usable, keys) = reusable(prompt);
+        self.lock().matching(usable, &keys) * BLOCK_TOKENS
     }
 
     fn count(&self, own: &AtomicU64, global: &AtomicU64, n: u64) {
@@ -338,6 +336,14 @@ impl Blocks {
 
 /// The key of every block of `prompt` (whole blocks only): each hashes its parent's key and
 /// its own tokens, so it stands for the whole prefix up to its end.
+/// The whole blocks of `prompt` a prefill may take from the cache (at least its last token is
+/// left to compute), with their chain keys.
+fn reusable(prompt: &[u32]) -> (&[u32], Vec<u64>) {
+    let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
+    let prompt = &prompt[..usable * BLOCK_TOKENS];
+    (prompt, chain_keys(prompt))
+}
+
 fn chain_keys(prompt: &[u32]) -> Vec<u64> {
     let mut parent = 0u64;
     prompt
