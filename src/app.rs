@@ -195,7 +195,7 @@ pub fn load_pipeline(
         reranker,
         generator,
         workers: Workers::new(server.workers, server.queue_capacity)
-            .with_max_wait(server.max_queue_wait()),
+            .with_max_wait(server.max_queue_wait(), server.queue_wait_headroom),
         defaults: pipeline.clone(),
         chunker: chunker(store),
         query_cache: crate::embed::cache::QueryCache::new(pipeline.query_cache),

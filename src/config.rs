@@ -252,6 +252,15 @@ fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
         .ok_or_else(|| format!("{v:?}: expected a multiple of 32 from 32 to {max}"))
 }
 
+/// `--queue-wait-headroom`: a share from 0 to 0.9.
+fn headroom(v: &str) -> Result<f64, String> {
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|h| (0.0..=0.9).contains(h))
+        .ok_or_else(|| format!("{v:?}: expected a share from 0 to 0.9"))
+}
+
 /// `--weight-format`: one of `WeightFormat::ALL` by name.
 fn weight_format(v: &str) -> Result<crate::generate::llama::WeightFormat, String> {
     use crate::generate::llama::WeightFormat;
@@ -410,6 +419,12 @@ pub struct ServerArgs {
     /// Retry-After before any work. 0: only the queue capacity and the request timeout bound it.
     #[arg(long, env = "RAGSCOPE_MAX_QUEUE_WAIT_MS", default_value_t = 10_000)]
     pub max_queue_wait_ms: u64,
+    /// Share of `--max-queue-wait-ms` kept back for the wait prediction's error (0 to 0.9): a
+    /// request is admitted only if its predicted wait fits the rest, 8 s of a 10 s limit at the
+    /// default. Under 4× overload the service slows after admission in episodes the prediction
+    /// cannot see, and with no headroom 5% of admitted requests waited past the limit.
+    #[arg(long, env = "RAGSCOPE_QUEUE_WAIT_HEADROOM", default_value_t = 0.2, value_parser = headroom)]
+    pub queue_wait_headroom: f64,
     /// On SIGTERM or Ctrl-C: seconds to let requests in flight (streams included) finish while
     /// new ones get 503, before the server exits anyway.
     #[arg(long, env = "RAGSCOPE_SHUTDOWN_GRACE_S", default_value_t = 30)]

@@ -115,7 +115,7 @@ impl std::fmt::Display for Refused {
             Refusal::QueueFull => write!(f, "the server is at capacity: the model queue is full"),
             Refusal::MaxWait => write!(
                 f,
-                "the server is at capacity: the expected wait for a model worker ({wait:.0} ms) is above this server's limit ({allowed:.0} ms)"
+                "the server is at capacity: the expected wait for a model worker ({wait:.0} ms) is above what this server admits ({allowed:.0} ms)"
             ),
             Refusal::Deadline => write!(
                 f,
@@ -407,6 +407,8 @@ pub struct Workers {
     workers: usize,
     /// `--max-queue-wait-ms`; `None`: only the capacity and deadlines bound the wait.
     max_wait: Option<Duration>,
+    /// The longest predicted wait admitted: `max_wait` less `--queue-wait-headroom`.
+    admit_below: Option<Duration>,
     ledger: Arc<Mutex<Ledger>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -451,14 +453,19 @@ impl Workers {
             capacity,
             workers,
             max_wait: None,
+            admit_below: None,
             ledger,
             threads: Mutex::new(handles),
         }
     }
 
-    /// Refuses jobs whose predicted wait is above `max_wait` (zero: no limit but the capacity).
-    pub fn with_max_wait(mut self, max_wait: Duration) -> Workers {
+    /// Refuses jobs whose predicted wait is above `max_wait` less the `headroom` share of it
+    /// kept for the prediction's error (zero `max_wait`: no limit but the capacity).
+    pub fn with_max_wait(mut self, max_wait: Duration, headroom: f64) -> Workers {
         self.max_wait = Some(max_wait).filter(|d| !d.is_zero());
+        self.admit_below = self
+            .max_wait
+            .map(|d| d.mul_f64(1.0 - headroom.clamp(0.0, 0.9)));
         self
     }
 
@@ -482,6 +489,7 @@ impl Workers {
             "expected_wait_ms": (l.expected_wait(self.workers, Instant::now()).0 * 1e3).round(),
             "wait_correction": (l.calibration.factor() * 100.0).round() / 100.0,
             "max_wait_ms": self.max_wait.map(|d| d.as_millis() as u64),
+            "admit_below_ms": self.admit_below.map(|d| d.as_millis() as u64),
             "service_ms": {
                 "query": service(JobKind::Query),
                 "query_cached_prompt": ms(query[0]),
@@ -590,7 +598,7 @@ impl Workers {
                 ..refuse(Refusal::QueueFull, 0.0)
             });
         }
-        if let Some(max) = self.max_wait {
+        if let Some(max) = self.admit_below {
             if wait > max.as_secs_f64() {
                 return Err(refuse(Refusal::MaxWait, max.as_secs_f64()));
             }
@@ -902,7 +910,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_job_that_would_wait_too_long_or_miss_its_deadline_is_refused() {
-        let w = Workers::new(1, 16).with_max_wait(Duration::from_millis(100));
+        // 200 ms less half of it kept back: waits above 100 ms are refused.
+        let w = Workers::new(1, 16).with_max_wait(Duration::from_millis(200), 0.5);
         let query = Admission::new(JobKind::Query);
         // Teach the estimate: a query takes about 300 ms.
         w.submit(query.clone(), &root(), || {

@@ -230,7 +230,7 @@ mod tests {
         assert_eq!(full.metadata().get("retry-after").unwrap(), "3");
         assert!(
             full.message()
-                .contains("(7500 ms) is above this server's limit (5000 ms)"),
+                .contains("(7500 ms) is above what this server admits (5000 ms)"),
             "{}",
             full.message()
         );

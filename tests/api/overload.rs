@@ -59,7 +59,7 @@ async fn a_burst_far_above_capacity_is_refused_fast_and_the_admitted_wait_within
         tokens: 20,
         token_us: 10_000,
     });
-    pipeline.workers = ragscope::worker::Workers::new(1, 64).with_max_wait(MAX_WAIT);
+    pipeline.workers = ragscope::worker::Workers::new(1, 64).with_max_wait(MAX_WAIT, 0.0);
     let state = ragscope::app::ready_state(pipeline, Duration::from_secs(30));
     let app = serve_state(state, 1 << 20, None).await;
     let url = app.url("/v1/rag/query");
