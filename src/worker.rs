@@ -936,6 +936,9 @@ mod tests {
         let refused = w.submit(query, &root(), || ()).unwrap_err();
         assert_eq!(refused.reason, Refusal::MaxWait);
         assert!(refused.wait > Duration::from_millis(100), "{refused:?}");
+        // What it was allowed is the limit less the headroom, not the limit.
+        assert_eq!(refused.allowed, Duration::from_millis(100));
+        assert!(refused.to_string().contains("admits (100 ms)"), "{refused}");
         assert_eq!(refused.retry_after_s, 1);
         release_tx.send(()).unwrap();
         busy.await.unwrap();
