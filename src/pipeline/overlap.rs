@@ -44,7 +44,6 @@ impl Overlap {
 const PENDING: u8 = 0;
 const RUNNING: u8 = 1;
 const CALLED_OFF: u8 = 2;
-const NOTHING_TO_DO: u8 = 3;
 
 /// A warm prefill in flight; dropping it calls it off unless it is already computing.
 pub struct Warm {
@@ -53,17 +52,16 @@ pub struct Warm {
     deadline: Instant,
 }
 
-/// How a warm prefill ended (`rag.overlap.outcome` on its span).
-fn outcome(prefilled: bool, failed: bool, state: &AtomicU8) -> &'static str {
+/// How a warm prefill ended (`rag.overlap.outcome` on its span). `asked`: whether the
+/// generator got as far as asking to proceed, i.e. had work to do; one that had none (no
+/// prefix cache, a head shorter than one block) is `skipped` however early the request
+/// called it off, so the outcome names the configuration, not the race.
+fn outcome(prefilled: bool, failed: bool, asked: bool) -> &'static str {
     if failed {
         "failed"
     } else if prefilled {
         "prefilled"
-    } else if state
-        .compare_exchange(PENDING, NOTHING_TO_DO, Ordering::AcqRel, Ordering::Acquire)
-        .is_ok()
-    {
-        // No prefix cache, or a head shorter than one block.
+    } else if !asked {
         "skipped"
     } else {
         "called_off"
@@ -87,7 +85,9 @@ impl Warm {
         let spawned = std::thread::Builder::new()
             .name("warm-prefill".into())
             .spawn(move || {
+                let asked = std::cell::Cell::new(false);
                 let proceed = || {
+                    asked.set(true);
                     shared
                         .compare_exchange(PENDING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
@@ -97,7 +97,7 @@ impl Warm {
                     stage.fail("model", e.to_string());
                 }
                 let prefilled = matches!(result, Ok(Some(_)));
-                let outcome = outcome(prefilled, result.is_err(), &shared);
+                let outcome = outcome(prefilled, result.is_err(), asked.get());
                 stage.set(KeyValue::new(attr::OVERLAP_OUTCOME, outcome));
                 stage.end();
                 let _ = tx.send(());
@@ -150,13 +150,13 @@ mod tests {
         // Called off while pending: `finish` must not wait (nobody would ever send).
         assert!(warm.call_off());
         assert_eq!(warm.state.load(Ordering::Acquire), CALLED_OFF);
-        assert_eq!(outcome(false, false, &warm.state), "called_off");
+        assert_eq!(outcome(false, false, true), "called_off");
         warm.finish();
-        // A warm that found nothing to do is not waited for either.
-        let nothing = AtomicU8::new(PENDING);
-        assert_eq!(outcome(false, false, &nothing), "skipped");
+        // A warm that found nothing to do is skipped, called off first or not, and is not
+        // waited for either.
+        assert_eq!(outcome(false, false, false), "skipped");
         let warm = Warm {
-            state: Arc::new(nothing),
+            state: Arc::new(AtomicU8::new(PENDING)),
             done: mpsc::sync_channel(1).1,
             deadline: Instant::now(),
         };
@@ -168,7 +168,7 @@ mod tests {
             deadline: Instant::now(),
         };
         assert!(!running.call_off());
-        assert_eq!(outcome(true, false, &running.state), "prefilled");
-        assert_eq!(outcome(false, true, &running.state), "failed");
+        assert_eq!(outcome(true, false, true), "prefilled");
+        assert_eq!(outcome(false, true, true), "failed");
     }
 }
