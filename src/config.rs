@@ -438,8 +438,9 @@ pub struct ServerArgs {
 /// How the HTTP and gRPC servers manage their connections: HTTP/2 keepalive pings, and a maximum
 /// age after which a connection is closed gracefully (HTTP/1 finishes its response in flight then
 /// closes, HTTP/2 sends GOAWAY and finishes its streams) so clients reconnect, as a load balancer
-/// in front of replicas needs. Unset: no pings, connections live forever.
-#[derive(Debug, Clone, Default, Args)]
+/// in front of replicas needs. Unset: no pings, connections live forever. `Default` is the
+/// flags' defaults (what an embedded server without a command line gets).
+#[derive(Debug, Clone, Args)]
 pub struct ConnectionArgs {
     /// Seconds between HTTP/2 PINGs the servers send on each HTTP/2 connection (gRPC, h2c).
     #[arg(long, env = "RAGSCOPE_HTTP2_KEEPALIVE_INTERVAL_S", value_parser = parse_seconds)]
@@ -455,6 +456,24 @@ pub struct ConnectionArgs {
     /// Seconds a connection past its age may still take to finish its calls before it is cut.
     #[arg(long, env = "RAGSCOPE_MAX_CONNECTION_AGE_GRACE_S", value_parser = parse_seconds, requires = "max_connection_age_s")]
     pub max_connection_age_grace_s: Option<Duration>,
+    /// Seconds an HTTP/1 client has to send a request's headers, counted from when the server
+    /// starts waiting for them (a new connection, or the end of the previous response on a
+    /// kept-alive one); a connection that takes longer is closed, so clients that trickle
+    /// headers (or hold idle connections) cannot pile up.
+    #[arg(long, env = "RAGSCOPE_HEADER_READ_TIMEOUT_S", value_parser = parse_seconds, default_value = "30")]
+    pub header_read_timeout_s: Duration,
+}
+
+impl Default for ConnectionArgs {
+    fn default() -> Self {
+        ConnectionArgs {
+            http2_keepalive_interval_s: None,
+            http2_keepalive_timeout_s: None,
+            max_connection_age_s: None,
+            max_connection_age_grace_s: None,
+            header_read_timeout_s: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).
@@ -1117,6 +1136,18 @@ mod tests {
         assert!(
             !printed.contains("zq9-secret") && printed.contains("3 redacted"),
             "{printed}"
+        );
+    }
+
+    #[test]
+    fn connection_defaults_are_the_flags_defaults() {
+        let Command::Serve(serve) = Cli::try_parse_from(["ragscope", "serve"]).unwrap().command
+        else {
+            unreachable!()
+        };
+        assert_eq!(
+            format!("{:?}", serve.server.connections),
+            format!("{:?}", ConnectionArgs::default())
         );
     }
 

@@ -2,7 +2,10 @@
 //! knowledge) with the connection management the gRPC server has ([`ConnectionArgs`]): HTTP/2
 //! keepalive pings, and a maximum age after which a connection is shut down gracefully so its
 //! client reconnects, as a load balancer in front of replicas needs to rebalance keep-alive
-//! clients. Connections are tasks of the loop, so dropping it cuts whatever still runs.
+//! clients. HTTP/1 clients get `--header-read-timeout-s` to send their headers, and every
+//! socket has Nagle's algorithm off, so a streamed token is sent when it is written (not held
+//! until the client acknowledges the previous one). Connections are tasks of the loop, so
+//! dropping it cuts whatever still runs.
 
 use std::future::Future;
 use std::time::Duration;
@@ -30,6 +33,11 @@ pub async fn serve(
     stop: impl Future<Output = ()> + Clone + Send + 'static,
 ) -> std::io::Result<()> {
     let mut builder = Builder::new(TokioExecutor::new());
+    // hyper's HTTP/1 header timeout only runs with a timer; without one it is silently off.
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(connections.header_read_timeout_s);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -51,6 +59,9 @@ pub async fn serve(
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    if let Err(e) = stream.set_nodelay(true) {
+                        tracing::debug!(error = %e, "TCP_NODELAY could not be set");
+                    }
                     let limits = Lifetime { age: age.map(jittered), grace };
                     tasks.spawn(connection(builder.clone(), stream, app.clone(), limits, stop.clone()));
                 }

@@ -2,6 +2,7 @@
 //! connection is closed once past its age, after the response in flight, busy or idle, and the
 //! client's next request goes out on a new connection. Connections are counted where the
 //! client opens them (a layer on reqwest's connector), so nothing on the server is trusted.
+//! A client that never finishes its headers is closed at `--header-read-timeout-s`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -126,5 +127,36 @@ async fn without_an_age_a_keep_alive_connection_is_kept() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert_eq!(opened.load(Ordering::SeqCst), 1);
+    app.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_that_trickles_its_headers_is_closed_while_others_are_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = spawn_fake_app_with(FakeGenerator::new(2), &["--header-read-timeout-s", "1"]).await;
+    let addr = app.base.trim_start_matches("http://").to_string();
+    // A request line and one header, then nothing: the rest of the headers never come.
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    // Meanwhile a whole request on its own connection is answered.
+    let r = reqwest::get(app.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut read = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), slow.read_to_end(&mut read)).await;
+    let waited = started.elapsed();
+    assert!(closed.is_ok(), "still open after {waited:?}");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "closed after {waited:?}"
+    );
+    // Closed without an answer to the half-sent request, or with a 408 at most.
+    let text = String::from_utf8_lossy(&read);
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 408"),
+        "{text}"
+    );
     app.stop().await;
 }
