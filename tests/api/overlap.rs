@@ -112,13 +112,18 @@ async fn an_overlapped_request_prefills_its_head_beside_retrieval_with_the_same_
     );
 
     // gRPC takes the field too; the head is cached now, so the warm computes one position.
+    // Retrieval held as above, so the warm gets its turn before the prompt is built.
     let mut client = app.rag_client().await;
-    let request = QueryRequest {
+    let mut request = tonic::Request::new(QueryRequest {
         query: QUESTION.into(),
         max_tokens: Some(4),
         overlap: Some(true),
         ..Default::default()
-    };
+    });
+    request.metadata_mut().insert(
+        "x-ragscope-fault",
+        r#"{"retrieval": {"delay_ms": 300}}"#.parse().unwrap(),
+    );
     let mut stream = client.query(request).await.unwrap().into_inner();
     let mut done = false;
     while let Some(e) = stream.message().await.unwrap() {
