@@ -460,9 +460,12 @@ pub struct ConnectionArgs {
     /// starts waiting for them (a new connection, or the end of the previous response on a
     /// kept-alive one); a connection that takes longer is closed, so clients that trickle
     /// headers (or hold idle connections) cannot pile up.
-    #[arg(long, env = "RAGSCOPE_HEADER_READ_TIMEOUT_S", value_parser = parse_seconds, default_value = "30")]
+    #[arg(long, env = "RAGSCOPE_HEADER_READ_TIMEOUT_S", value_parser = parse_seconds, default_value = HEADER_READ_TIMEOUT_S)]
     pub header_read_timeout_s: Duration,
 }
+
+/// `--header-read-timeout-s`'s default, shared by the flag and [`ConnectionArgs::default`].
+const HEADER_READ_TIMEOUT_S: &str = "30";
 
 impl Default for ConnectionArgs {
     fn default() -> Self {
@@ -471,7 +474,7 @@ impl Default for ConnectionArgs {
             http2_keepalive_timeout_s: None,
             max_connection_age_s: None,
             max_connection_age_grace_s: None,
-            header_read_timeout_s: Duration::from_secs(30),
+            header_read_timeout_s: parse_seconds(HEADER_READ_TIMEOUT_S).expect("a valid default"),
         }
     }
 }
