@@ -303,6 +303,36 @@ impl Listeners {
     }
 }
 
+/// Raises the open-file soft limit towards the hard one when it is below `wanted` (Go's runtime
+/// raises it at start the same way), and warns when even the hard limit is short: a listener
+/// out of descriptors fails its accepts instead of answering `too_many_connections`.
+fn ensure_open_files(wanted: u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `limit` is a valid rlimit for the call to fill in.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 || limit.rlim_cur >= wanted
+    {
+        return;
+    }
+    let raised = libc::rlimit {
+        rlim_cur: wanted.min(limit.rlim_max),
+        rlim_max: limit.rlim_max,
+    };
+    // SAFETY: a soft limit no higher than the hard one, which the process may always set.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+        limit = raised;
+    }
+    if limit.rlim_cur < wanted {
+        tracing::warn!(
+            open_files = limit.rlim_cur,
+            wanted,
+            "the open-file limit is below what --max-connections on both listeners needs; lower the flag or raise `ulimit -n`"
+        );
+    }
+}
+
 /// Serves `state` over HTTP and gRPC until `shutdown` resolves, then drains: new requests get
 /// 503 (`/ready` and the gRPC health service say not ready) while the ones in flight, streams
 /// included, finish, for up to `state.shutdown_grace`; then both servers stop. Whatever is
@@ -328,6 +358,8 @@ pub async fn run_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     use futures::FutureExt;
+    // Both listeners full, plus the store's files, the telemetry sockets and the refusals.
+    ensure_open_files(2 * u64::from(connections.max_connections) + 256);
     let (readiness, grace) = (state.readiness.clone(), state.shutdown_grace);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stop = async move {

@@ -462,7 +462,16 @@ pub struct ConnectionArgs {
     /// headers (or hold idle connections) cannot pile up.
     #[arg(long, env = "RAGSCOPE_HEADER_READ_TIMEOUT_S", value_parser = parse_seconds, default_value = HEADER_READ_TIMEOUT_S)]
     pub header_read_timeout_s: Duration,
+    /// Open connections each listener (HTTP, gRPC) keeps at most. Past it a new HTTP
+    /// connection is answered 503 `too_many_connections` with `Retry-After` and closed, a new
+    /// gRPC one is closed at accept (the client sees UNAVAILABLE); both are counted. Bounds
+    /// the file descriptors and memory idle or abandoned clients can hold.
+    #[arg(long, env = "RAGSCOPE_MAX_CONNECTIONS", default_value_t = MAX_CONNECTIONS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
 }
+
+/// `--max-connections`' default.
+const MAX_CONNECTIONS: u32 = 1024;
 
 /// `--header-read-timeout-s`'s default, shared by the flag and [`ConnectionArgs::default`].
 const HEADER_READ_TIMEOUT_S: &str = "30";
@@ -475,6 +484,7 @@ impl Default for ConnectionArgs {
             max_connection_age_s: None,
             max_connection_age_grace_s: None,
             header_read_timeout_s: parse_seconds(HEADER_READ_TIMEOUT_S).expect("a valid default"),
+            max_connections: MAX_CONNECTIONS,
         }
     }
 }

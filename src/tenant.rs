@@ -212,16 +212,25 @@ impl Tenant {
         Ok(())
     }
 
-    /// Takes the request token of an admitted job.
+    /// Takes the request token of a job being admitted (counted once it is queued: see
+    /// [`Tenant::count`]).
     pub fn take_request(&self) {
         if let Some(r) = &mut self.buckets.lock().requests {
             r.refill(Instant::now());
             r.level -= 1.0;
         }
-        self.count("admitted");
     }
 
-    /// Counts a refusal of this tenant's job (`outcome` names the limit).
+    /// Gives back the token [`Tenant::take_request`] took, for a job that was not queued after
+    /// all (the queue filled between admission and the send).
+    pub fn refund_request(&self) {
+        if let Some(r) = &mut self.buckets.lock().requests {
+            r.refill(Instant::now());
+            r.level = (r.level + 1.0).min(r.capacity);
+        }
+    }
+
+    /// Counts what became of this tenant's job: `admitted`, or the limit that refused it.
     pub fn count(&self, outcome: &'static str) {
         metrics().tenant_requests.add(
             1,
@@ -478,6 +487,18 @@ mod tests {
         assert!(retry_after > 0.0 && retry_after <= 0.1, "{retry_after}");
         std::thread::sleep(Duration::from_millis(120));
         t.check().expect("a token is back after 1/rps");
+    }
+
+    #[test]
+    fn a_refunded_request_token_admits_the_next_job_and_never_overfills_the_bucket() {
+        let t = Tenant::new("a", Some(Quota::parse("rps=0.001,burst=1").unwrap()));
+        t.take_request();
+        assert!(t.check().is_err(), "the only token was taken");
+        t.refund_request();
+        t.check().expect("the refunded token admits the next job");
+        t.refund_request();
+        t.take_request();
+        assert!(t.check().is_err(), "a refund beyond the burst was kept");
     }
 
     #[test]

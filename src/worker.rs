@@ -535,6 +535,7 @@ impl Workers {
         }
         let depth = self.depth.clone();
         let ledger = self.ledger.clone();
+        let charged = tenant.clone();
         let job: Job = Box::new(move || {
             depth.fetch_sub(1, Ordering::Relaxed);
             metrics().stage(StageKind::Queue, queue.end());
@@ -543,7 +544,7 @@ impl Workers {
                 // A skipped job measures nothing about the service time.
                 return;
             }
-            let _tenant = crate::tenant::enter(tenant);
+            let _tenant = crate::tenant::enter(charged);
             let _ = done_tx.send(work());
             running.measured = true;
         });
@@ -552,8 +553,17 @@ impl Workers {
             None => Err(TrySendError::Disconnected(job)),
         };
         match sent {
-            Ok(()) => Ok(done_rx),
+            Ok(()) => {
+                if let Some(t) = &tenant {
+                    t.count("admitted");
+                }
+                Ok(done_rx)
+            }
             Err(TrySendError::Full(job) | TrySendError::Disconnected(job)) => {
+                // Not the tenant's quota: its token goes back (the refusal is counted below).
+                if let Some(t) = &tenant {
+                    t.refund_request();
+                }
                 self.depth.fetch_sub(1, Ordering::Relaxed);
                 let mut l = self.ledger.lock().expect("worker ledger lock");
                 l.remove_queued(id);

@@ -88,6 +88,20 @@ impl ApiError {
         }
     }
 
+    /// 503 for a connection past `--max-connections`: answered at once and closed, before any
+    /// request on it is read into the router.
+    pub fn too_many_connections(max: usize) -> ApiError {
+        ApiError {
+            retry_after_s: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                format!("the server has its maximum of {max} open connections; retry shortly or reuse a connection"),
+            )
+            .with_code("too_many_connections")
+        }
+    }
+
     /// 401: no API key, or one this server does not know (OpenAI's shape and code).
     pub fn unauthenticated(message: &str) -> ApiError {
         ApiError {

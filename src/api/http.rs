@@ -4,19 +4,28 @@
 //! client reconnects, as a load balancer in front of replicas needs to rebalance keep-alive
 //! clients. HTTP/1 clients get `--header-read-timeout-s` to send their headers, and every
 //! socket has Nagle's algorithm off, so a streamed token is sent when it is written (not held
-//! until the client acknowledges the previous one). Connections are tasks of the loop, so
-//! dropping it cuts whatever still runs.
+//! until the client acknowledges the previous one). Past `--max-connections` open, a new
+//! connection gets one 503 `too_many_connections` and is closed. Connections are tasks of the
+//! loop, so dropping it cuts whatever still runs.
 
 use std::future::Future;
 use std::time::Duration;
 
+use axum::response::IntoResponse;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
+use super::error::ApiError;
+use super::limit::ConnectionLimit;
 use crate::config::ConnectionArgs;
+
+/// Connections past the cap being answered 503 at once; past this many, more are just closed.
+const REFUSING_AT_ONCE: usize = 64;
+/// How long a refused client has to send the request its 503 answers.
+const REFUSAL_TIME: Duration = Duration::from_secs(2);
 
 /// Serves `app` on `listener` until `stop` resolves, then stops accepting, shuts every
 /// connection down gracefully (HTTP/1 finishes the response in flight, HTTP/2 sends GOAWAY and
@@ -49,6 +58,8 @@ pub async fn serve(
         connections.max_connection_age_s,
         connections.max_connection_age_grace_s,
     );
+    let limit = ConnectionLimit::new(connections.max_connections as usize, "http");
+    let mut refusing = JoinSet::new();
     let mut tasks = JoinSet::new();
     let stopping = stop.clone();
     tokio::pin!(stopping);
@@ -57,21 +68,56 @@ pub async fn serve(
             _ = &mut stopping => break,
             // Reaps finished connections so the set holds only open ones.
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            Some(_) = refusing.join_next(), if !refusing.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     if let Err(e) = stream.set_nodelay(true) {
                         tracing::debug!(error = %e, "TCP_NODELAY could not be set");
                     }
-                    let limits = Lifetime { age: age.map(jittered), grace };
-                    tasks.spawn(connection(builder.clone(), stream, app.clone(), limits, stop.clone()));
+                    match limit.admit() {
+                        Some(slot) => {
+                            let limits = Lifetime { age: age.map(jittered), grace };
+                            let conn = connection(builder.clone(), stream, app.clone(), limits, stop.clone());
+                            tasks.spawn(async move {
+                                conn.await;
+                                drop(slot);
+                            });
+                        }
+                        None if refusing.len() < REFUSING_AT_ONCE => {
+                            refusing.spawn(refuse(stream, limit.max()));
+                        }
+                        None => drop(stream),
+                    }
                 }
                 Err(e) => accept_failed(e).await,
             },
         }
     }
     drop(listener);
+    refusing.abort_all();
     while tasks.join_next().await.is_some() {}
     Ok(())
+}
+
+/// Answers every request on a connection past the cap with a 503 (HTTP/1: one, then closes),
+/// within [`REFUSAL_TIME`].
+async fn refuse(stream: TcpStream, max: usize) {
+    let busy = axum::Router::new().fallback(move || async move {
+        let mut response = ApiError::too_many_connections(max).into_response();
+        response.headers_mut().insert(
+            axum::http::header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+        response
+    });
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .keep_alive(false)
+        .timer(TokioTimer::new())
+        .header_read_timeout(REFUSAL_TIME);
+    let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(busy));
+    let _ = tokio::time::timeout(REFUSAL_TIME, conn).await;
 }
 
 /// How long one connection may live: graceful shutdown at `age`, cut `grace` after that.

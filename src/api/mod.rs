@@ -12,6 +12,7 @@ pub mod error;
 pub mod grpc;
 pub mod http;
 pub mod json;
+pub mod limit;
 pub mod openai;
 pub mod openapi;
 pub mod page;

@@ -47,6 +47,10 @@ pub struct Metrics {
     pub snapshots: Counter<u64>,
     /// Streamed generations cancelled because the client stopped reading.
     pub stream_stalls: Counter<u64>,
+    /// Open connections, by `listener` (http, grpc).
+    pub connections_open: UpDownCounter<i64>,
+    /// Connections turned away at accept for `--max-connections`, by `listener`.
+    pub connections_rejected: Counter<u64>,
 }
 
 /// Histograms of what each RAG answer was made of, one observation per request: with them a
@@ -201,6 +205,18 @@ impl Metrics {
                 .u64_counter(metric::STREAM_STALLS)
                 .with_unit("{stream}")
                 .with_description("Streamed generations cancelled: the client stopped reading")
+                .build(),
+            connections_open: meter
+                .i64_up_down_counter(metric::CONNECTIONS_OPEN)
+                .with_unit("{connection}")
+                .with_description("Open connections per listener")
+                .build(),
+            connections_rejected: meter
+                .u64_counter(metric::CONNECTIONS_REJECTED)
+                .with_unit("{connection}")
+                .with_description(
+                    "Connections closed at accept: the listener had --max-connections open",
+                )
                 .build(),
         }
     }

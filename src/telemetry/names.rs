@@ -360,6 +360,7 @@ names! {
         KIND = "kind",
         TENANT = "rag.tenant",
         OUTCOME = "outcome",
+        LISTENER = "listener",
         VERSION = "version",
         SERVICE_NAME = "service.name",
         SERVICE_VERSION = "service.version",
@@ -407,6 +408,8 @@ names! {
         RETRIEVAL_TO_GENERATION_GAP = "ragscope.retrieval_to_generation.gap",
         SNAPSHOTS = "ragscope.snapshots",
         STREAM_STALLS = "ragscope.stream.stalls",
+        CONNECTIONS_OPEN = "ragscope.connections.open",
+        CONNECTIONS_REJECTED = "ragscope.connections.rejected",
     }
 }
 

@@ -2,7 +2,8 @@
 //! connection is closed once past its age, after the response in flight, busy or idle, and the
 //! client's next request goes out on a new connection. Connections are counted where the
 //! client opens them (a layer on reqwest's connector), so nothing on the server is trusted.
-//! A client that never finishes its headers is closed at `--header-read-timeout-s`.
+//! A client that never finishes its headers is closed at `--header-read-timeout-s`, and one past
+//! `--max-connections` is turned away at accept.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -158,5 +159,112 @@ async fn a_client_that_trickles_its_headers_is_closed_while_others_are_served() 
         text.is_empty() || text.starts_with("HTTP/1.1 408"),
         "{text}"
     );
+    app.stop().await;
+}
+
+/// Past `--max-connections` a new HTTP connection gets one 503 naming the cap and is closed,
+/// and a new gRPC connection is closed at accept; the connections already open are still
+/// served, and a slot a closing connection frees goes to the next client.
+#[tokio::test]
+async fn connections_past_the_cap_are_turned_away_while_the_open_ones_are_served() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+    const GET: &[u8] = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    let app = spawn_fake_app_with(FakeGenerator::new(2), &["--max-connections", "2"]).await;
+    let addr = app.base.trim_start_matches("http://").to_string();
+    // Two kept-alive connections take both slots (each answered once, so both were accepted).
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(&addr).await.unwrap();
+        s.write_all(GET).await.unwrap();
+        let mut buf = [0u8; 512];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "{:?}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        held.push(s);
+    }
+    let mut third = TcpStream::connect(&addr).await.unwrap();
+    third.write_all(GET).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut answer))
+        .await
+        .expect("the refused connection is closed")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1"), "{answer}");
+    assert!(
+        answer.contains("\"code\":\"too_many_connections\""),
+        "{answer}"
+    );
+    // The open ones are still served.
+    held[0].write_all(GET).await.unwrap();
+    let mut buf = [0u8; 512];
+    let n = held[0].read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+    // Closing one frees its slot for a new client (once the server has seen the close).
+    drop(held.pop());
+    let freed = Instant::now();
+    loop {
+        let r = reqwest::Client::new()
+            .get(app.url("/health"))
+            .send()
+            .await
+            .unwrap();
+        if r.status() == 200 {
+            break;
+        }
+        assert_eq!(r.status(), 503);
+        assert!(
+            freed.elapsed() < Duration::from_secs(5),
+            "the slot never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // gRPC: two connections that have said nothing yet hold both slots.
+    let grpc = app.grpc.trim_start_matches("http://").to_string();
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        idle.push(TcpStream::connect(&grpc).await.unwrap());
+    }
+    let mut third = TcpStream::connect(&grpc).await.unwrap();
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the third gRPC connection was kept open");
+    assert!(
+        rest.is_empty(),
+        "a refused gRPC connection got {} bytes",
+        rest.len()
+    );
+    drop(idle.pop());
+    let freed = Instant::now();
+    loop {
+        let channel = tonic::transport::Endpoint::from_shared(app.grpc.clone()).unwrap();
+        let called = match channel.connect().await {
+            Ok(c) => tonic_health::pb::health_client::HealthClient::new(c)
+                .check(tonic_health::pb::HealthCheckRequest::default())
+                .await
+                .is_ok(),
+            Err(_) => false,
+        };
+        if called {
+            break;
+        }
+        assert!(
+            freed.elapsed() < Duration::from_secs(5),
+            "the gRPC slot never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(idle);
+    let metrics = app.metrics_text().await;
+    for listener in ["http", "grpc"] {
+        let line = format!("ragscope_connections_rejected_total{{listener=\"{listener}\"");
+        assert!(metrics.contains(&line), "no {line} in:\n{metrics}");
+    }
     app.stop().await;
 }

@@ -19,6 +19,7 @@ use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
 use super::ask::{self, AnswerEvent, Asked, Decoding, DocumentBody};
+use super::limit::ConnectionLimit;
 use super::{AppState, Readiness, RequestStage};
 use crate::ingest::Format;
 use crate::pipeline::context::ContextAsked;
@@ -79,6 +80,8 @@ pub async fn serve(
         .max_encoding_message_size(max_message_bytes);
     let rag = tonic::service::interceptor::InterceptedService::new(rag, interceptor);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming =
+        ConnectionLimit::new(connections.max_connections as usize, "grpc").limit(incoming);
     let mut server = tonic::transport::Server::builder()
         .http2_keepalive_interval(connections.http2_keepalive_interval_s)
         .http2_keepalive_timeout(connections.http2_keepalive_timeout_s);
