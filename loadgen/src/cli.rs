@@ -87,7 +87,8 @@ pub struct ReconnectArgs {
     #[arg(long)]
     pub with_retry: bool,
     /// Rounds; each round runs every arm once, in turn, so drift on the box hits all arms alike.
-    #[arg(long, default_value_t = 3)]
+    /// Even with `--with-retry`, so each of a pair goes first (on the colder caches) as often.
+    #[arg(long, default_value_t = 4)]
     pub rounds: usize,
     /// Requests per arm and round.
     #[arg(long, default_value_t = 100)]

@@ -133,6 +133,13 @@ pub async fn reconnect(a: &ReconnectArgs) -> anyhow::Result<Vec<cold::ReconnectA
     if a.requests == 0 || a.users == 0 || a.rounds == 0 {
         bail!("--requests, --users and --rounds must be at least 1");
     }
+    if a.with_retry && a.rounds % 2 == 1 {
+        bail!(
+            "--rounds {}: with --with-retry it must be even, so each arm and its +retry twin go \
+             first (on the colder caches) equally often",
+            a.rounds
+        );
+    }
     let arms = cold::parse_arms(&a.arms)?;
     let runs = cold::reconnect_runs(&arms, a.with_retry, a.target.retry_refused);
     let mut records: Vec<Vec<RequestRecord>> = vec![Vec::new(); runs.len()];
