@@ -234,7 +234,8 @@ pub struct ModelArgs {
     #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = crate::generate::llama::Llama::MAX_PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
     pub prefill_chunk_tokens: usize,
     /// The generator's weight format (`WeightFormat`'s names, e.g. `Bf16PrefillQ4Decode`);
-    /// unset: the device's default (`F32PrefillQ4Decode` on the CPU).
+    /// unset: the device's default (`Bf16PrefillQ4Decode` on the CPU: BF16 prefill where the
+    /// CPU has AVX-512 BF16, F32 elsewhere).
     #[arg(long, env = "RAGSCOPE_WEIGHT_FORMAT", value_parser = weight_format)]
     pub weight_format: Option<crate::generate::llama::WeightFormat>,
     /// Fetch missing models on start.
@@ -663,6 +664,11 @@ pub struct EvalArgs {
     /// Also generate answers and score them (slow: one generation per question).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub answers: bool,
+    /// Also write every answer, one JSON object a line, to this file: the question, the
+    /// expected facts, the context passages as the prompt got them, the answer, whether it
+    /// carries a fact, its token counts and finish reason (to read why an answer missed).
+    #[arg(long, value_name = "FILE")]
+    pub dump: Option<PathBuf>,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]

@@ -2,6 +2,7 @@
 //! answers containing the expected fact, on the evaluation questions (`eval/questions.jsonl`,
 //! each naming the corpus document that answers it).
 
+use std::io::Write as _;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -163,6 +164,13 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             settings(&args.pipeline)
         );
         let mut tally = AnswerTally::default();
+        let mut dump = match &args.dump {
+            Some(path) => Some(std::io::BufWriter::new(
+                std::fs::File::create(path)
+                    .with_context(|| format!("--dump {}", path.display()))?,
+            )),
+            None => None,
+        };
         for q in &questions {
             let answer = ask(&pipeline, args, handle, &q.question)?;
             let has_fact = |text: &str| {
@@ -173,7 +181,23 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             };
             let ok = has_fact(&answer.answer);
             tally.add(&answer, ok);
-            tally.in_context += answer.context.iter().any(|c| has_fact(c)) as usize;
+            let in_context = answer.context.iter().any(|c| has_fact(c));
+            tally.in_context += in_context as usize;
+            if let Some(out) = &mut dump {
+                let line = json!({
+                    "id": q.id,
+                    "question": q.question,
+                    "answer_contains": q.answer_contains,
+                    "context": answer.context,
+                    "answer": answer.answer,
+                    "ok": ok,
+                    "fact_in_context": in_context,
+                    "prompt_tokens": answer.usage.prompt_tokens,
+                    "completion_tokens": answer.usage.completion_tokens,
+                    "finish_reason": answer.finish_reason.as_str(),
+                });
+                writeln!(out, "{line}")?;
+            }
             println!(
                 "{} {:>4} {:>4}+{:<3} {}",
                 if ok { "ok  " } else { "MISS" },

@@ -434,8 +434,8 @@ mod tests {
     use crate::embed::kernels::avx512_bf16;
     use crate::generate::llama::{Bf16Kernel, Llama, Prefill, WeightFormat};
     use crate::generate::testing::{
-        long_prompt, max_abs_diff, model, our_logits, rag_messages, request, run, test_model_path,
-        MAX_CONTEXT,
+        f32_model, long_prompt, max_abs_diff, model, our_logits, rag_messages, request, run,
+        test_model_path, MAX_CONTEXT,
     };
     use crate::generate::{Generator, Sampling};
 
@@ -556,9 +556,11 @@ mod tests {
             let (out, _) = run(&ours, request(&prompt, 32, Sampling::default()));
             assert_eq!(out.tokens, ref_tokens, "{format:?}: greedy tokens differ");
             if format == WeightFormat::F32 {
-                let ours = our_logits(default_model, &prompt, &[]);
+                // The default's F32 prefill (all of its prefill where there is no AVX-512 BF16).
+                let f32_prefill = f32_model().expect("model");
+                let ours = our_logits(f32_prefill, &prompt, &[]);
                 let diff = max_abs_diff(&ours[0], &ref_logits[0]);
-                assert!(diff < 1e-3, "default format: first logits differ by {diff}");
+                assert!(diff < 1e-3, "F32 prefill: first logits differ by {diff}");
             }
         }
     }
@@ -571,11 +573,11 @@ mod tests {
         let Some(default_model) = model() else { return };
         assert_eq!(
             WeightFormat::for_device(&Device::Cpu),
-            WeightFormat::F32PrefillQ4Decode
+            WeightFormat::Bf16PrefillQ4Decode
         );
         assert_eq!(
             default_model.weight_format(),
-            WeightFormat::F32PrefillQ4Decode
+            WeightFormat::Bf16PrefillQ4Decode
         );
         // Same decode weights as the GPU format: only the prefill format differs.
         let default_model = &Llama::load_with_format(
@@ -717,7 +719,7 @@ mod tests {
     /// position (the one a generation samples from) picks the same token.
     #[test]
     fn bf16_prefill_stays_within_the_documented_tolerance_of_f32() {
-        let Some(f32_model) = model() else { return };
+        let Some(f32_model) = f32_model() else { return };
         let prompt = long_prompt(f32_model);
         assert!(prompt.len() > PREFILL_CHUNK);
         let kernel = if avx512_bf16() {
@@ -776,7 +778,7 @@ mod tests {
     /// detect, it takes BF16 exactly where the CPU has it.
     #[test]
     fn bf16_format_falls_back_to_the_f32_prefill_without_the_instructions() {
-        let Some(f32_model) = model() else { return };
+        let Some(f32_model) = f32_model() else { return };
         let detected = load(WeightFormat::Bf16PrefillQ4Decode, Bf16Kernel::Detect);
         let expected = if avx512_bf16() {
             Prefill::Bf16

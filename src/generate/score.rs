@@ -97,7 +97,7 @@ pub(super) fn score(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::testing::{model, stage};
+    use crate::generate::testing::{f32_model, stage};
     use crate::generate::ChatMessage;
 
     /// The last prefill position's logits, as a generation sees them.
@@ -112,10 +112,12 @@ mod tests {
     }
 
     /// The scoring pass gives, at every position we look at (one past the first prefill chunk
-    /// included), the numbers the ordinary prefill of the prompt up to there gives.
+    /// included), the numbers the ordinary prefill of the prompt up to there gives. On the F32
+    /// prefill: the BF16 one rounds activations, so prefixes of other lengths differ by more
+    /// than this test's 2e-3 for reasons that are not the scoring's.
     #[test]
     fn scores_match_the_prefill_of_each_prefix() {
-        let Some(llama) = model() else { return };
+        let Some(llama) = f32_model() else { return };
         let text = "The quick brown fox jumps over the lazy dog. ".repeat(60);
         let prompt = llama
             .chat_prompt(&[ChatMessage::new("user", text)])

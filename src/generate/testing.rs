@@ -39,6 +39,26 @@ pub(super) fn model() -> Option<&'static Llama> {
         .as_ref()
 }
 
+/// The model with the F32 prefill (`F32PrefillQ4Decode`: what the default runs on a CPU
+/// without AVX-512 BF16), loaded once: the reference the BF16 prefill is measured against, and
+/// the model of tests about exact agreement between two ways of computing the same logits
+/// (BF16 rounding of activations turns a 1e-7 difference into a 1e-3 one).
+pub(super) fn f32_model() -> Option<&'static Llama> {
+    static MODEL: OnceLock<Option<Llama>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| {
+            let default = model()?;
+            let format = super::llama::WeightFormat::F32PrefillQ4Decode;
+            let tokenizer = default.tokenizer().clone();
+            let path = test_model_path();
+            Some(
+                Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)
+                    .expect("load model"),
+            )
+        })
+        .as_ref()
+}
+
 /// A no-op stage: no global tracer provider is installed in unit tests.
 pub(super) fn stage() -> Stage {
     Stage::root("test")

@@ -36,15 +36,16 @@ pub enum WeightFormat {
     /// Dense F32 for prefill (GEMM-bound), Q8_0 for decode (one row: GEMV, bandwidth-bound),
     /// both on candle's ops.
     F32PrefillQ8Decode,
-    /// The CPU default: dense F32 for prefill on candle, and decode on our own
-    /// [`CpuDecoder`] over the file's own blocks (Q4_1 as SmolLM2 ships it, 40% fewer bytes per
-    /// token than Q8_0), batched across requests.
-    #[default]
+    /// Dense F32 for prefill on candle, and decode on our own [`CpuDecoder`] over the file's
+    /// own blocks (Q4_1 as SmolLM2 ships it, 40% fewer bytes per token than Q8_0), batched
+    /// across requests. What the CPU default runs where the CPU has no AVX-512 BF16.
     F32PrefillQ4Decode,
-    /// As [`WeightFormat::F32PrefillQ4Decode`], but the prefill projections multiply in BF16
-    /// with F32 accumulation (AVX-512 BF16 `vdpbf16ps`, the embedder's GEMM) where the CPU has
-    /// it; elsewhere they stay dense F32 on candle, exactly the default's prefill. Attention,
-    /// norms, RoPE, softmax and the output head stay F32. [`Prefill`] says which ran.
+    /// The CPU default: as [`WeightFormat::F32PrefillQ4Decode`], but the prefill projections
+    /// multiply in BF16 with F32 accumulation (AVX-512 BF16 `vdpbf16ps`, the embedder's GEMM)
+    /// where the CPU has it (1.65× faster prefill than F32, docs/PERFORMANCE.md); elsewhere
+    /// they stay dense F32 on candle, bit for bit [`WeightFormat::F32PrefillQ4Decode`].
+    /// Attention, norms, RoPE, softmax and the output head stay F32. [`Prefill`] says which ran.
+    #[default]
     Bf16PrefillQ4Decode,
     /// The GPU default: dense F16 for prefill (tensor-core GEMMs through cuBLAS; activations are
     /// cast to F16 for the matmul and back), Q8_0 for decode (candle's quantised CUDA
@@ -663,7 +664,7 @@ mod tests {
     #[test]
     fn decode_weight_bytes_counts_the_shipped_projections_the_head_and_the_norms() {
         let Some(model) = model() else { return };
-        assert_eq!(model.weight_format(), WeightFormat::F32PrefillQ4Decode);
+        assert_eq!(model.weight_format(), WeightFormat::Bf16PrefillQ4Decode);
         let mut reader = BufReader::new(std::fs::File::open(test_model_path()).unwrap());
         let ct = gguf_file::Content::read(&mut reader).unwrap();
         let mut expected = 0;

@@ -17,7 +17,9 @@ use crate::helpers::{models_dir, spawn_app_with, TestApp};
 const PLAIN: &str = "SmolLM2-135M-Instruct-plain";
 
 /// A completion whose every choice fails with an injected error at its `at`th piece (the
-/// response is the first failure; the other choices run on and fail after it).
+/// response is the first failure; the other choices run on and fail after it). The prompt is a
+/// count, which no sampled choice ends before its `at`th piece whatever the prefill's
+/// arithmetic (a question's answer could, and then nothing fails).
 async fn failing_completion(app: &TestApp, n: usize, at: usize) {
     let r = app
         .client
@@ -28,7 +30,7 @@ async fn failing_completion(app: &TestApp, n: usize, at: usize) {
         )
         .json(&json!({
             "model": PLAIN,
-            "prompt": "The capital of Zorbia is Quenta. Zorbia exports glass and tin.\nQ: What does Zorbia export?\nA:",
+            "prompt": "Counting: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
             "max_tokens": 16, "n": n, "temperature": 0.8, "seed": 7,
         }))
         .send()
