@@ -10,8 +10,9 @@
 //! One block's dot product, with w = d·q + m (Q4_1, q in 0..16) or w = d·q (Q8_0, q signed) and
 //! a = d_a·q_a: Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The integer sums use 8-bit multiplies
 //! with 32-bit accumulation (AVX-512 VNNI `vpdpbusd` where the CPU has it, else AVX2
-//! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. The ISA is picked
-//! once at run time, so one portable binary uses what the machine has.
+//! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. With AVX-512,
+//! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout). The
+//! ISA is picked once at run time, so one portable binary uses what the machine has.
 
 use std::sync::OnceLock;
 
@@ -231,6 +232,10 @@ pub struct QActs {
     rows: usize,
     cols: usize,
     q: Vec<i8>,
+    /// `q` in the quad layout the AVX-512 Q4_1 kernel reads: per four blocks of a row, the
+    /// first 16 values of each block (which meet the weights' low nibbles), then the last 16
+    /// (the high nibbles); the blocks past the row's last full four as in `q`.
+    quad: Vec<i8>,
     /// Per block: the scale d_a (rows padded with zeros as the weights' scales).
     d: Vec<f32>,
     /// Per block: d_a · Σ q_a (for the Q4_1 minimums), laid out as `d`.
@@ -260,12 +265,32 @@ impl QActs {
             self.d[i] = d;
             self.s[i] = s;
         }
+        self.quad.resize(rows * cols, 0);
+        for (q, quad) in self
+            .q
+            .chunks_exact(cols)
+            .zip(self.quad.chunks_exact_mut(cols))
+        {
+            let full = nb / 4 * 4 * BLOCK;
+            for (q, quad) in q[..full]
+                .chunks_exact(4 * BLOCK)
+                .zip(quad.chunks_exact_mut(4 * BLOCK))
+            {
+                for (k, block) in q.chunks_exact(BLOCK).enumerate() {
+                    let half = BLOCK / 2;
+                    quad[k * half..(k + 1) * half].copy_from_slice(&block[..half]);
+                    quad[(4 + k) * half..(5 + k) * half].copy_from_slice(&block[half..]);
+                }
+            }
+            quad[full..].copy_from_slice(&q[full..]);
+        }
     }
 
     fn row(&self, r: usize) -> ActRow<'_> {
         let stride = scale_stride(self.cols);
         ActRow {
             q: &self.q[r * self.cols..(r + 1) * self.cols],
+            quad: &self.quad[r * self.cols..(r + 1) * self.cols],
             d: &self.d[r * stride..(r + 1) * stride],
             s: &self.s[r * stride..(r + 1) * stride],
         }
@@ -315,6 +340,7 @@ struct Row<'a> {
 #[derive(Clone, Copy)]
 struct ActRow<'a> {
     q: &'a [i8],
+    quad: &'a [i8],
     d: &'a [f32],
     s: &'a [f32],
 }
@@ -341,10 +367,13 @@ impl Isa {
                     "f16c" => std::arch::is_x86_feature_detected!("f16c"),
                     "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
                     "avx512vl" => std::arch::is_x86_feature_detected!("avx512vl"),
+                    "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+                    "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
                     _ => false,
                 };
                 if has("avx2") && has("fma") && has("f16c") {
-                    return if has("avx512vnni") && has("avx512vl") {
+                    let avx512 = ["avx512f", "avx512bw", "avx512vl", "avx512vnni"];
+                    return if avx512.iter().all(|f| has(f)) {
                         Isa::Avx512Vnni
                     } else {
                         Isa::Avx2
@@ -498,21 +527,92 @@ mod x86 {
 
     use super::{ActRow, BlockFormat, Dots, Row, BLOCK, ROW_TILE, TILE};
 
-    /// 32 products of unsigned and signed bytes, summed in groups of four into 8 × i32.
+    /// One instruction set's byte dot products.
     trait ByteDot {
+        /// Whether [`ByteDot::quad`] runs: Q4_1 blocks four at a time (AVX-512).
+        const QUADS: bool;
+
+        /// 32 products of unsigned and signed bytes, summed in groups of four into 8 × i32.
         unsafe fn dot(u: __m256i, s: __m256i) -> __m256i;
+
+        /// Four Q4_1 blocks from `blk` (a multiple of four, the blocks `at..at + 4` of the
+        /// group whose `scales` are given) of every row against every activation row in
+        /// [`ActRow::quad`] layout, added to `acc` (lanes `4k..4k + 4` hold block k).
+        unsafe fn quad<const R: usize, const N: usize>(
+            rows: &[Row<'_>; R],
+            acts: &[ActRow<'_>; N],
+            blk: usize,
+            at: usize,
+            scales: &[[[f32; 8]; N]; R],
+            acc: &mut [[__m512; N]; R],
+        );
     }
 
     struct Vnni;
     impl ByteDot for Vnni {
+        const QUADS: bool = true;
+
         #[inline(always)]
         unsafe fn dot(u: __m256i, s: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+        }
+
+        /// 64 bytes of nibbles are four blocks; masked and shifted they are each block's
+        /// first and last 16 weights, which meet the quad layout's two 64-byte halves in two
+        /// `vpdpbusd` (the 256-bit path spends as many instructions on one block).
+        #[inline(always)]
+        unsafe fn quad<const R: usize, const N: usize>(
+            rows: &[Row<'_>; R],
+            acts: &[ActRow<'_>; N],
+            blk: usize,
+            at: usize,
+            scales: &[[[f32; 8]; N]; R],
+            acc: &mut [[__m512; N]; R],
+        ) {
+            unsafe {
+                let low = _mm512_set1_epi8(0x0f);
+                // Lanes 4k..4k + 4 take block k's scale.
+                let block_of_lane =
+                    _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+                let idx = _mm512_add_epi32(block_of_lane, _mm512_set1_epi32(at as i32));
+                let mut a = [(_mm512_setzero_si512(), _mm512_setzero_si512()); N];
+                for (a, act) in a.iter_mut().zip(acts) {
+                    let p = act.quad.as_ptr().add(blk * BLOCK) as *const __m512i;
+                    *a = (_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1)));
+                }
+                for (r, w) in rows.iter().enumerate() {
+                    let x = _mm512_loadu_si512(
+                        w.quants.as_ptr().add(blk * BLOCK / 2) as *const __m512i
+                    );
+                    let lo = _mm512_and_si512(x, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
+                    for n in 0..N {
+                        let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a[n].0);
+                        let isum = _mm512_dpbusd_epi32(isum, hi, a[n].1);
+                        let group = _mm512_castps256_ps512(_mm256_loadu_ps(scales[r][n].as_ptr()));
+                        let scale = _mm512_permutexvar_ps(idx, group);
+                        acc[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r][n]);
+                    }
+                }
+            }
         }
     }
 
     struct Avx2;
     impl ByteDot for Avx2 {
+        const QUADS: bool = false;
+
+        unsafe fn quad<const R: usize, const N: usize>(
+            _: &[Row<'_>; R],
+            _: &[ActRow<'_>; N],
+            _: usize,
+            _: usize,
+            _: &[[[f32; 8]; N]; R],
+            _: &mut [[__m512; N]; R],
+        ) {
+            unreachable!("AVX2 has no 512-bit registers")
+        }
+
         /// Pairs first (i16, no overflow: |q| ≤ 128 × 127 × 2), then pairs of pairs.
         #[inline(always)]
         unsafe fn dot(u: __m256i, s: __m256i) -> __m256i {
@@ -520,7 +620,7 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
     pub(super) unsafe fn dot_tile_vnni(
         format: BlockFormat,
         rows: &[Row<'_>],
@@ -598,11 +698,14 @@ mod x86 {
             }
             for a in acts {
                 assert!(a.q.len() >= nb * BLOCK && a.d.len() >= stride && a.s.len() >= stride);
+                assert!(a.quad.len() >= nb * BLOCK);
             }
             let w0q = rows[0].quants.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); N]; R];
             // Σ m · d_a·Σq_a per lane (Q4_1 only).
             let mut acc_min = [[_mm256_setzero_ps(); N]; R];
+            // The quads' sums (AVX-512 only); all-zero bits are 0.0 in every lane.
+            let mut wide: [[__m512; N]; R] = std::mem::zeroed();
             let low = _mm_set1_epi8(0x0f);
             let mut group = 0;
             while group < nb {
@@ -632,7 +735,15 @@ mod x86 {
                         }
                     }
                 }
-                for i in 0..count {
+                let mut first = 0;
+                if Q4 && D::QUADS {
+                    // Groups start at multiples of eight, so these quads are the activations'.
+                    while first + 4 <= count {
+                        D::quad(rows, acts, group + first, first, &scales, &mut wide);
+                        first += 4;
+                    }
+                }
+                for i in first..count {
                     let blk = group + i;
                     let mut a8 = [_mm256_setzero_si256(); N];
                     for (a8, a) in a8.iter_mut().zip(acts) {
@@ -669,6 +780,9 @@ mod x86 {
             for r in 0..R {
                 for n in 0..N {
                     out[r][n] = hsum(_mm256_add_ps(acc[r][n], acc_min[r][n]));
+                    if Q4 && D::QUADS {
+                        out[r][n] += _mm512_reduce_add_ps(wide[r][n]);
+                    }
                 }
             }
             out
