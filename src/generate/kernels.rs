@@ -537,15 +537,18 @@ mod x86 {
 
         /// Four Q4_1 blocks from `blk` (a multiple of four, the blocks `at..at + 4` of the
         /// group whose `scales` are given) of every row against every activation row in
-        /// [`ActRow::quad`] layout, added to `acc` (lanes `4k..4k + 4` hold block k).
+        /// [`ActRow::quad`] layout, added to `acc` (lanes `4k..4k + 4` hold block k). Only
+        /// called where `QUADS` is true.
         unsafe fn quad<const R: usize, const N: usize>(
-            rows: &[Row<'_>; R],
-            acts: &[ActRow<'_>; N],
-            blk: usize,
-            at: usize,
-            scales: &[[[f32; 8]; N]; R],
-            acc: &mut [[__m512; N]; R],
-        );
+            _rows: &[Row<'_>; R],
+            _acts: &[ActRow<'_>; N],
+            _blk: usize,
+            _at: usize,
+            _scales: &[[[f32; 8]; N]; R],
+            _acc: &mut [[__m512; N]; R],
+        ) {
+            unreachable!("no 512-bit registers")
+        }
     }
 
     struct Vnni;
@@ -601,17 +604,6 @@ mod x86 {
     struct Avx2;
     impl ByteDot for Avx2 {
         const QUADS: bool = false;
-
-        unsafe fn quad<const R: usize, const N: usize>(
-            _: &[Row<'_>; R],
-            _: &[ActRow<'_>; N],
-            _: usize,
-            _: usize,
-            _: &[[[f32; 8]; N]; R],
-            _: &mut [[__m512; N]; R],
-        ) {
-            unreachable!("AVX2 has no 512-bit registers")
-        }
 
         /// Pairs first (i16, no overflow: |q| ≤ 128 × 127 × 2), then pairs of pairs.
         #[inline(always)]
