@@ -164,13 +164,15 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             settings(&args.pipeline)
         );
         let mut tally = AnswerTally::default();
-        let mut dump = match &args.dump {
-            Some(path) => Some(std::io::BufWriter::new(
+        let mut dump = args
+            .dump
+            .as_ref()
+            .map(|path| {
                 std::fs::File::create(path)
-                    .with_context(|| format!("--dump {}", path.display()))?,
-            )),
-            None => None,
-        };
+                    .map(std::io::BufWriter::new)
+                    .with_context(|| format!("--dump {}", path.display()))
+            })
+            .transpose()?;
         for q in &questions {
             let answer = ask(&pipeline, args, handle, &q.question)?;
             let has_fact = |text: &str| {

@@ -266,12 +266,12 @@ impl QActs {
             self.s[i] = s;
         }
         self.quad.resize(rows * cols, 0);
+        let full = nb / 4 * 4 * BLOCK;
         for (q, quad) in self
             .q
             .chunks_exact(cols)
             .zip(self.quad.chunks_exact_mut(cols))
         {
-            let full = nb / 4 * 4 * BLOCK;
             for (q, quad) in q[..full]
                 .chunks_exact(4 * BLOCK)
                 .zip(quad.chunks_exact_mut(4 * BLOCK))

@@ -42,7 +42,8 @@ pub enum WeightFormat {
     F32PrefillQ4Decode,
     /// The CPU default: as [`WeightFormat::F32PrefillQ4Decode`], but the prefill projections
     /// multiply in BF16 with F32 accumulation (AVX-512 BF16 `vdpbf16ps`, the embedder's GEMM)
-    /// where the CPU has it (1.65× faster prefill than F32, docs/PERFORMANCE.md); elsewhere
+    /// where the CPU has it (1.6× faster prefill than F32 on a Zen 5, no faster on an Intel
+    /// Xeon: docs/PERFORMANCE.md, "Prefill in BF16"); elsewhere
     /// they stay dense F32 on candle, bit for bit [`WeightFormat::F32PrefillQ4Decode`].
     /// Attention, norms, RoPE, softmax and the output head stay F32. [`Prefill`] says which ran.
     #[default]
