@@ -482,7 +482,24 @@ fn is_wal_segment(entry: &fs::DirEntry) -> bool {
 /// were all removed, numbering would restart at 0 and the segments, which skip operations
 /// older than their own version, would silently ignore new writes. Removing a prefix of
 /// closed segments is what the WAL's own truncation does.
+///
+/// The engine flocks the WAL directory while the shard is open; this takes the same lock for
+/// the trim, so the WAL of a shard another process has open is left alone (`WouldBlock`).
 pub fn trim_wal(wal: &Path) -> std::io::Result<Trimmed> {
+    let _lock = match fs::File::open(wal) {
+        Ok(dir) => {
+            dir.try_lock().map_err(|e| match e {
+                fs::TryLockError::WouldBlock => std::io::Error::new(
+                    std::io::ErrorKind::WouldBlock,
+                    "in use by another process or another open store",
+                ),
+                fs::TryLockError::Error(e) => e,
+            })?;
+            dir
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Trimmed::default()),
+        Err(e) => return Err(e),
+    };
     let mut closed: Vec<(u64, PathBuf)> = match fs::read_dir(wal) {
         Ok(entries) => entries
             .flatten()
@@ -742,6 +759,24 @@ mod tests {
             .err()
             .expect("a second open must fail");
         assert!(err.to_string().contains("in use"), "{err}");
+    }
+
+    /// Another process's open shard keeps its WAL: the trim takes the engine's lock first.
+    #[test]
+    fn a_locked_wal_is_not_trimmed() {
+        let dir = TempDir::new().unwrap();
+        let wal = dir.path().join("wal");
+        fs::create_dir_all(&wal).unwrap();
+        for start in [1, 5, 9] {
+            fs::write(wal.join(format!("closed-{start}")), b"x").unwrap();
+        }
+        let holder = fs::File::open(&wal).unwrap();
+        holder.try_lock().unwrap();
+        let err = trim_wal(&wal).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::WouldBlock, "{err}");
+        assert_eq!(fs::read_dir(&wal).unwrap().count(), 3, "nothing removed");
+        drop(holder);
+        assert_eq!(trim_wal(&wal).unwrap().files, 2, "unlocked, all but the newest go");
     }
 
     /// Trimming the WAL at open frees its old segments and loses nothing: writes made after a
