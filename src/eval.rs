@@ -113,7 +113,17 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
-        let hits = pipeline.store.search(&vector, top_k, None, &stage)?;
+        let lexical_top_k = args.pipeline.lexical_top_k.min(top_k);
+        let hits = crate::retrieve::hybrid_search(
+            pipeline.store.as_ref(),
+            &q.question,
+            &vector,
+            top_k,
+            lexical_top_k,
+            None,
+            &stage,
+        )?
+        .hits;
         let candidates: Vec<Candidate> = hits
             .iter()
             .map(|h| Candidate {
@@ -131,8 +141,9 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     }
     let n = questions.len() as f64;
     println!(
-        "\nretrieval over {} questions (top_k {top_k}, document-level match)",
-        questions.len()
+        "\nretrieval over {} questions (top_k {top_k}, lexical_top_k {}, document-level match)",
+        questions.len(),
+        args.pipeline.lexical_top_k.min(top_k)
     );
     let header: Vec<String> = args.k.iter().map(|k| format!("recall@{k}")).collect();
     println!(

@@ -225,7 +225,8 @@ impl Pipeline {
         Ok((vector, cache))
     }
 
-    /// 2. The `top_k` nearest chunks.
+    /// 2. The `top_k` nearest chunks, joined by the best BM25 matches over the whole collection
+    ///    (`--lexical-top-k`, at most `top_k`).
     fn retrieve(
         &self,
         run: &mut StageRunner,
@@ -246,18 +247,30 @@ impl Pipeline {
             attributes.push(KeyValue::new(attr::SERVER_ADDRESS, server.address.clone()));
             attributes.push(KeyValue::new(attr::SERVER_PORT, i64::from(server.port)));
         }
+        let lexical_top_k = self.defaults.lexical_top_k.min(req.top_k);
+        attributes.push(KeyValue::new(
+            attr::RETRIEVAL_LEXICAL_TOP_K,
+            lexical_top_k as i64,
+        ));
         let spec = StageSpec::new(StageKind::Retrieve)
             .on(info.collection)
             .with(attributes);
         run.run(spec, |stage| {
-            let hits = self
-                .store
-                .search(vector, req.top_k, req.filter.as_ref(), stage)?;
-            stage.set(KeyValue::new(
-                attr::DB_RESPONSE_RETURNED_ROWS,
-                hits.len() as i64,
-            ));
-            Ok(hits)
+            let found = crate::retrieve::hybrid_search(
+                self.store.as_ref(),
+                &req.query,
+                vector,
+                req.top_k,
+                lexical_top_k,
+                req.filter.as_ref(),
+                stage,
+            )?;
+            stage.set_all([
+                KeyValue::new(attr::DB_RESPONSE_RETURNED_ROWS, found.hits.len() as i64),
+                KeyValue::new(attr::RETRIEVAL_LEXICAL_HITS, found.lexical as i64),
+                KeyValue::new(attr::RETRIEVAL_LEXICAL_ADDED, found.lexical_added as i64),
+            ]);
+            Ok(found.hits)
         })
     }
 

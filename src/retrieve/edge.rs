@@ -9,15 +9,20 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use qdrant_edge::{
-    Condition as QdrantCondition, CountRequest, CreateIndex, Distance, EdgeConfig,
-    EdgeOptimizersConfig, EdgeShard, EdgeVectorParams, FieldCondition, FieldIndexOperations,
-    Filter as QdrantFilter, HasIdCondition, JsonPath, Match, NamedQuery, OperationError,
-    PayloadFieldSchema, PayloadSchemaType, PointId, PointInsertOperations, PointOperations,
-    PointStruct, PointStructPersisted, QueryEnum, QueryRequest, ScoringQuery, ScrollRequest,
-    UpdateOperation, WalOptions, WithPayloadInterface, WithVector, DEFAULT_VECTOR_NAME,
+    Condition as QdrantCondition, CountRequest, CreateIndex, CreateVectorName, Distance,
+    EdgeConfig, EdgeOptimizersConfig, EdgeShard, EdgeSparseVectorParamsBuilder, EdgeVectorParams,
+    FieldCondition, FieldIndexOperations, Filter as QdrantFilter, HasIdCondition,
+    HasVectorCondition, JsonPath, Match, Modifier, NamedQuery, OperationError, PayloadFieldSchema,
+    PayloadSchemaType, PointId, PointInsertOperations, PointOperations, PointStruct,
+    PointStructPersisted, PointVectorsPersisted, Prefetch, QueryEnum, QueryRequest, Record,
+    ScoringQuery, ScrollRequest, SparseVector, UpdateOperation, UpdateVectorsOp, Vector,
+    VectorInternal, VectorNameConfig, VectorNameOperations, VectorOperations, VectorPersisted,
+    VectorStructPersisted, Vectors, WalOptions, WithPayloadInterface, WithVector,
+    DEFAULT_VECTOR_NAME,
 };
 use serde_json::Value;
 
+use super::lexical::{self, Terms, LEXICAL_VECTOR};
 use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
 use super::{Chunk, Filter, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use crate::telemetry::span::Stage;
@@ -25,7 +30,8 @@ use crate::telemetry::span::Stage;
 /// A collection stored in an embedded Qdrant Edge shard at `<dir>/<collection>`.
 ///
 /// Points use the chunk UUID as id, the default (unnamed) dense vector with cosine distance,
-/// and the chunk fields as payload. Searches are exact scans until [`VectorStore::build_index`]
+/// a sparse vector of BM25 term weights ([`LEXICAL_VECTOR`], IDF applied by the engine), and
+/// the chunk fields as payload. Searches are exact scans until [`VectorStore::build_index`]
 /// builds HNSW.
 pub struct EdgeStore {
     /// Dropped by hand in `Drop`, see there.
@@ -121,6 +127,7 @@ impl EdgeStore {
             writer: WriteLock::default(),
         };
         store.ensure_payload_indexes()?;
+        store.ensure_lexical_vectors()?;
         Ok(store)
     }
 
@@ -138,19 +145,7 @@ impl EdgeStore {
     /// (`ragscope store audit`), not for serving: it reads the whole collection.
     pub fn points(&self) -> Result<Vec<(Chunk, Vec<f32>)>, StoreError> {
         let mut out = Vec::new();
-        let mut offset = None;
-        loop {
-            let (records, next) = self
-                .shard
-                .scroll(ScrollRequest {
-                    offset,
-                    limit: Some(payload::UPSERT_BATCH),
-                    filter: None,
-                    with_payload: Some(WithPayloadInterface::Bool(true)),
-                    with_vector: WithVector::Bool(true),
-                    order_by: None,
-                })
-                .map_err(backend(&format!("scrolling `{}`", self.collection)))?;
+        self.scroll_pages(None, true, |records| {
             for record in records {
                 let id = record.id.to_string();
                 let vector = record
@@ -165,9 +160,36 @@ impl EdgeStore {
                 let payload = record.payload.map(|p| p.0).unwrap_or_default();
                 out.push((chunk_from_payload(id, payload)?, vector));
             }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// Hands `page` the points `filter` selects (all: `None`), with their payloads and, if
+    /// `with_vector`, their vectors, [`payload::UPSERT_BATCH`] at a time, in id order.
+    fn scroll_pages(
+        &self,
+        filter: Option<QdrantFilter>,
+        with_vector: bool,
+        mut page: impl FnMut(Vec<Record>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        let mut offset = None;
+        loop {
+            let (records, next) = self
+                .shard
+                .scroll(ScrollRequest {
+                    offset,
+                    limit: Some(payload::UPSERT_BATCH),
+                    filter: filter.clone(),
+                    with_payload: Some(WithPayloadInterface::Bool(true)),
+                    with_vector: WithVector::Bool(with_vector),
+                    order_by: None,
+                })
+                .map_err(backend(&format!("scrolling `{}`", self.collection)))?;
+            page(records)?;
             match next {
                 Some(next) => offset = Some(next),
-                None => return Ok(out),
+                None => return Ok(()),
             }
         }
     }
@@ -217,6 +239,107 @@ impl EdgeStore {
         Ok(removed)
     }
 
+    /// The `top_k` points nearest to `vector` that pass `filter`, among those `prefetches`
+    /// select (all points: none), best first; `doing` names the call in errors.
+    fn nearest(
+        &self,
+        prefetches: Vec<Prefetch>,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<QdrantFilter>,
+        doing: &str,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        let request = QueryRequest {
+            prefetches,
+            query: Some(ScoringQuery::Vector(QueryEnum::Nearest(
+                NamedQuery::default_dense(vector.to_vec()),
+            ))),
+            filter,
+            score_threshold: None,
+            limit: top_k,
+            offset: 0,
+            params: None,
+            with_vector: WithVector::Bool(false),
+            with_payload: WithPayloadInterface::Bool(true),
+        };
+        let points = self
+            .shard
+            .query(request)
+            .map_err(backend(&format!("{doing} `{}`", self.collection)))?;
+        scored_chunks(points)
+    }
+
+    /// Gives a shard made before hybrid retrieval its lexical vectors: declares the sparse
+    /// vector, then writes the term weights of every point that lacks them (each start looks,
+    /// so a start killed half-way finishes the job at the next).
+    fn ensure_lexical_vectors(&self) -> Result<(), StoreError> {
+        let _writer = self.writer.hold();
+        let declared = self
+            .shard
+            .config()
+            .sparse_vectors
+            .contains_key(LEXICAL_VECTOR);
+        if !declared {
+            // The wrapper types of a vector's config are not exported; their serde form is.
+            let config: VectorNameConfig =
+                serde_json::from_value(serde_json::json!({"sparse": {"modifier": "idf"}}))
+                    .map_err(|e| StoreError::Backend(format!("the lexical vector config: {e}")))?;
+            self.shard
+                .update(UpdateOperation::VectorNameOperation(
+                    VectorNameOperations::CreateVectorName(CreateVectorName {
+                        vector_name: LEXICAL_VECTOR.into(),
+                        config,
+                    }),
+                ))
+                .map_err(backend(&format!(
+                    "adding the lexical vector to `{}`",
+                    self.collection
+                )))?;
+            self.shard.flush();
+        }
+        let mut lacking = QdrantFilter::new();
+        lacking.must_not = Some(vec![QdrantCondition::HasVector(HasVectorCondition::from(
+            LEXICAL_VECTOR.to_string(),
+        ))]);
+        let mut filled = 0usize;
+        self.scroll_pages(Some(lacking), false, |records| {
+            let mut points = Vec::with_capacity(records.len());
+            for record in records {
+                let id = record.id;
+                let payload = record.payload.map(|p| p.0).unwrap_or_default();
+                let chunk = chunk_from_payload(id.to_string(), payload)?;
+                let terms = lexical::document(&chunk.text);
+                points.push(PointVectorsPersisted {
+                    id,
+                    vector: VectorStructPersisted::Named(
+                        [(LEXICAL_VECTOR.to_string(), sparse_persisted(terms))].into(),
+                    ),
+                });
+            }
+            filled += points.len();
+            if !points.is_empty() {
+                self.shard
+                    .update(UpdateOperation::VectorOperation(
+                        VectorOperations::UpdateVectors(UpdateVectorsOp {
+                            points,
+                            update_filter: None,
+                        }),
+                    ))
+                    .map_err(backend(&format!(
+                        "writing lexical vectors into `{}`",
+                        self.collection
+                    )))?;
+            }
+            Ok(())
+        })?;
+        if filled > 0 {
+            self.shard.flush();
+            tracing::info!(path = %self.path.display(), chunks = filled,
+                "wrote the lexical (BM25) vectors of chunks stored before hybrid retrieval");
+        }
+        Ok(())
+    }
+
     fn ensure_payload_indexes(&self) -> Result<(), StoreError> {
         let existing = self.shard.info().payload_schema;
         let _writer = self.writer.hold();
@@ -251,8 +374,10 @@ impl VectorStore for EdgeStore {
             system: "qdrant-edge",
             collection: self.collection.clone(),
             // Only segments that went through `optimize` carry HNSW; this reads the segments
-            // themselves, so it stays right after a restart.
-            index: if info.indexed_vectors_count > 0 {
+            // themselves, so it stays right after a restart. The engine counts every point's
+            // sparse (lexical) vector as indexed in any segment, so HNSW shows as the count
+            // beyond one a point.
+            index: if info.indexed_vectors_count > info.points_count {
                 "hnsw"
             } else {
                 "plain"
@@ -272,8 +397,12 @@ impl VectorStore for EdgeStore {
             chunks,
             vectors,
             self.dimension,
-            |key, vector, p| -> PointStructPersisted {
-                PointStruct::new(to_point_id(key), vector, Value::Object(p)).into()
+            |key, vector, terms, p| -> PointStructPersisted {
+                let vectors = Vectors::new_named([
+                    (DEFAULT_VECTOR_NAME, Vector::new_dense(vector)),
+                    (LEXICAL_VECTOR, Vector(sparse_internal(terms))),
+                ]);
+                PointStruct::new(to_point_id(key), vectors, Value::Object(p)).into()
             },
         )?;
         if points.is_empty() {
@@ -304,33 +433,36 @@ impl VectorStore for EdgeStore {
         if !payload::search_needed(vector, top_k, self.dimension)? {
             return Ok(Vec::new());
         }
-        let request = QueryRequest {
+        let filter = filter.map(to_qdrant_filter).transpose()?.flatten();
+        self.nearest(Vec::new(), vector, top_k, filter, "searching")
+    }
+
+    fn search_lexical(
+        &self,
+        terms: &Terms,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<&Filter>,
+        _stage: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        if !payload::search_needed(vector, top_k, self.dimension)? || terms.is_empty() {
+            return Ok(Vec::new());
+        }
+        let filter = filter.map(to_qdrant_filter).transpose()?.flatten();
+        // The BM25 matches are fetched by a prefetch and rescored by the dense query, so every
+        // candidate carries its cosine, as the dense ones do.
+        let lexical = Prefetch {
             prefetches: Vec::new(),
-            query: Some(ScoringQuery::Vector(QueryEnum::Nearest(
-                NamedQuery::default_dense(vector.to_vec()),
-            ))),
-            filter: filter.map(to_qdrant_filter).transpose()?.flatten(),
-            score_threshold: None,
+            query: Some(ScoringQuery::Vector(QueryEnum::Nearest(NamedQuery {
+                query: sparse_internal(terms.clone()),
+                using: Some(LEXICAL_VECTOR.to_string()),
+            }))),
             limit: top_k,
-            offset: 0,
             params: None,
-            with_vector: WithVector::Bool(false),
-            with_payload: WithPayloadInterface::Bool(true),
+            filter: filter.clone(),
+            score_threshold: None,
         };
-        let points = self
-            .shard
-            .query(request)
-            .map_err(backend(&format!("searching `{}`", self.collection)))?;
-        points
-            .into_iter()
-            .map(|point| {
-                let payload = point.payload.map(|p| p.0).unwrap_or_default();
-                Ok(ScoredChunk {
-                    chunk: chunk_from_payload(point.id.to_string(), payload)?,
-                    score: point.score,
-                })
-            })
-            .collect()
+        self.nearest(vec![lexical], vector, top_k, filter, "searching by terms")
     }
 
     fn existing(&self, ids: &[String], _stage: &Stage) -> Result<HashSet<String>, StoreError> {
@@ -402,12 +534,19 @@ impl VectorStore for EdgeStore {
     }
 }
 
-/// The config of a new shard: one unnamed cosine vector, and our optimizer settings.
+/// The config of a new shard: one unnamed cosine vector, the lexical sparse vector with the
+/// IDF modifier, and our optimizer settings.
 fn shard_config(dimension: usize) -> EdgeConfig {
     EdgeConfig::builder()
         .vector(
             DEFAULT_VECTOR_NAME,
             EdgeVectorParams::builder(dimension, Distance::Cosine).build(),
+        )
+        .sparse_vector(
+            LEXICAL_VECTOR,
+            EdgeSparseVectorParamsBuilder::new()
+                .modifier(Modifier::Idf)
+                .build(),
         )
         .optimizers(optimizers_config())
         .wal_options(WalOptions {
@@ -556,6 +695,35 @@ fn backend(context: &str) -> impl FnOnce(OperationError) -> StoreError + '_ {
     move |e| StoreError::Backend(format!("{context}: {e}"))
 }
 
+/// The engine's answer to a query as chunks with their scores, best first.
+fn scored_chunks(points: Vec<qdrant_edge::ScoredPoint>) -> Result<Vec<ScoredChunk>, StoreError> {
+    points
+        .into_iter()
+        .map(|point| {
+            let payload = point.payload.map(|p| p.0).unwrap_or_default();
+            Ok(ScoredChunk {
+                chunk: chunk_from_payload(point.id.to_string(), payload)?,
+                score: point.score,
+            })
+        })
+        .collect()
+}
+
+fn sparse(terms: Terms) -> SparseVector {
+    SparseVector {
+        indices: terms.indices,
+        values: terms.values,
+    }
+}
+
+fn sparse_internal(terms: Terms) -> VectorInternal {
+    VectorInternal::Sparse(sparse(terms))
+}
+
+fn sparse_persisted(terms: Terms) -> VectorPersisted {
+    VectorPersisted::Sparse(sparse(terms))
+}
+
 fn to_point_id(key: PointKey) -> PointId {
     match key {
         PointKey::Num(n) => PointId::NumId(n),
@@ -654,6 +822,167 @@ mod tests {
 
     // What every store must do (search, filters, ids, deletes, bad input, reopening) is the
     // conformance suite's, in tests/api/store_conformance.rs; these tests are about the engine.
+
+    /// Chunk `position` of `doc_id` with the given text.
+    fn text_chunk(doc_id: &str, position: u32, text: &str) -> Chunk {
+        Chunk {
+            text: text.into(),
+            ..chunk(doc_id, position)
+        }
+    }
+
+    /// Four chunks about git; the one that answers "undo add" points away from the query.
+    fn git_sample() -> (Vec<Chunk>, Vec<Vec<f32>>) {
+        let chunks = vec![
+            text_chunk(
+                "rm",
+                0,
+                "git rm removes files from the working tree and the index",
+            ),
+            text_chunk(
+                "add",
+                0,
+                "git add stages the content of files for the next commit",
+            ),
+            text_chunk(
+                "commit",
+                0,
+                "git commit records the staged changes in the repository",
+            ),
+            text_chunk(
+                "reset",
+                0,
+                "Undo add: after git add frotz.c, git reset unstages it",
+            ),
+        ];
+        // Toward the query (axis 0) in this order; "reset" at right angles to it.
+        let vectors = vec![
+            vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            vec![0.8, 0.6, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            vec![0.6, 0.8, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+            vec![0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+        ];
+        (chunks, vectors)
+    }
+
+    #[test]
+    fn lexical_search_finds_the_rare_word_the_vectors_miss() {
+        let dir = TempDir::new().unwrap();
+        let store = EdgeStore::open(dir.path(), "lex", DIM).unwrap();
+        let (chunks, vectors) = git_sample();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
+        let question = "How do I undo git add?";
+        let query = vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        for indexed in [false, true] {
+            if indexed {
+                store.build_index().unwrap();
+            }
+            let dense = store.search(&query, 2, None, &stage()).unwrap();
+            assert!(dense.iter().all(|h| h.chunk.doc_id != "reset"), "{dense:?}");
+            let lexical = store
+                .search_lexical(&lexical::query(question), &query, 2, None, &stage())
+                .unwrap();
+            let docs: Vec<&str> = lexical.iter().map(|h| h.chunk.doc_id.as_str()).collect();
+            assert!(docs.contains(&"reset"), "indexed {indexed}: {docs:?}");
+            // Scored by cosine, like the dense hits.
+            let reset = lexical.iter().find(|h| h.chunk.doc_id == "reset").unwrap();
+            let cosine = |a: &[f32], b: &[f32]| {
+                let dot: f32 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+                let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+                dot / (norm(a) * norm(b))
+            };
+            assert!(
+                (reset.score - cosine(&query, &vectors[3])).abs() < 1e-4,
+                "{reset:?}"
+            );
+
+            let found = super::super::hybrid_search(&store, question, &query, 2, 2, None, &stage())
+                .unwrap();
+            assert_eq!((found.dense, found.lexical), (2, 2), "{found:?}");
+            let ids: HashSet<&str> = found.hits.iter().map(|h| h.chunk.id.as_str()).collect();
+            assert_eq!(ids.len(), found.hits.len(), "each chunk once");
+            assert_eq!(found.hits.len(), 2 + found.lexical_added);
+            assert!(found.hits.windows(2).all(|w| w[0].score >= w[1].score));
+            assert!(found.hits.iter().any(|h| h.chunk.doc_id == "reset"));
+        }
+        // A filter applies to the lexical matches too.
+        let only_rm = Filter {
+            conditions: vec![super::super::Condition {
+                field: super::super::FilterField::DocId,
+                matches: MatchValue::Keyword("rm".into()),
+            }],
+        };
+        let filtered = store
+            .search_lexical(
+                &lexical::query(question),
+                &query,
+                4,
+                Some(&only_rm),
+                &stage(),
+            )
+            .unwrap();
+        assert!(
+            filtered.iter().all(|h| h.chunk.doc_id == "rm"),
+            "{filtered:?}"
+        );
+    }
+
+    /// A shard written before hybrid retrieval (dense vectors only) gets its lexical vectors
+    /// at the next open, and keeps every point.
+    #[test]
+    fn an_older_shard_gets_its_lexical_vectors_at_open() {
+        let dir = TempDir::new().unwrap();
+        let (chunks, vectors) = git_sample();
+        {
+            let path = dir.path().join("old");
+            fs::create_dir_all(&path).unwrap();
+            let old = EdgeConfig::builder()
+                .vector(
+                    DEFAULT_VECTOR_NAME,
+                    EdgeVectorParams::builder(DIM, Distance::Cosine).build(),
+                )
+                .optimizers(optimizers_config())
+                .build();
+            let shard = EdgeShard::new(&path, old).unwrap();
+            let points: Vec<PointStructPersisted> = chunks
+                .iter()
+                .zip(&vectors)
+                .map(|(c, v)| {
+                    let key = PointKey::for_chunk(&c.id).unwrap();
+                    let p = Value::Object(payload::chunk_payload(c));
+                    PointStruct::new(to_point_id(key), v.clone(), p).into()
+                })
+                .collect();
+            shard
+                .update(UpdateOperation::PointOperation(
+                    PointOperations::UpsertPoints(PointInsertOperations::PointsList(points)),
+                ))
+                .unwrap();
+            shard.flush();
+        }
+        for round in 0..2 {
+            let store = EdgeStore::open(dir.path(), "old", DIM).unwrap();
+            assert_eq!(store.count().unwrap(), chunks.len() + round);
+            let best = |words: &str| {
+                store
+                    .search_lexical(&lexical::query(words), &axis_vector(0), 1, None, &stage())
+                    .unwrap()
+            };
+            let lexical = best("undo add");
+            assert_eq!(lexical.len(), 1, "{lexical:?}");
+            assert_eq!(lexical[0].chunk.doc_id, "reset");
+            // New writes carry both vectors.
+            store
+                .upsert(
+                    &[text_chunk("stash", 0, "git stash pop applies the stash")],
+                    &[axis_vector(5)],
+                    &stage(),
+                )
+                .unwrap();
+            let pop = best("stash pop");
+            assert_eq!(pop[0].chunk.doc_id, "stash");
+        }
+    }
 
     #[test]
     fn info_names_the_engine_and_counts_points() {
@@ -776,7 +1105,11 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::WouldBlock, "{err}");
         assert_eq!(fs::read_dir(&wal).unwrap().count(), 3, "nothing removed");
         drop(holder);
-        assert_eq!(trim_wal(&wal).unwrap().files, 2, "unlocked, all but the newest go");
+        assert_eq!(
+            trim_wal(&wal).unwrap().files,
+            2,
+            "unlocked, all but the newest go"
+        );
     }
 
     /// Trimming the WAL at open frees its old segments and loses nothing: writes made after a

@@ -10,6 +10,7 @@
 pub mod audit;
 mod damage;
 pub mod edge;
+pub mod lexical;
 pub mod payload;
 pub mod remote;
 
@@ -19,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::telemetry::span::Stage;
+use lexical::Terms;
 
 /// One chunk of an ingested document, as stored with its vector.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -140,6 +142,55 @@ impl Filter {
     }
 }
 
+/// What hybrid retrieval found ([`hybrid_search`]).
+#[derive(Debug, Clone, Default)]
+pub struct Retrieved {
+    /// The dense candidates and the lexical ones they lacked, by cosine, best first.
+    pub hits: Vec<ScoredChunk>,
+    /// How many the dense search returned.
+    pub dense: usize,
+    /// How many the lexical search returned, and how many of those the dense ones lacked.
+    pub lexical: usize,
+    pub lexical_added: usize,
+}
+
+/// The `top_k` nearest chunks to `vector` joined by the `lexical_top_k` best BM25 matches of
+/// `query`'s words over the whole collection (0: dense only), each once, ordered by cosine.
+/// The reranker then decides between them: a lexical match usually has a lower cosine than
+/// every dense candidate, which is why the dense search alone never returned it.
+pub fn hybrid_search(
+    store: &dyn VectorStore,
+    query: &str,
+    vector: &[f32],
+    top_k: usize,
+    lexical_top_k: usize,
+    filter: Option<&Filter>,
+    stage: &Stage,
+) -> Result<Retrieved, StoreError> {
+    let mut hits = store.search(vector, top_k, filter, stage)?;
+    let dense = hits.len();
+    let lexical_hits = if lexical_top_k > 0 {
+        store.search_lexical(&lexical::query(query), vector, lexical_top_k, filter, stage)?
+    } else {
+        Vec::new()
+    };
+    let lexical = lexical_hits.len();
+    let seen: HashSet<String> = hits.iter().map(|h| h.chunk.id.clone()).collect();
+    hits.extend(
+        lexical_hits
+            .into_iter()
+            .filter(|h| !seen.contains(&h.chunk.id)),
+    );
+    let lexical_added = hits.len() - dense;
+    hits.sort_by(|a, b| b.score.total_cmp(&a.score));
+    Ok(Retrieved {
+        hits,
+        dense,
+        lexical,
+        lexical_added,
+    })
+}
+
 fn valid_metadata_key(key: &str) -> bool {
     !key.is_empty()
         && key.len() <= 64
@@ -203,6 +254,19 @@ pub trait VectorStore: Send + Sync {
     /// The `top_k` nearest chunks to `vector` that pass `filter`, best first.
     fn search(
         &self,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<&Filter>,
+        stage: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError>;
+
+    /// The `top_k` chunks that pass `filter` and best match `terms` by BM25 over the whole
+    /// collection (IDF from the collection's statistics), each scored by its cosine to
+    /// `vector` and ordered by it, as [`search`](Self::search) scores. A collection without
+    /// the lexical vector finds nothing.
+    fn search_lexical(
+        &self,
+        terms: &Terms,
         vector: &[f32],
         top_k: usize,
         filter: Option<&Filter>,

@@ -13,6 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use serde_json::{Map, Value};
 
+use super::lexical::{self, Terms};
 use super::{Chunk, Condition, Filter, FilterField, MatchValue, StoreError};
 
 /// Payload fields with a keyword index: the filters the API exposes first.
@@ -81,13 +82,13 @@ pub fn search_needed(vector: &[f32], top_k: usize, dimension: usize) -> Result<b
 }
 
 /// Checks an upsert's arguments and builds the backend's points, each by `point` from the
-/// chunk's point id, its vector and its payload. Nothing is built, so nothing is written,
+/// chunk's point id, its vector, its text's lexical term weights and its payload. Nothing is built, so nothing is written,
 /// unless every chunk has a vector of the right dimension and a storable id.
 pub fn upsert_points<P>(
     chunks: &[Chunk],
     vectors: &[Vec<f32>],
     dimension: usize,
-    mut point: impl FnMut(PointKey, Vec<f32>, Map<String, Value>) -> P,
+    mut point: impl FnMut(PointKey, Vec<f32>, Terms, Map<String, Value>) -> P,
 ) -> Result<Vec<P>, StoreError> {
     if chunks.len() != vectors.len() {
         return Err(StoreError::Backend(format!(
@@ -102,7 +103,8 @@ pub fn upsert_points<P>(
         .map(|(chunk, vector)| {
             check_dimension(vector, dimension)?;
             let key = PointKey::for_chunk(&chunk.id)?;
-            Ok(point(key, vector.clone(), chunk_payload(chunk)))
+            let terms = lexical::document(&chunk.text);
+            Ok(point(key, vector.clone(), terms, chunk_payload(chunk)))
         })
         .collect()
 }

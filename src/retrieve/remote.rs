@@ -1,8 +1,9 @@
 //! A Qdrant server as the vector store, over gRPC with `qdrant-client`: what lets several
 //! stateless ragscope replicas share one collection (or a Qdrant cluster).
 //!
-//! Same points as the embedded engine (chunk UUID as id, one unnamed cosine vector, the chunk
-//! as payload, keyword indexes on `doc_id` and `source`) and the same filter lowering, both from
+//! Same points as the embedded engine (chunk UUID as id, one unnamed cosine vector, the BM25
+//! sparse vector of [`lexical`](super::lexical) with the IDF modifier, the chunk as payload,
+//! keyword indexes on `doc_id` and `source`) and the same filter lowering, both from
 //! [`payload`](super::payload). The trait is synchronous and runs on model-worker or blocking
 //! threads; each call is driven on a small tokio runtime this store owns, so no caller ever
 //! blocks an executor thread. Every call a request makes carries the caller's W3C trace
@@ -19,14 +20,17 @@ use qdrant_client::qdrant::vectors_config::Config as VectorsConfig;
 use qdrant_client::qdrant::{
     CollectionInfo, Condition as QdrantCondition, CountPointsBuilder, CreateCollectionBuilder,
     CreateFieldIndexCollectionBuilder, DeletePointsBuilder, Distance, FieldType,
-    Filter as QdrantFilter, GetPointsBuilder, PointId, PointStruct, QueryPointsBuilder,
-    RepeatedStrings, UpsertPointsBuilder, VectorParamsBuilder,
+    Filter as QdrantFilter, GetPointsBuilder, Modifier, NamedVectors, PointId, PointStruct,
+    PrefetchQueryBuilder, Query, QueryPointsBuilder, RepeatedStrings, ScoredPoint,
+    SparseVectorParamsBuilder, SparseVectorsConfigBuilder, UpsertPointsBuilder, Vector,
+    VectorInput, VectorParamsBuilder, Vectors,
 };
 use qdrant_client::{Payload, Qdrant, QdrantError};
 use serde_json::Map;
 use tokio::runtime::Runtime;
 use tonic::Code;
 
+use super::lexical::{Terms, LEXICAL_VECTOR};
 use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
 use super::{
     Chunk, Filter, MatchValue, ScoredChunk, ServerAddress, StoreError, StoreInfo, VectorStore,
@@ -49,6 +53,10 @@ pub struct RemoteStore {
     server: ServerAddress,
     collection: String,
     dimension: usize,
+    /// Whether the collection has the lexical sparse vector: those made by this version do;
+    /// an older one is served dense-only (a warning at start says so), and its points are
+    /// written without it, which the server would refuse.
+    lexical: bool,
     /// Point count and index state, refreshed in the background: `info` runs per query and on
     /// async threads, so it must never wait for the server.
     stats: Arc<Mutex<Stats>>,
@@ -102,13 +110,14 @@ impl RemoteStore {
             .skip_compatibility_check()
             .build()
             .map_err(|e| StoreError::Backend(format!("Qdrant URL {url}: {e}")))?;
-        let store = RemoteStore {
+        let mut store = RemoteStore {
             client,
             runtime: Some(runtime),
             url: url.to_string(),
             server,
             collection: collection.to_string(),
             dimension,
+            lexical: false,
             stats: Arc::new(Mutex::new(Stats {
                 points: 0,
                 index: "unknown",
@@ -118,6 +127,17 @@ impl RemoteStore {
             writer: WriteLock::default(),
         };
         let info = store.ensure_collection()?;
+        store.lexical = info
+            .config
+            .as_ref()
+            .and_then(|c| c.params.as_ref())
+            .and_then(|p| p.sparse_vectors_config.as_ref())
+            .is_some_and(|s| s.map.contains_key(LEXICAL_VECTOR));
+        if !store.lexical {
+            tracing::warn!(collection = %collection, url = %url,
+                "the collection has no `{LEXICAL_VECTOR}` sparse vector (made by an older ragscope): \
+                 retrieval is dense-only; re-create it under a new --collection and re-ingest for hybrid retrieval");
+        }
         store.record_stats(&info);
         Ok(store)
     }
@@ -134,10 +154,16 @@ impl RemoteStore {
             None => {
                 let name = self.collection.clone();
                 let dim = self.dimension as u64;
+                let mut sparse = SparseVectorsConfigBuilder::default();
+                sparse.add_named_vector_params(
+                    LEXICAL_VECTOR,
+                    SparseVectorParamsBuilder::default().modifier(Modifier::Idf),
+                );
                 let created = self.run(None, |c| async move {
                     c.create_collection(
                         CreateCollectionBuilder::new(name)
-                            .vectors_config(VectorParamsBuilder::new(dim, Distance::Cosine)),
+                            .vectors_config(VectorParamsBuilder::new(dim, Distance::Cosine))
+                            .sparse_vectors_config(sparse),
                     )
                     .await
                 });
@@ -355,9 +381,21 @@ impl VectorStore for RemoteStore {
         vectors: &[Vec<f32>],
         stage: &Stage,
     ) -> Result<(), StoreError> {
-        let points = payload::upsert_points(chunks, vectors, self.dimension, |key, vector, p| {
-            PointStruct::new(to_point_id(key), vector, Payload::from(p))
-        })?;
+        let points =
+            payload::upsert_points(chunks, vectors, self.dimension, |key, vector, terms, p| {
+                let vectors: Vectors = if self.lexical {
+                    NamedVectors::default()
+                        .add_vector("", Vector::new_dense(vector))
+                        .add_vector(
+                            LEXICAL_VECTOR,
+                            Vector::new_sparse(terms.indices, terms.values),
+                        )
+                        .into()
+                } else {
+                    vector.into()
+                };
+                PointStruct::new(to_point_id(key), vectors, Payload::from(p))
+            })?;
         let _writer = self.writer.hold();
         for batch in payload::batches(points) {
             let name = self.collection.clone();
@@ -391,21 +429,46 @@ impl VectorStore for RemoteStore {
         let response = self
             .run(Some(stage), |c| async move { c.query(query).await })
             .map_err(|e| self.fail("searching", e))?;
-        response
-            .result
-            .into_iter()
-            .map(|point| {
-                let payload: Map<String, serde_json::Value> = point
-                    .payload
-                    .into_iter()
-                    .map(|(k, v)| (k, v.into_json()))
-                    .collect();
-                Ok(ScoredChunk {
-                    chunk: chunk_from_payload(point_id_string(point.id.as_ref())?, payload)?,
-                    score: point.score,
-                })
-            })
-            .collect()
+        scored_chunks(response.result)
+    }
+
+    fn search_lexical(
+        &self,
+        terms: &Terms,
+        vector: &[f32],
+        top_k: usize,
+        filter: Option<&Filter>,
+        stage: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        if !payload::search_needed(vector, top_k, self.dimension)?
+            || terms.is_empty()
+            || !self.lexical
+        {
+            return Ok(Vec::new());
+        }
+        let filter = filter.map(to_qdrant_filter).transpose()?.flatten();
+        // As in the embedded store: BM25 matches from a prefetch, rescored by the dense query.
+        let mut lexical = PrefetchQueryBuilder::default()
+            .query(Query::new_nearest(VectorInput::new_sparse(
+                terms.indices.clone(),
+                terms.values.clone(),
+            )))
+            .using(LEXICAL_VECTOR)
+            .limit(top_k as u64);
+        let mut query = QueryPointsBuilder::new(self.collection.clone());
+        if let Some(filter) = filter {
+            lexical = lexical.filter(filter.clone());
+            query = query.filter(filter);
+        }
+        let query = query
+            .add_prefetch(lexical)
+            .query(vector.to_vec())
+            .limit(top_k as u64)
+            .with_payload(true);
+        let response = self
+            .run(Some(stage), |c| async move { c.query(query).await })
+            .map_err(|e| self.fail("searching by terms", e))?;
+        scored_chunks(response.result)
     }
 
     fn existing(&self, ids: &[String], stage: &Stage) -> Result<HashSet<String>, StoreError> {
@@ -476,7 +539,9 @@ impl VectorStore for RemoteStore {
 fn store_stats(shared: &Mutex<Stats>, info: &CollectionInfo) {
     let mut stats = shared.lock().unwrap_or_else(|e| e.into_inner());
     stats.points = info.points_count.unwrap_or(0) as usize;
-    stats.index = if info.indexed_vectors_count.unwrap_or(0) > 0 {
+    // Sparse (lexical) vectors count as indexed from the start, one a point, as in the
+    // embedded engine: HNSW is what is indexed beyond them.
+    stats.index = if info.indexed_vectors_count.unwrap_or(0) as usize > stats.points {
         "hnsw"
     } else {
         "plain"
@@ -521,6 +586,24 @@ fn server_address(url: &str) -> Result<ServerAddress, StoreError> {
         }
     };
     Ok(ServerAddress { address, port })
+}
+
+/// The server's answer to a query as chunks with their scores, best first.
+fn scored_chunks(points: Vec<ScoredPoint>) -> Result<Vec<ScoredChunk>, StoreError> {
+    points
+        .into_iter()
+        .map(|point| {
+            let payload: Map<String, serde_json::Value> = point
+                .payload
+                .into_iter()
+                .map(|(k, v)| (k, v.into_json()))
+                .collect();
+            Ok(ScoredChunk {
+                chunk: chunk_from_payload(point_id_string(point.id.as_ref())?, payload)?,
+                score: point.score,
+            })
+        })
+        .collect()
 }
 
 fn to_point_id(key: PointKey) -> PointId {

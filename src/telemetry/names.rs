@@ -279,6 +279,9 @@ names! {
         RETRIEVAL_TOP_K = "rag.retrieval.top_k",
         RETRIEVAL_INDEX = "rag.retrieval.index",
         RETRIEVAL_FILTERED = "rag.retrieval.filtered",
+        RETRIEVAL_LEXICAL_TOP_K = "rag.retrieval.lexical.top_k",
+        RETRIEVAL_LEXICAL_HITS = "rag.retrieval.lexical.hits",
+        RETRIEVAL_LEXICAL_ADDED = "rag.retrieval.lexical.added",
         // Prompt and generation.
         CONTEXT_MODE = "rag.context.mode",
         CONTEXT_METHOD = "rag.context.method",

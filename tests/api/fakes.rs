@@ -13,6 +13,7 @@ use ragscope::generate::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
     TokenLogprob, TopLogprob,
 };
+use ragscope::retrieve::lexical::Terms;
 use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use ragscope::telemetry::{clock, span::Stage};
 
@@ -91,6 +92,17 @@ impl VectorStore for FakeStore {
                 score: 0.5,
             })
             .collect())
+    }
+    /// The fake keeps no term index: retrieval through it is dense-only.
+    fn search_lexical(
+        &self,
+        _terms: &Terms,
+        _v: &[f32],
+        _top_k: usize,
+        _f: Option<&Filter>,
+        _stage: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        Ok(Vec::new())
     }
     fn existing(&self, ids: &[String], _stage: &Stage) -> Result<HashSet<String>, StoreError> {
         let chunks = self.chunks.lock().unwrap();
@@ -260,6 +272,16 @@ impl VectorStore for DownStore {
     }
     fn search(
         &self,
+        _: &[f32],
+        _: usize,
+        _: Option<&Filter>,
+        _: &Stage,
+    ) -> Result<Vec<ScoredChunk>, StoreError> {
+        Err(StoreError::Unavailable("test store is down".into()))
+    }
+    fn search_lexical(
+        &self,
+        _: &Terms,
         _: &[f32],
         _: usize,
         _: Option<&Filter>,

@@ -117,6 +117,15 @@ pub async fn spawn_fake_app_with_store(
     fake_app(generator, store, &[]).await
 }
 
+/// The same, with extra `serve` flags.
+pub async fn spawn_fake_app_with_store_and(
+    generator: crate::fakes::FakeGenerator,
+    store: Arc<dyn ragscope::retrieve::VectorStore>,
+    extra: &[&str],
+) -> TestApp {
+    fake_app(generator, store, extra).await
+}
+
 async fn fake_app(
     generator: crate::fakes::FakeGenerator,
     store: Arc<dyn ragscope::retrieve::VectorStore>,
@@ -126,19 +135,20 @@ async fn fake_app(
         std::mem::forget(provider);
     }
     let args = serve_args(Path::new("unused"), extra);
-    serve(fake_pipeline_over(generator, store), &args, None).await
+    serve(fake_pipeline_over(generator, store, extra), &args, None).await
 }
 
 /// A pipeline over stand-in stages.
 pub fn fake_pipeline(generator: crate::fakes::FakeGenerator) -> ragscope::pipeline::Pipeline {
-    fake_pipeline_over(generator, Arc::new(crate::fakes::FakeStore::default()))
+    fake_pipeline_over(generator, Arc::new(crate::fakes::FakeStore::default()), &[])
 }
 
 fn fake_pipeline_over(
     generator: crate::fakes::FakeGenerator,
     store: Arc<dyn ragscope::retrieve::VectorStore>,
+    extra: &[&str],
 ) -> ragscope::pipeline::Pipeline {
-    let args = serve_args(Path::new("unused"), &[]);
+    let args = serve_args(Path::new("unused"), extra);
     ragscope::pipeline::Pipeline {
         embedder: Arc::new(crate::fakes::FakeEmbedder),
         store,

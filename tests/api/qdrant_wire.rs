@@ -27,9 +27,9 @@ use qdrant_client::qdrant::{
     condition::ConditionOneOf, CollectionConfig, CollectionInfo, CollectionOperationResponse,
     CollectionParams, CountPoints, CountResponse, CountResult, CreateCollection,
     CreateFieldIndexCollection, DeletePoints, Distance, Filter, GetCollectionInfoRequest,
-    GetCollectionInfoResponse, GetPoints, GetResponse, PayloadSchemaInfo, PointStruct,
-    PointsOperationResponse, QueryPoints, QueryResponse, RetrievedPoint, ScoredPoint, UpdateResult,
-    UpdateStatus, UpsertPoints, VectorParams, VectorsConfig,
+    GetCollectionInfoResponse, GetPoints, GetResponse, Modifier, PayloadSchemaInfo, PointStruct,
+    PointsOperationResponse, QueryPoints, QueryResponse, RetrievedPoint, ScoredPoint,
+    SparseVectorConfig, UpdateResult, UpdateStatus, UpsertPoints, VectorParams, VectorsConfig,
 };
 use ragscope::retrieve::remote::RemoteStore;
 use serde_json::json;
@@ -39,7 +39,7 @@ use tonic::server::NamedService;
 use tonic::Status;
 
 use crate::fakes::FakeGenerator;
-use crate::helpers::spawn_fake_app_with_store;
+use crate::helpers::{spawn_fake_app_with_store, spawn_fake_app_with_store_and};
 
 const API_KEY: &str = "stand-in-key";
 
@@ -75,6 +75,10 @@ struct State {
     points: Vec<PointStruct>,
     calls: Vec<Seen>,
     query_filters: Vec<Option<Filter>>,
+    /// The sparse vectors the collection was created with, reported back by `get`.
+    sparse: Option<SparseVectorConfig>,
+    /// Per query: the vector names its prefetches search (`bm25` for the lexical one).
+    query_prefetches: Vec<Vec<String>>,
 }
 
 type Shared = Arc<Mutex<State>>;
@@ -139,6 +143,7 @@ impl State {
                     ..Default::default()
                 })),
             }),
+            sparse_vectors_config: self.sparse.clone(),
             ..Default::default()
         };
         Ok(GetCollectionInfoResponse {
@@ -178,6 +183,7 @@ impl State {
             return Err(Status::invalid_argument("stand-in: expected cosine"));
         }
         self.collection = Some((r.collection_name, p.size));
+        self.sparse = r.sparse_vectors_config;
         Ok(CollectionOperationResponse {
             result: true,
             time: 0.0,
@@ -194,6 +200,8 @@ impl State {
 
     fn query(&mut self, r: QueryPoints) -> Result<QueryResponse, Status> {
         self.query_filters.push(r.filter);
+        self.query_prefetches
+            .push(r.prefetch.iter().filter_map(|p| p.using.clone()).collect());
         let limit = r.limit.unwrap_or(10) as usize;
         Ok(QueryResponse {
             result: self
@@ -425,6 +433,16 @@ async fn trace_context_reaches_qdrant_and_names_the_retrieval_span() {
         let mut indexed: Vec<&str> = s.indexes.iter().map(|(f, _)| f.as_str()).collect();
         indexed.sort();
         assert_eq!(indexed, ["doc_id", "source"], "keyword indexes created");
+        let bm25 = s
+            .sparse
+            .as_ref()
+            .and_then(|c| c.map.get("bm25"))
+            .expect("the lexical sparse vector is created");
+        assert_eq!(
+            bm25.modifier,
+            Some(Modifier::Idf as i32),
+            "with the IDF modifier"
+        );
         let keyword = qdrant_client::qdrant::FieldType::Keyword as i32;
         assert!(s.indexes.iter().all(|(_, t)| *t == keyword));
         // Opening is not part of any request: no trace context, but the key.
@@ -446,7 +464,12 @@ async fn trace_context_reaches_qdrant_and_names_the_retrieval_span() {
         assert_eq!(again, ["/qdrant.Collections/Get"], "second open only reads");
     }
 
-    let app = spawn_fake_app_with_store(FakeGenerator::new(3), store.clone()).await;
+    let app = spawn_fake_app_with_store_and(
+        FakeGenerator::new(3),
+        store.clone(),
+        &["--lexical-top-k", "5"],
+    )
+    .await;
     app.ingest(json!([{"id": "doc-1", "text": "Zorbia's capital is Quenta.", "source": "atlas"}]))
         .await;
     let (status, body) = app
@@ -461,6 +484,25 @@ async fn trace_context_reaches_qdrant_and_names_the_retrieval_span() {
         "payload came back over the wire"
     );
     assert_eq!(body["sources"][0]["source"], "atlas");
+    {
+        use qdrant_client::qdrant::vectors::VectorsOptions;
+        let s = state.lock().unwrap();
+        let named = match s.points[0]
+            .vectors
+            .as_ref()
+            .and_then(|v| v.vectors_options.as_ref())
+        {
+            Some(VectorsOptions::Vectors(named)) => named,
+            other => panic!("expected named vectors, got {other:?}"),
+        };
+        let mut names: Vec<&str> = named.vectors.keys().map(String::as_str).collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["", "bm25"],
+            "the dense vector and the chunk's term weights"
+        );
+    }
 
     let (status, body) = app
         .client
@@ -492,6 +534,19 @@ async fn trace_context_reaches_qdrant_and_names_the_retrieval_span() {
         span_attr(retrieval, "db.system.name"),
         Some(OtelValue::from("qdrant"))
     );
+    assert_eq!(
+        span_attr(retrieval, "rag.retrieval.lexical.top_k"),
+        Some(OtelValue::I64(5))
+    );
+    // The stand-in answers the lexical query with the same one point: found, nothing added.
+    assert_eq!(
+        span_attr(retrieval, "rag.retrieval.lexical.hits"),
+        Some(OtelValue::I64(1))
+    );
+    assert_eq!(
+        span_attr(retrieval, "rag.retrieval.lexical.added"),
+        Some(OtelValue::I64(0))
+    );
 
     {
         let s = state.lock().unwrap();
@@ -502,23 +557,28 @@ async fn trace_context_reaches_qdrant_and_names_the_retrieval_span() {
                     m.entry(c.path.as_str()).or_default().push(c);
                     m
                 });
+        // The dense search, then the lexical one (BM25 in a prefetch, rescored densely).
         let query = &by_path["/qdrant.Points/Query"];
-        assert_eq!(query.len(), 1);
-        assert_eq!(
-            query[0].traceparent.as_deref(),
-            Some(traceparent_of(retrieval).as_str()),
-            "the search carries the retrieval span's context"
-        );
-        assert_eq!(query[0].api_key.as_deref(), Some(API_KEY));
+        assert_eq!(query.len(), 2);
+        assert_eq!(s.query_prefetches, [vec![], vec!["bm25".to_string()]]);
+        for call in query {
+            assert_eq!(
+                call.traceparent.as_deref(),
+                Some(traceparent_of(retrieval).as_str()),
+                "the searches carry the retrieval span's context"
+            );
+            assert_eq!(call.api_key.as_deref(), Some(API_KEY));
+        }
         // The filter went out as a keyword match on the payload path.
-        let sent = s.query_filters[0].as_ref().expect("a filter was sent");
-        assert_eq!(
-            sent,
-            &Filter::must([qdrant_client::qdrant::Condition::matches(
-                "source",
-                MatchValue::Keyword("atlas".into())
-            )])
-        );
+        for sent in &s.query_filters {
+            assert_eq!(
+                sent.as_ref().expect("a filter was sent"),
+                &Filter::must([qdrant_client::qdrant::Condition::matches(
+                    "source",
+                    MatchValue::Keyword("atlas".into())
+                )])
+            );
+        }
 
         // Ingest and delete calls carry their own request's spans.
         let ingest = finished

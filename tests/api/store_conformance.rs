@@ -10,6 +10,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use ragscope::retrieve::edge::EdgeStore;
+use ragscope::retrieve::lexical;
 use ragscope::retrieve::remote::RemoteStore;
 use ragscope::retrieve::{
     Chunk, Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError, VectorStore,
@@ -191,6 +192,72 @@ fn search_orders_by_similarity_and_round_trips_payloads() {
             chunks.len(),
             "{who}: info counts points"
         );
+    }
+}
+
+/// Hybrid retrieval's lexical half: BM25 over every chunk's words (IDF from the collection)
+/// finds the chunk that shares the query's rare word, whatever its vector; it comes back with
+/// its cosine to the query vector, a filter applies, and a query of stopwords finds nothing.
+#[test]
+fn lexical_search_matches_words_and_scores_by_cosine() {
+    for target in targets() {
+        let store = target.open();
+        let who = target.name();
+        let texts = [
+            "git add stages file contents for the next commit",
+            "git commit records staged changes",
+            "git stash pop applies a stashed change and drops it",
+            "git log shows the commit history",
+        ];
+        let chunks: Vec<Chunk> = texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| Chunk {
+                text: text.to_string(),
+                ..chunk(&format!("d{i}"), 0, "lex", json!({}))
+            })
+            .collect();
+        let vectors: Vec<Vec<f32>> = (0..chunks.len()).map(axis_vector).collect();
+        store.upsert(&chunks, &vectors, &stage()).unwrap();
+        let query = axis_vector(0);
+        let hits = store
+            .search_lexical(
+                &lexical::query("What does stash pop do?"),
+                &query,
+                2,
+                None,
+                &stage(),
+            )
+            .unwrap();
+        assert_eq!(
+            hits.first().map(|h| h.chunk.doc_id.as_str()),
+            Some("d2"),
+            "{who}: {hits:?}"
+        );
+        let dot: f32 = query.iter().zip(&vectors[2]).map(|(a, b)| a * b).sum();
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!(
+            (hits[0].score - dot / (norm(&query) * norm(&vectors[2]))).abs() < 1e-4,
+            "{who}: scored by cosine: {hits:?}"
+        );
+        let only_d0 = filter(FilterField::DocId, MatchValue::Keyword("d0".into()));
+        let filtered = store
+            .search_lexical(
+                &lexical::query("stash pop"),
+                &query,
+                2,
+                Some(&only_d0),
+                &stage(),
+            )
+            .unwrap();
+        assert!(
+            filtered.is_empty(),
+            "{who}: the filter applies: {filtered:?}"
+        );
+        let none = store
+            .search_lexical(&lexical::query("what is the"), &query, 2, None, &stage())
+            .unwrap();
+        assert!(none.is_empty(), "{who}: stopwords only: {none:?}");
     }
 }
 
