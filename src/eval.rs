@@ -110,10 +110,10 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     ];
     let mut scores = vec![RankScores::default(); variants.len()];
     let root = || Stage::root(span::EVAL);
+    let lexical_top_k = args.pipeline.lexical_top_k.min(top_k);
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
-        let lexical_top_k = args.pipeline.lexical_top_k.min(top_k);
         let hits = crate::retrieve::hybrid_search(
             pipeline.store.as_ref(),
             &q.question,
@@ -141,9 +141,9 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     }
     let n = questions.len() as f64;
     println!(
-        "\nretrieval over {} questions (top_k {top_k}, lexical_top_k {}, document-level match)",
-        questions.len(),
-        args.pipeline.lexical_top_k.min(top_k)
+        "\nretrieval over {} questions (top_k {top_k}, lexical_top_k {lexical_top_k}, \
+         document-level match)",
+        questions.len()
     );
     let header: Vec<String> = args.k.iter().map(|k| format!("recall@{k}")).collect();
     println!(

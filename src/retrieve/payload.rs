@@ -82,8 +82,9 @@ pub fn search_needed(vector: &[f32], top_k: usize, dimension: usize) -> Result<b
 }
 
 /// Checks an upsert's arguments and builds the backend's points, each by `point` from the
-/// chunk's point id, its vector, its text's lexical term weights and its payload. Nothing is built, so nothing is written,
-/// unless every chunk has a vector of the right dimension and a storable id.
+/// chunk's point id, its vector, its text's lexical term weights and its payload. Nothing is
+/// built, so nothing is written, unless every chunk has a vector of the right dimension and a
+/// storable id.
 pub fn upsert_points<P>(
     chunks: &[Chunk],
     vectors: &[Vec<f32>],
