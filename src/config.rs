@@ -726,6 +726,15 @@ pub struct BenchArgs {
     /// Prefill chunk sizes for --prefill-interference (multiples of 32, at most 512).
     #[arg(long, value_delimiter = ',', default_value = "512,256,128,64", value_parser = prefill_chunk_tokens)]
     pub prefill_chunks: Vec<usize>,
+    /// With --peer-inputs: instead, prefill the peer prompt --rounds times (after one warm-up)
+    /// and print each round's prefill time and the median: the prefill alone, for comparing
+    /// builds or formats and for profiling it.
+    #[arg(
+        long,
+        requires = "peer_inputs",
+        conflicts_with = "prefill_interference"
+    )]
+    pub prefill_only: bool,
     /// Instead of the stage figures, time the decode matmul kernels on a synthetic 92,160 × 576
     /// matrix, in Q4_1 and Q8_0, for 1 to 16 activation rows: ms per multiply and GB/s of
     /// weights read. Needs no model.

@@ -177,6 +177,9 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
         }
         return Ok(());
     }
+    if args.prefill_only {
+        return prefill_only(&generator, &inputs.prompt_tokens, args.rounds, args.json);
+    }
     if !args.streams.is_empty() {
         let points = super::streams::measure(
             &generator,
@@ -223,6 +226,42 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
         println!(
             "{:<44} {:>12.2} ms",
             "embed one query, p50", report.embed_single_p50_ms
+        );
+    }
+    Ok(())
+}
+
+/// `--prefill-only`: `rounds` prefills of `prompt` for one token each, after a warm-up.
+fn prefill_only(generator: &Llama, prompt: &[u32], rounds: usize, json: bool) -> Result<()> {
+    let prefill = || -> Result<Duration> {
+        let out =
+            generator.generate(GenerateRequest::benchmark(prompt, 1), &stage(), &mut |_| {
+                Flow::Continue
+            })?;
+        Ok(out.prefill)
+    };
+    prefill()?;
+    let mut times = (0..rounds.max(1))
+        .map(|_| prefill())
+        .collect::<Result<Vec<_>>>()?;
+    let ms: Vec<f64> = times.iter().map(|d| clock::millis(*d)).collect();
+    let median_ms = percentile(&mut times, 50.0);
+    if json {
+        let report = serde_json::json!({
+            "weight_format": format!("{:?}", generator.weight_format()),
+            "prefill_precision": generator.prefill_kind().name(),
+            "prompt_tokens": prompt.len(),
+            "prefill_ms": ms,
+            "median_ms": median_ms,
+        });
+        println!("{report}");
+    } else {
+        let rounds: Vec<String> = ms.iter().map(|m| format!("{m:.1}")).collect();
+        println!(
+            "prefill of {} tokens ({} prefill): median {median_ms:.1} ms, rounds {}",
+            prompt.len(),
+            generator.prefill_kind().name(),
+            rounds.join(" ")
         );
     }
     Ok(())

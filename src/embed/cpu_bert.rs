@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{Config, HiddenAct};
 
-use super::kernels::{self, column_share, Epilogue, Linear, Precision, Rows};
+use super::kernels::{
+    self, column_share, Epilogue, Head, HeadRows, Linear, Precision, Rows, Shared,
+};
 use super::EmbedError;
 
 pub struct CpuBert {
@@ -353,15 +355,21 @@ impl CpuBert {
             let (span, head) = (&spans[item / self.heads], item % self.heads);
             let len = span.len();
             head_out.resize(len * d, 0.0);
-            kernels::attention_head(
-                &qkv[span.start * 3 * h..span.end * 3 * h],
-                3 * h,
-                len,
-                (head * d, h + head * d, 2 * h + head * d),
-                scale,
-                head_out,
-                scratch,
-            );
+            let rows = &qkv[span.start * 3 * h..span.end * 3 * h];
+            let at = |offset: usize| HeadRows {
+                data: rows,
+                stride: 3 * h,
+                offset,
+            };
+            let input = Head {
+                q: at(head * d),
+                k: at(h + head * d),
+                v: at(2 * h + head * d),
+                queries: len,
+                keys: len,
+                causal: false,
+            };
+            kernels::attention_head(&input, scale, head_out, scratch);
             for (r, out) in span.clone().zip(head_out.chunks_exact(d)) {
                 let at = r * h + head * d..r * h + head * d + d;
                 if self.precision == Precision::Bf16 {
@@ -410,44 +418,6 @@ struct Buffers {
     sum: Shared<f32>,
     up: Shared<f32>,
     up_bf16: Shared<u16>,
-}
-
-/// A buffer the team's threads write in disjoint parts between barriers. Holds a pointer into
-/// a `Vec` that outlives the team and is not touched otherwise while the team runs.
-struct Shared<T> {
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: access is coordinated by the team's barriers (see `Shared::read` and `Shared::part`).
-unsafe impl<T: Send> Sync for Shared<T> {}
-unsafe impl<T: Send> Send for Shared<T> {}
-
-impl<T> Shared<T> {
-    fn new(v: &mut [T]) -> Shared<T> {
-        Shared {
-            ptr: v.as_mut_ptr(),
-            len: v.len(),
-        }
-    }
-
-    fn ptr(&self) -> *mut T {
-        self.ptr
-    }
-
-    /// # Safety
-    /// No thread writes the buffer until the next barrier.
-    unsafe fn read(&self) -> &[T] {
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// # Safety
-    /// No other thread reads or writes `range` until the next barrier.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn part(&self, range: Range<usize>) -> &mut [T] {
-        assert!(range.start <= range.end && range.end <= self.len);
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(range.start), range.len()) }
-    }
 }
 
 /// One thread of a forward pass: which of how many, and the barrier they meet at.

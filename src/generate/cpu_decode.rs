@@ -5,8 +5,9 @@
 //! that read requantised Q8_0 weights. Here the step is a fixed sequence of calls over buffers
 //! allocated once: RMS norm, the [`kernels`](super::kernels) matmuls on the GGUF's own Q4_1
 //! blocks (batched: a step for B sequences reads the weights once), RoPE, attention of each
-//! sequence over its own KV cache, SiLU. Prefill stays on candle (dense F32 GEMMs win there)
-//! and writes the same KV buffers this reads.
+//! sequence over its own KV cache, SiLU. Prefill has its own loops
+//! ([`cpu_prefill`](super::cpu_prefill): dense BF16 or F32 GEMMs win there) and writes the same
+//! KV buffers this reads.
 
 use std::sync::Mutex;
 
@@ -52,11 +53,11 @@ pub(crate) struct SeqStep<'a> {
 }
 
 pub(crate) struct Layer {
-    attn_norm: Vec<f32>,
+    pub(super) attn_norm: Vec<f32>,
     /// q, k and v stacked row-wise.
     pub(crate) qkv: QMatrix,
     pub(crate) attn_out: QMatrix,
-    ffn_norm: Vec<f32>,
+    pub(super) ffn_norm: Vec<f32>,
     /// gate and up stacked row-wise.
     pub(crate) gate_up: QMatrix,
     pub(crate) down: QMatrix,
@@ -68,11 +69,11 @@ pub(crate) struct CpuDecoder {
     pub(crate) layers: Vec<Layer>,
     final_norm: Vec<f32>,
     /// Token embedding; also the output head when the model ties them.
-    embed: QMatrix,
+    pub(super) embed: QMatrix,
     head: Option<QMatrix>,
     /// RoPE tables `(positions, head_dim / 2)`.
-    cos: Vec<f32>,
-    sin: Vec<f32>,
+    pub(super) cos: Vec<f32>,
+    pub(super) sin: Vec<f32>,
     scratch: Mutex<Scratch>,
 }
 
@@ -475,7 +476,7 @@ pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// `out = x / sqrt(mean(x²) + eps) * weight`, row by row.
-fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+pub(super) fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     for (x, out) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let mean = dot(x, x) / n as f32;
@@ -487,7 +488,7 @@ fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 }
 
 /// RoPE on one head, pairs (2i, 2i + 1) rotated by angle i (GGUF llama's interleaved layout).
-fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+pub(super) fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
         let (a, b) = (pair[0], pair[1]);
         pair[0] = a * c - b * s;

@@ -1,14 +1,17 @@
 //! The llama forward pass on candle ops: token embedding, per layer RMSNorm, fused QKV, RoPE
 //! (interleaved, as GGUF llamas rotate), grouped-query attention over the request's KV cache
-//! and the SiLU-gated MLP, then the output head. Prefill runs the prompt through in chunks;
-//! a decode step runs one token, in the batcher's step when the CPU decoder holds the decode
-//! weights ([`super::schedule`]), else here. Single-row attention on the CPU runs in plain
-//! loops ([`DecodeAttention`]) rather than candle's matmul/softmax/matmul.
+//! and the SiLU-gated MLP, then the output head. Prefill runs the prompt through in chunks,
+//! on the CPU in plain loops over the host KV cache ([`super::cpu_prefill`]) when the CPU
+//! decoder holds the decode weights, else on candle's ops here; a decode step runs one token,
+//! in the batcher's step when the CPU decoder holds the decode weights ([`super::schedule`]),
+//! else here. Single-row attention on the CPU runs in plain loops ([`DecodeAttention`]) rather
+//! than candle's matmul/softmax/matmul.
 
 use candle_core::{Device, Module, Tensor};
 use opentelemetry::KeyValue;
 
 use super::cpu_decode::{self, Partial};
+use super::cpu_prefill;
 use super::kv_cache::{read_host, write_host, KvCache, KvStore};
 use super::sampler::Logits;
 use super::schedule::{Scheduler, Session};
@@ -81,6 +84,11 @@ impl Transformer {
                 "{t} tokens at position {pos} do not fit a cache of {}",
                 cache.capacity
             );
+        }
+        if let (KvStore::Host(kv), Some(decoder)) = (&mut cache.store, &self.weights.decoder) {
+            let x = cpu_prefill::hidden(&self.weights, decoder, tokens, kv, pos, schedule)?;
+            cache.len = pos + t;
+            return Tensor::from_vec(x, (t, cfg.n_head * cfg.head_dim), &self.device);
         }
         let (nh, nkv, hd) = (cfg.n_head, cfg.n_kv_head, cfg.head_dim);
         let len = pos + t;
@@ -628,26 +636,43 @@ mod tests {
         assert_eq!(m, vec![vec![0., 0., 0., 0., inf], vec![0., 0., 0., 0., 0.]]);
     }
 
-    /// Prefill in chunks (with rectangular causal masks after the first) computes what one
-    /// pass over the whole prompt computes.
+    /// The last position's hidden state of `prompt` (before the final norm), prefilled in
+    /// chunks of `chunk` on the host cache (the CPU prefill) or on candle tensors (candle's ops).
+    fn last_hidden(model: &Llama, prompt: &[u32], host: bool, chunk: usize) -> Vec<f32> {
+        let net = &model.transformer;
+        let mut cache = KvCache::new(&net.cfg, prompt.len(), &Device::Cpu, host).unwrap();
+        let mut last = None;
+        for part in prompt.chunks(chunk) {
+            let x = net.hidden(part, &mut cache, &model.schedule).unwrap();
+            last = Some(x.get(part.len() - 1).unwrap().to_vec1::<f32>().unwrap());
+        }
+        last.unwrap()
+    }
+
+    /// The CPU prefill in chunks (each chunk's queries attending to the cache before it)
+    /// computes what candle's ops compute in one pass over the whole prompt, in F32 (largest
+    /// |Δ| / (1 + |x|) over the last hidden state below 1e-3); and in
+    /// the default format, chunked and in one pass it gives the same hidden states bit for
+    /// bit, which the prefix cache's identical-output promise rests on.
     #[test]
     fn chunked_prefill_matches_one_pass() {
-        let Some(model) = model() else { return };
-        let prompt = long_prompt(model);
+        let Some(f32_model) = f32_model() else { return };
+        let prompt = long_prompt(f32_model);
         assert!(prompt.len() > PREFILL_CHUNK);
-        let net = &model.transformer;
-        let mut cache = KvCache::new(&net.cfg, prompt.len(), &Device::Cpu, false).unwrap();
-        let one_pass = net
-            .forward(&prompt, &mut cache, true, &model.schedule)
-            .unwrap()
-            .unwrap();
-        let chunked = our_logits(model, &prompt, &[]).remove(0);
-        let diff = max_abs_diff(&one_pass, &chunked);
-        assert!(diff < 1e-3, "logits differ by {diff}");
-        assert_eq!(
-            one_pass.argmax(0).unwrap().to_scalar::<u32>().unwrap(),
-            chunked.argmax(0).unwrap().to_scalar::<u32>().unwrap()
-        );
+        let ops = last_hidden(f32_model, &prompt, false, prompt.len());
+        let chunked = last_hidden(f32_model, &prompt, true, PREFILL_CHUNK);
+        let diff = ops
+            .iter()
+            .zip(&chunked)
+            .map(|(a, b)| (a - b).abs() / (1.0 + a.abs()))
+            .fold(0f32, f32::max);
+        // Seen 2026-12-03 (AVX-512): 8.7e-5, the two sum in different orders over 30 layers.
+        assert!(diff < 1e-3, "hidden states differ by {diff} (relative)");
+
+        let model = model().unwrap();
+        let whole = last_hidden(model, &prompt, true, prompt.len());
+        let chunked = last_hidden(model, &prompt, true, PREFILL_CHUNK);
+        assert_eq!(whole, chunked);
     }
 
     /// The CPU decode-attention loops compute what the candle-ops attention computes.

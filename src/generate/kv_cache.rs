@@ -27,8 +27,8 @@ pub(super) struct KvCache {
 pub(super) enum KvStore {
     /// Candle tensors per layer: the GPU, and the formats that decode on candle's ops.
     Tensors { k: Vec<Tensor>, v: Vec<Tensor> },
-    /// Plain host buffers (same layout) that [`CpuDecoder`](super::cpu_decode::CpuDecoder) writes in place; prefill writes
-    /// them through candle and reads them back for its attention.
+    /// Plain host buffers (same layout) that [`CpuDecoder`](super::cpu_decode::CpuDecoder)
+    /// and the CPU prefill ([`super::cpu_prefill`]) write in place and attend over.
     Host(HostKv),
 }
 

@@ -5,8 +5,9 @@
 //! A request prefills its prompt in chunks and then decodes one token per step, writing keys and
 //! values in place (candle's quantized llama copies its whole cache at every step). The parts,
 //! by role: [`weights`](super::weights) (GGUF reading, [`WeightFormat`]),
-//! [`kv_cache`](super::kv_cache), [`forward`](super::forward) (the candle forward, RoPE, masks,
-//! CPU decode attention), [`sampler`](super::sampler), [`template`](super::template) (ChatML),
+//! [`kv_cache`](super::kv_cache), [`forward`](super::forward) (the forward: candle's ops on a
+//! GPU, RoPE, masks, decode attention), [`cpu_prefill`](super::cpu_prefill) (the prefill on the
+//! CPU in plain loops), [`sampler`](super::sampler), [`template`](super::template) (ChatML),
 //! [`generation`](super::generation) (the per-request loop) and [`schedule`](super::schedule)
 //! (prefill turns, the compute lock, batched decode), and [`prefix_cache`](super::prefix_cache)
 //! (prompt prefixes whose keys and values a new prefill starts from). On a GPU the same forward runs on candle's

@@ -7,6 +7,7 @@
 //! failed generation leaves a snapshot that `ragscope replay` re-runs ([`snapshot`]).
 
 pub(crate) mod cpu_decode;
+mod cpu_prefill;
 mod forward;
 mod generation;
 pub mod kernels;

@@ -15,7 +15,7 @@ use super::template::ChatTemplate;
 use super::GenerateError;
 use crate::embed::kernels::{
     avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear, Precision,
-    Rows, PANEL,
+    Rows, Shared, PANEL,
 };
 
 /// How the projection matrices (attention and MLP) are held in memory. The token embedding,
@@ -36,7 +36,7 @@ pub enum WeightFormat {
     /// Dense F32 for prefill (GEMM-bound), Q8_0 for decode (one row: GEMV, bandwidth-bound),
     /// both on candle's ops.
     F32PrefillQ8Decode,
-    /// Dense F32 for prefill on candle, and decode on our own [`CpuDecoder`] over the file's
+    /// Dense F32 for prefill (candle's GEMM), and decode on our own [`CpuDecoder`] over the file's
     /// own blocks (Q4_1 as SmolLM2 ships it, 40% fewer bytes per token than Q8_0), batched
     /// across requests. What the CPU default runs where the CPU has no AVX-512 BF16.
     F32PrefillQ4Decode,
@@ -44,7 +44,7 @@ pub enum WeightFormat {
     /// multiply in BF16 with F32 accumulation (AVX-512 BF16 `vdpbf16ps`, the embedder's GEMM)
     /// where the CPU has it (1.6× faster prefill than F32 on a Zen 5, no faster on an Intel
     /// Xeon: docs/PERFORMANCE.md, "Prefill in BF16"); elsewhere
-    /// they stay dense F32 on candle, bit for bit [`WeightFormat::F32PrefillQ4Decode`].
+    /// they stay dense F32 (candle's GEMM), bit for bit [`WeightFormat::F32PrefillQ4Decode`].
     /// Attention, norms, RoPE, softmax and the output head stay F32. [`Prefill`] says which ran.
     #[default]
     Bf16PrefillQ4Decode,
@@ -207,59 +207,69 @@ impl Bf16Proj {
         self.linear.out_features() * self.k * elem
     }
 
-    /// `x` `(m, k)` F32 → `(m, n)` F32. The columns are split in whole panels over candle's
-    /// threads (scoped threads, started per call: a few tens of µs against milliseconds of
-    /// GEMM for a prefill chunk). Each output element sums its `k` products in one fixed order
-    /// whatever `m` is, so this path gives a row the same result in any chunking of the prompt.
+    /// `x` `(m, k)` F32 → `(m, n)` F32, through [`Bf16Proj::forward_rows`].
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let (m, k) = x.dims2()?;
-        if k != self.k {
-            candle_core::bail!("input has {k} features, the projection {}", self.k);
+        let (m, _) = x.dims2()?;
+        let a = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; m * self.linear.out_features()];
+        self.forward_rows(&a, m, &mut out, None)?;
+        Tensor::from_vec(out, (m, self.linear.out_features()), x.device())
+    }
+
+    /// `out = x Wᵀ (+ residual)` for the `m` rows of `x` `(m, k)`; `out` and `residual` are
+    /// `(m, n)`. The work is split into (column panel, block of rows) items over candle's
+    /// thread pool, so a matrix of few panels still keeps every thread busy. Each output
+    /// element sums its `k` products in one fixed order whatever `m` is, so this gives a row
+    /// the same result in any chunking of the prompt.
+    fn forward_rows(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        residual: Option<&[f32]>,
+    ) -> candle_core::Result<()> {
+        let (n, k) = (self.linear.out_features(), self.k);
+        if x.len() != m * k || out.len() != m * n || residual.is_some_and(|r| r.len() != m * n) {
+            candle_core::bail!("[{m}, {k}] rows for a [{n}, {k}] projection: wrong sizes");
         }
-        let mut a = x.flatten_all()?.to_vec1::<f32>()?;
-        let n = self.linear.out_features();
-        let bf16;
+        let (emulated, bf16);
         let rows = if self.emulate {
-            for v in &mut a {
-                *v = from_bf16(to_bf16(*v));
-            }
-            Rows::F32(&a)
+            emulated = x.iter().map(|v| from_bf16(to_bf16(*v))).collect::<Vec<_>>();
+            Rows::F32(&emulated)
         } else {
-            let mut b = vec![0u16; a.len()];
-            convert_to_bf16(&a, &mut b);
+            let mut b = vec![0u16; x.len()];
+            convert_to_bf16(x, &mut b);
             bf16 = b;
             Rows::Bf16(&bf16)
         };
-        let mut out = vec![0f32; m * n];
-        let threads = candle_core::utils::get_num_threads().clamp(1, n.div_ceil(PANEL));
-        let dst = OutPtr(out.as_mut_ptr());
-        let part = |i: usize| {
-            let dst = &dst;
-            // SAFETY: `out` is `m * n` f32 and each part writes only its own columns.
+        let panels = n.div_ceil(PANEL);
+        let blocks = m.div_ceil(ROW_BLOCK);
+        let dst = Shared::new(out);
+        let item = |i: usize| {
+            let (cols, r0) = (column_share(n, i / blocks, panels), i % blocks * ROW_BLOCK);
+            let r1 = (r0 + ROW_BLOCK).min(m);
+            let part = match rows {
+                Rows::Bf16(a) => Rows::Bf16(&a[r0 * k..r1 * k]),
+                Rows::F32(a) => Rows::F32(&a[r0 * k..r1 * k]),
+            };
+            let epilogue = match residual {
+                Some(res) => Epilogue::Add(&res[r0 * n..r1 * n]),
+                None => Epilogue::None,
+            };
+            // SAFETY: `out` is `m * n` f32; each item writes only its own rows × columns.
             unsafe {
-                self.linear.forward_columns(
-                    rows,
-                    m,
-                    dst.0,
-                    column_share(n, i, threads),
-                    Epilogue::None,
-                )
+                self.linear
+                    .forward_columns(part, r1 - r0, dst.ptr().add(r0 * n), cols, epilogue)
             }
         };
-        std::thread::scope(|s| {
-            for i in 1..threads {
-                s.spawn(move || part(i));
-            }
-            part(0);
-        });
-        Tensor::from_vec(out, (m, n), x.device())
+        candle_core::utils::barrier_pool()
+            .execute_chunked(panels * blocks, |items| items.for_each(item));
+        Ok(())
     }
 }
 
-/// The output buffer the column shares write in disjoint parts.
-struct OutPtr(*mut f32);
-// SAFETY: the threads holding it write disjoint columns, and the buffer outlives them.
-unsafe impl Sync for OutPtr {}
+/// Rows per work item of [`Bf16Proj::forward_rows`] (a multiple of the kernel's 6-row tile).
+const ROW_BLOCK: usize = 96;
 
 /// One projection, held twice when prefill and decode prefer different formats.
 pub(super) struct Proj {
@@ -273,6 +283,40 @@ impl Proj {
             self.prefill.forward(x)
         } else {
             self.decode.forward(x)
+        }
+    }
+
+    /// The prefill projection on host rows: `out = x Wᵀ (+ residual)`, `x` `(m, k)`, `out`
+    /// and `residual` `(m, n)`.
+    pub fn prefill_rows(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        residual: Option<&[f32]>,
+    ) -> candle_core::Result<()> {
+        match &self.prefill {
+            Matmul::Linear(l) => l.forward_rows(x, m, out, residual),
+            Matmul::Candle(_) => {
+                let k = x.len() / m.max(1);
+                let y = self
+                    .prefill
+                    .forward(&Tensor::from_slice(x, (m, k), &Device::Cpu)?)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                if y.len() != out.len() {
+                    candle_core::bail!("a projection of {} values into {}", y.len(), out.len());
+                }
+                match residual {
+                    Some(res) => {
+                        for ((o, y), r) in out.iter_mut().zip(&y).zip(res) {
+                            *o = r + y;
+                        }
+                    }
+                    None => out.copy_from_slice(&y),
+                }
+                Ok(())
+            }
         }
     }
 }

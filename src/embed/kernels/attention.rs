@@ -1,64 +1,132 @@
-//! One attention head over one sequence: scaled dot-product scores, softmax and the
-//! probability-weighted sum of values. AVX-512 keeps a query's scores and context row in
-//! registers for head widths of whole registers; other widths take the portable body.
+//! One attention head: scaled dot-product scores, softmax and the probability-weighted sum of
+//! values, either every query against every key (BERT) or causal (a decoder's prefill, each
+//! query seeing the keys up to its own position). AVX-512 keeps a query's scores and context
+//! row in registers for head widths of whole registers; other widths and CPUs take the
+//! portable body (compiled for AVX2 where the CPU has it).
 
 use super::activation::exp;
 use super::norm::sum;
 use super::{avx512_bf16, LANES};
 
-/// One attention head over one sequence, no mask (every position is a real token).
-/// `qkv` holds the sequence's `len` rows at stride `ld`; the head's query, key and value
-/// columns start at `q`, `k` and `v` and are `out.len() / len` wide. Writes the context rows,
-/// `[len, d]`, to `out`; `scratch` is reused between calls.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_head(
-    qkv: &[f32],
-    ld: usize,
-    len: usize,
-    (q, k, v): (usize, usize, usize),
+/// One head's rows in a row-major buffer: row `i` is `data[i * stride + offset..][..width]`.
+#[derive(Clone, Copy)]
+pub struct HeadRows<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+    pub offset: usize,
+}
+
+impl<'a> HeadRows<'a> {
+    #[inline(always)]
+    fn row(&self, i: usize, width: usize) -> &'a [f32] {
+        &self.data[i * self.stride + self.offset..][..width]
+    }
+
+    fn covers(&self, rows: usize, width: usize) -> bool {
+        rows == 0 || self.data.len() >= (rows - 1) * self.stride + self.offset + width
+    }
+}
+
+/// One attention head: `queries` query rows against `keys` key and value rows.
+#[derive(Clone, Copy)]
+pub struct Head<'a> {
+    pub q: HeadRows<'a>,
+    pub k: HeadRows<'a>,
+    pub v: HeadRows<'a>,
+    pub queries: usize,
+    pub keys: usize,
+    /// The queries are the last `queries` of the `keys` positions, and each sees the keys up to
+    /// and including its own (a decoder's causal mask). Otherwise every query sees every key.
+    pub causal: bool,
+}
+
+impl Head<'_> {
+    /// How many keys (from the first) query `i` attends to.
+    #[inline(always)]
+    fn visible(&self, i: usize) -> usize {
+        if self.causal {
+            self.keys - self.queries + i + 1
+        } else {
+            self.keys
+        }
+    }
+
+    /// The head width `out` implies, after checking every row the kernels read is there.
+    fn width(&self, out: &[f32]) -> usize {
+        assert!(self.queries > 0 && self.keys > 0, "an empty attention head");
+        assert!(
+            !self.causal || self.queries <= self.keys,
+            "more queries than causal keys"
+        );
+        let d = out.len() / self.queries;
+        assert_eq!(out.len(), self.queries * d, "out is not [queries, d]");
+        assert!(self.q.covers(self.queries, d), "query rows out of bounds");
+        assert!(self.k.covers(self.keys, d), "key rows out of bounds");
+        assert!(self.v.covers(self.keys, d), "value rows out of bounds");
+        d
+    }
+}
+
+/// Attention of one head: writes the context rows, `[queries, d]`, to `out` (`d` is
+/// `out.len() / queries`); `scratch` is reused between calls. A query's result depends only on
+/// its own row and the keys it sees, never on which other queries share the call.
+pub fn attention_head(head: &Head<'_>, scale: f32, out: &mut [f32], scratch: &mut Vec<f32>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if avx512_bf16() {
+            // SAFETY: the CPU has the features the wrapper is compiled for.
+            return unsafe { x86::attention_head(head, scale, out, scratch) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: as above.
+            return unsafe { attention_head_avx2(head, scale, out, scratch) };
+        }
+    }
+    attention_head_body(head, scale, out, scratch)
+}
+
+/// The portable body compiled for AVX2: eight lanes per instruction, the same arithmetic in the
+/// same order (no multiply-add is fused), so the same results.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attention_head_avx2(
+    head: &Head<'_>,
     scale: f32,
     out: &mut [f32],
     scratch: &mut Vec<f32>,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if avx512_bf16() {
-        // SAFETY: the CPU has the features the wrapper is compiled for.
-        return unsafe { x86::attention_head(qkv, ld, len, (q, k, v), scale, out, scratch) };
-    }
-    attention_head_body(qkv, ld, len, (q, k, v), scale, out, scratch)
+    attention_head_body(head, scale, out, scratch)
 }
 
 #[inline(always)]
 pub(super) fn attention_head_body(
-    qkv: &[f32],
-    ld: usize,
-    len: usize,
-    (q, k, v): (usize, usize, usize),
+    head: &Head<'_>,
     scale: f32,
     out: &mut [f32],
     scratch: &mut Vec<f32>,
 ) {
-    let d = out.len() / len;
-    assert_eq!(out.len(), len * d);
-    assert!(qkv.len() >= (len - 1) * ld + q.max(k).max(v) + d);
+    let d = head.width(out);
     // Keys transposed to [d, padded], so a query's scores are d multiply-adds over whole
     // 16-lane rows (the padding is zero and its scores are dropped): a sequence of 30 tokens
     // would otherwise spend most of its time in scalar remainder loops.
-    let padded = len.next_multiple_of(LANES);
+    let padded = head.keys.next_multiple_of(LANES);
     scratch.clear();
     scratch.resize(d * padded + padded, 0.0);
     let (kt, scores) = scratch.split_at_mut(d * padded);
-    for j in 0..len {
-        for (e, x) in qkv[j * ld + k..j * ld + k + d].iter().enumerate() {
+    for j in 0..head.keys {
+        for (e, x) in head.k.row(j, d).iter().enumerate() {
             kt[e * padded + j] = *x;
         }
     }
-    for i in 0..len {
-        let query = &qkv[i * ld + q..i * ld + q + d];
+    for i in 0..head.queries {
+        let len = head.visible(i);
+        let width = len.next_multiple_of(LANES);
+        let query = head.q.row(i, d);
+        let scores = &mut scores[..width];
         scores.fill(0.0);
         for (e, qe) in query.iter().enumerate() {
             let qe = qe * scale;
-            let keys = kt[e * padded..(e + 1) * padded].chunks_exact(LANES);
+            let keys = kt[e * padded..e * padded + width].chunks_exact(LANES);
             for (s, kv) in scores.chunks_exact_mut(LANES).zip(keys) {
                 for (s, kv) in s.iter_mut().zip(kv) {
                     *s += qe * kv;
@@ -75,7 +143,7 @@ pub(super) fn attention_head_body(
         ctx.fill(0.0);
         for (j, p) in scores.iter().enumerate() {
             let p = p * inv;
-            let value = &qkv[j * ld + v..j * ld + v + d];
+            let value = head.v.row(j, d);
             let mut chunks = ctx.chunks_exact_mut(LANES);
             for (c, x) in (&mut chunks).zip(value.chunks_exact(LANES)) {
                 for (c, x) in c.iter_mut().zip(x) {
@@ -113,133 +181,172 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
+    use super::Head;
     use crate::embed::kernels::activation::x86::exp_ps;
 
     /// Head widths that are whole registers (16 to 64) take [`head`]; others the portable body.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
     pub unsafe fn attention_head(
-        qkv: &[f32],
-        ld: usize,
-        len: usize,
-        columns: (usize, usize, usize),
+        head: &Head<'_>,
         scale: f32,
         out: &mut [f32],
         scratch: &mut Vec<f32>,
     ) {
-        let (q, k, v) = columns;
-        let d = out.len() / len;
-        assert_eq!(out.len(), len * d);
-        assert!(qkv.len() >= (len - 1) * ld + q.max(k).max(v) + d);
-        // SAFETY: the asserts above bound every row and column `head` reads.
+        let d = head.width(out);
+        // SAFETY: `width` checked that every row `head` reads is in bounds.
         unsafe {
             match d {
-                16 => head::<1>(qkv, ld, len, columns, scale, out, scratch),
-                32 => head::<2>(qkv, ld, len, columns, scale, out, scratch),
-                48 => head::<3>(qkv, ld, len, columns, scale, out, scratch),
-                64 => head::<4>(qkv, ld, len, columns, scale, out, scratch),
-                _ => super::attention_head_body(qkv, ld, len, columns, scale, out, scratch),
+                16 => head_body::<1>(head, scale, out, scratch),
+                32 => head_body::<2>(head, scale, out, scratch),
+                48 => head_body::<3>(head, scale, out, scratch),
+                64 => head_body::<4>(head, scale, out, scratch),
+                _ => super::attention_head_body(head, scale, out, scratch),
             }
         }
     }
 
-    /// [`super::attention_head_body`] for a head of `16 × V` columns, with the scores of a
-    /// query and its context row kept in registers.
+    /// Queries per register tile: each key vector loaded is used by this many queries, and
+    /// each value row by as many context rows.
+    const TILE: usize = 4;
+
+    /// [`super::attention_head_body`] for a head of `16 × V` columns, [`TILE`] queries at a
+    /// time with their scores and context rows in registers.
     ///
     /// # Safety
-    /// As `attention_head` asserts: `len` rows at stride `ld` hold the three column ranges.
-    // Register arrays indexed in lockstep read clearer as `for c in 0..V` than as zips.
-    #[allow(clippy::needless_range_loop)]
+    /// As `Head::width` asserts: the query, key and value rows are in bounds.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
-    unsafe fn head<const V: usize>(
-        qkv: &[f32],
-        ld: usize,
-        len: usize,
-        (q, k, v): (usize, usize, usize),
+    unsafe fn head_body<const V: usize>(
+        head: &Head<'_>,
         scale: f32,
         out: &mut [f32],
         scratch: &mut Vec<f32>,
     ) {
         let d = 16 * V;
-        let padded = len.next_multiple_of(16);
-        let blocks = padded / 16;
+        // Keys transposed to [d, padded]; whole pairs of 16-key blocks, the padding zero.
+        let padded = head.keys.next_multiple_of(32);
         scratch.clear();
-        scratch.resize(d * padded + padded, 0.0);
+        scratch.resize(d * padded + TILE * padded, 0.0);
         let (kt, scores) = scratch.split_at_mut(d * padded);
-        for j in 0..len {
-            for (e, x) in qkv[j * ld + k..j * ld + k + d].iter().enumerate() {
+        for j in 0..head.keys {
+            for (e, x) in head.k.row(j, d).iter().enumerate() {
                 kt[e * padded + j] = *x;
             }
         }
-        let last: __mmask16 = if len.is_multiple_of(16) {
-            0xffff
-        } else {
-            (1 << (len % 16)) - 1
-        };
-        let (kt, scores) = (kt.as_ptr(), scores.as_mut_ptr());
-        let zero = _mm512_setzero_ps();
-        // SAFETY (whole body): kt is [d, padded] and scores [padded]; qkv reads are bounded by
-        // the caller's assert; out is [len, d].
-        unsafe {
-            for i in 0..len {
-                let query = qkv.as_ptr().add(i * ld + q);
-                for b in 0..blocks {
-                    // Four partial sums hide the FMA latency of one long chain.
-                    let mut acc = [zero; 4];
-                    for e in 0..d {
-                        let qe = _mm512_set1_ps(*query.add(e) * scale);
-                        let keys = _mm512_loadu_ps(kt.add(e * padded + 16 * b));
-                        acc[e % 4] = _mm512_fmadd_ps(qe, keys, acc[e % 4]);
-                    }
-                    let s =
-                        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-                    _mm512_storeu_ps(scores.add(16 * b), s);
+        let mut i = 0;
+        while i < head.queries {
+            let n = (head.queries - i).min(TILE);
+            // SAFETY: the caller's contract; kt and scores are sized above.
+            unsafe {
+                match n {
+                    4 => tile::<V, 4>(head, i, scale, kt, padded, scores, out),
+                    3 => tile::<V, 3>(head, i, scale, kt, padded, scores, out),
+                    2 => tile::<V, 2>(head, i, scale, kt, padded, scores, out),
+                    _ => tile::<V, 1>(head, i, scale, kt, padded, scores, out),
                 }
-                let mask = |b: usize| if b + 1 == blocks { last } else { 0xffff };
+            }
+            i += n;
+        }
+    }
+
+    /// Queries `i0..i0 + R`: scores against pairs of 16-key blocks (two key loads feed `2R`
+    /// multiply-adds), each query's softmax over the keys it sees (the keys past them scored
+    /// zero), then every value row weighted into the `R` context rows. A query's arithmetic is
+    /// the same whichever tile it is in: the extra keys of a longer neighbour add exact zeros.
+    ///
+    /// # Safety
+    /// As [`head_body`]; `kt` is `[16 V, padded]`, `scores` `[TILE, padded]`.
+    // Register arrays indexed in lockstep read clearer as `for c in 0..V` than as zips.
+    #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
+    unsafe fn tile<const V: usize, const R: usize>(
+        head: &Head<'_>,
+        i0: usize,
+        scale: f32,
+        kt: &[f32],
+        padded: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let d = 16 * V;
+        let lens: [usize; R] = std::array::from_fn(|r| head.visible(i0 + r));
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let pairs = longest.div_ceil(32);
+        let mut qs = [[0f32; 64]; R];
+        for (r, q) in qs.iter_mut().enumerate() {
+            for (s, x) in q.iter_mut().zip(head.q.row(i0 + r, d)) {
+                *s = x * scale;
+            }
+        }
+        let zero = _mm512_setzero_ps();
+        let (kt, scores, (v, out)) = (kt.as_ptr(), scores.as_mut_ptr(), (head.v, out.as_mut_ptr()));
+        // SAFETY (whole body): kt is [d, padded] with padded ≥ 32 · pairs, scores is
+        // [TILE, padded]; value rows below `longest ≤ keys` are in bounds (caller); out rows
+        // i0..i0 + R are in [queries, d].
+        unsafe {
+            for b in 0..pairs {
+                let mut acc = [[zero; 2]; R];
+                for e in 0..d {
+                    let k0 = _mm512_loadu_ps(kt.add(e * padded + 32 * b));
+                    let k1 = _mm512_loadu_ps(kt.add(e * padded + 32 * b + 16));
+                    for r in 0..R {
+                        let q = _mm512_set1_ps(qs[r][e]);
+                        acc[r][0] = _mm512_fmadd_ps(q, k0, acc[r][0]);
+                        acc[r][1] = _mm512_fmadd_ps(q, k1, acc[r][1]);
+                    }
+                }
+                for r in 0..R {
+                    _mm512_storeu_ps(scores.add(r * padded + 32 * b), acc[r][0]);
+                    _mm512_storeu_ps(scores.add(r * padded + 32 * b + 16), acc[r][1]);
+                }
+            }
+            let mut inv = [zero; R];
+            for r in 0..R {
+                let row = scores.add(r * padded);
+                let len = lens[r];
+                let blocks = len.div_ceil(16);
+                let mask = |b: usize| -> __mmask16 {
+                    if b + 1 < blocks || len.is_multiple_of(16) {
+                        0xffff
+                    } else {
+                        (1 << (len % 16)) - 1
+                    }
+                };
                 let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
                 for b in 0..blocks {
-                    let s = _mm512_loadu_ps(scores.add(16 * b));
+                    let s = _mm512_loadu_ps(row.add(16 * b));
                     max = _mm512_mask_max_ps(max, mask(b), max, s);
                 }
                 let max = _mm512_set1_ps(_mm512_reduce_max_ps(max));
                 let mut total = zero;
                 for b in 0..blocks {
-                    let s = _mm512_loadu_ps(scores.add(16 * b));
+                    let s = _mm512_loadu_ps(row.add(16 * b));
                     let p = _mm512_maskz_mov_ps(mask(b), exp_ps(_mm512_sub_ps(s, max)));
-                    _mm512_storeu_ps(scores.add(16 * b), p);
+                    _mm512_storeu_ps(row.add(16 * b), p);
                     total = _mm512_add_ps(total, p);
                 }
-                let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(total));
-                // Two sets of accumulators, even and odd keys, for the same reason.
-                let mut even = [zero; V];
-                let mut odd = [zero; V];
-                let mut j = 0;
-                while j + 1 < len {
-                    let (p0, p1) = (
-                        _mm512_set1_ps(*scores.add(j)),
-                        _mm512_set1_ps(*scores.add(j + 1)),
-                    );
-                    let (v0, v1) = (
-                        qkv.as_ptr().add(j * ld + v),
-                        qkv.as_ptr().add((j + 1) * ld + v),
-                    );
-                    for c in 0..V {
-                        even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0.add(16 * c)), even[c]);
-                        odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1.add(16 * c)), odd[c]);
-                    }
-                    j += 2;
+                // The keys this query does not see, up to the tile's longest, weigh zero.
+                for b in blocks..longest.div_ceil(16) {
+                    _mm512_storeu_ps(row.add(16 * b), zero);
                 }
-                if j < len {
-                    let p = _mm512_set1_ps(*scores.add(j));
-                    let v0 = qkv.as_ptr().add(j * ld + v);
+                inv[r] = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(total));
+            }
+            let mut ctx = [[zero; V]; R];
+            for j in 0..longest {
+                let value = v.data.as_ptr().add(j * v.stride + v.offset);
+                let vs: [__m512; V] = std::array::from_fn(|c| _mm512_loadu_ps(value.add(16 * c)));
+                for r in 0..R {
+                    let p = _mm512_set1_ps(*scores.add(r * padded + j));
                     for c in 0..V {
-                        even[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v0.add(16 * c)), even[c]);
+                        ctx[r][c] = _mm512_fmadd_ps(p, vs[c], ctx[r][c]);
                     }
                 }
-                let row = out.as_mut_ptr().add(i * d);
+            }
+            for r in 0..R {
+                let row = out.add((i0 + r) * d);
                 for c in 0..V {
-                    let ctx = _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv);
-                    _mm512_storeu_ps(row.add(16 * c), ctx);
+                    _mm512_storeu_ps(row.add(16 * c), _mm512_mul_ps(ctx[r][c], inv[r]));
                 }
             }
         }

@@ -14,14 +14,16 @@ mod attention;
 mod bf16;
 mod linear;
 mod norm;
+mod shared;
 #[cfg(test)]
 mod tests;
 
-pub use activation::{exp, gelu};
-pub use attention::attention_head;
+pub use activation::{exp, gelu, silu_mul};
+pub use attention::{attention_head, Head, HeadRows};
 pub use bf16::{convert_to_bf16, from_bf16, to_bf16};
 pub use linear::{column_share, Epilogue, Linear, Rows};
 pub use norm::layer_norm;
+pub use shared::Shared;
 
 /// Output columns per packed weight panel; a thread's share of a matrix multiply is whole panels.
 pub const PANEL: usize = 64;

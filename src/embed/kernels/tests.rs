@@ -1,6 +1,7 @@
 //! The kernels against their definitions, in f64, and the AVX-512 paths against the portable
 //! ones where this CPU has AVX-512 BF16.
 
+use super::activation::silu_mul_body;
 #[cfg(target_arch = "x86_64")]
 use super::activation::x86;
 use super::attention::attention_head_body;
@@ -208,6 +209,27 @@ fn exp_and_gelu_are_accurate() {
 }
 
 #[test]
+fn silu_mul_matches_the_definition() {
+    // 203 values: whole 16-lane vectors and a tail, from -30 to 30.
+    let gate: Vec<f32> = (0..203).map(|i| (i as f32 - 101.0) * 0.3).collect();
+    let up = values(gate.len(), 13);
+    let mut out = vec![0f32; gate.len()];
+    let mut portable = vec![0f32; gate.len()];
+    silu_mul(&gate, &up, &mut out);
+    silu_mul_body(&gate, &up, &mut portable);
+    for (i, (&g, &u)) in gate.iter().zip(&up).enumerate() {
+        let (g64, u64) = (f64::from(g), f64::from(u));
+        let want = g64 / (1.0 + (-g64).exp()) * u64;
+        for (got, path) in [(out[i], "dispatched"), (portable[i], "portable")] {
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                "{path} silu({g}) * {u} = {got}, want {want}"
+            );
+        }
+    }
+}
+
+#[test]
 fn layer_norm_matches_the_definition() {
     let width = 384;
     let x = values(3 * width, 8);
@@ -244,36 +266,57 @@ fn layer_norm_matches_the_definition() {
 #[test]
 fn attention_head_matches_the_definition() {
     // Shorter and longer than a register of keys, a whole one, and a head width with no
-    // vector path (24); the dispatched kernel and, where that is AVX-512, the portable body.
-    for (len, d) in [(9, 32), (37, 32), (16, 64), (1, 16), (5, 24)] {
-        check_attention(len, d, attention_head);
-        check_attention(len, d, attention_head_body);
+    // vector path (24); the dispatched kernel and, where that is AVX-512, the portable body;
+    // every query against every key, and causal with fewer queries than keys.
+    for (len, d) in [(9, 32), (37, 32), (16, 64), (1, 16), (5, 24), (70, 64)] {
+        let len: usize = len;
+        for queries in [len, len.div_ceil(3)] {
+            check_attention(len, queries, d, attention_head);
+            check_attention(len, queries, d, attention_head_body);
+        }
     }
 }
 
-type Attention = fn(&[f32], usize, usize, (usize, usize, usize), f32, &mut [f32], &mut Vec<f32>);
+type Attention = fn(&Head<'_>, f32, &mut [f32], &mut Vec<f32>);
 
-fn check_attention(len: usize, d: usize, attention: Attention) {
+/// `keys` positions of three heads in one `[q | k | v]` buffer; the last `queries` of them
+/// query, causally when they are fewer than the keys (else each sees every key), against
+/// the definition in f64.
+fn check_attention(keys: usize, queries: usize, d: usize, attention: Attention) {
     let heads = 3;
     let ld = 3 * heads * d;
-    let qkv = values(len * ld, 11)
+    let qkv = values(keys * ld, 11)
         .iter()
         .map(|v| v * 4.0)
         .collect::<Vec<_>>();
     let scale = 1.0 / (d as f32).sqrt();
+    let causal = queries < keys;
+    let first = keys - queries;
     let mut scratch = Vec::new();
     for h in 0..heads {
         let cols = (h * d, heads * d + h * d, 2 * heads * d + h * d);
-        let mut out = vec![0f32; len * d];
-        attention(&qkv, ld, len, cols, scale, &mut out, &mut scratch);
-        for i in 0..len {
-            let s: Vec<f64> = (0..len)
+        let at = |data, offset| HeadRows {
+            data,
+            stride: ld,
+            offset,
+        };
+        let head = Head {
+            q: at(&qkv[first * ld..], cols.0),
+            k: at(&qkv, cols.1),
+            v: at(&qkv, cols.2),
+            queries,
+            keys,
+            causal,
+        };
+        let mut out = vec![0f32; queries * d];
+        attention(&head, scale, &mut out, &mut scratch);
+        for i in 0..queries {
+            let seen = if causal { first + i + 1 } else { keys };
+            let q = (first + i) * ld + cols.0;
+            let s: Vec<f64> = (0..seen)
                 .map(|j| {
                     (0..d)
-                        .map(|e| {
-                            f64::from(qkv[i * ld + cols.0 + e])
-                                * f64::from(qkv[j * ld + cols.1 + e])
-                        })
+                        .map(|e| f64::from(qkv[q + e]) * f64::from(qkv[j * ld + cols.1 + e]))
                         .sum::<f64>()
                         * f64::from(scale)
                 })
@@ -281,15 +324,47 @@ fn check_attention(len: usize, d: usize, attention: Attention) {
             let max = s.iter().cloned().fold(f64::MIN, f64::max);
             let total: f64 = s.iter().map(|x| (x - max).exp()).sum();
             for e in 0..d {
-                let want: f64 = (0..len)
+                let want: f64 = (0..seen)
                     .map(|j| (s[j] - max).exp() / total * f64::from(qkv[j * ld + cols.2 + e]))
                     .sum();
                 let got = out[i * d + e];
                 assert!(
                     (f64::from(got) - want).abs() < 1e-5,
-                    "len {len} d {d} head {h} [{i},{e}] {got} vs {want}"
+                    "keys {keys} queries {queries} d {d} head {h} [{i},{e}] {got} vs {want}"
                 );
             }
         }
     }
+}
+
+#[test]
+fn a_causal_query_gives_the_same_result_whatever_shares_its_call() {
+    // What chunked prefill relies on: query 20 of 40 alone, or among queries 8..40.
+    let (keys, d) = (40, 64);
+    let data = values(keys * 3 * d, 12);
+    let at = |offset| HeadRows {
+        data: &data,
+        stride: 3 * d,
+        offset,
+    };
+    let run = |from: usize, to: usize| {
+        let head = Head {
+            q: HeadRows {
+                data: &data[from * 3 * d..],
+                stride: 3 * d,
+                offset: 0,
+            },
+            k: at(d),
+            v: at(2 * d),
+            queries: to - from,
+            keys: to,
+            causal: true,
+        };
+        let mut out = vec![0f32; (to - from) * d];
+        attention_head(&head, 0.125, &mut out, &mut Vec::new());
+        out
+    };
+    let alone = run(20, 21);
+    let among = run(8, 40);
+    assert_eq!(alone[..], among[12 * d..13 * d]);
 }
