@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use candle_core::quantized::QTensor;
 
 use super::kernels::{matmul, QActs, QMatrix};
+use crate::embed::kernels::{exp, silu_mul};
 
 /// The model's dimensions, as the decoder needs them.
 #[derive(Debug, Clone, Copy)]
@@ -251,9 +252,7 @@ impl CpuDecoder {
                 .zip(sc.act.chunks_exact_mut(ffn))
             {
                 let (gate, up) = gu.split_at(ffn);
-                for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                    *o = g / (1.0 + (-g).exp()) * u;
-                }
+                silu_mul(gate, up, out);
             }
             sc.acts.quantize(&sc.act, b, ffn);
             matmul(&layer.down, &sc.acts, &mut sc.proj);
@@ -361,11 +360,111 @@ impl Partial {
         scale: f32,
     ) {
         #[cfg(target_arch = "x86_64")]
-        if super::kernels::Isa::detect() != super::kernels::Isa::Portable {
-            // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
-            return unsafe { self.attend_avx2(q, kv, dims, range, scale) };
+        {
+            use super::kernels::Isa;
+            let (nh, nkv, _, hd) = dims;
+            if Isa::detect() == Isa::Avx512Vnni && hd == 64 && nh % nkv == 0 {
+                // SAFETY: `Isa::detect` saw avx512f, avx512vl, avx2 and fma on this CPU.
+                match nh / nkv {
+                    1 => return unsafe { self.attend_avx512::<1>(q, kv, dims, range, scale) },
+                    2 => return unsafe { self.attend_avx512::<2>(q, kv, dims, range, scale) },
+                    3 => return unsafe { self.attend_avx512::<3>(q, kv, dims, range, scale) },
+                    4 => return unsafe { self.attend_avx512::<4>(q, kv, dims, range, scale) },
+                    _ => {}
+                }
+            }
+            if Isa::detect() != Isa::Portable {
+                // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
+                return unsafe { self.attend_avx2(q, kv, dims, range, scale) };
+            }
         }
         self.attend_body(q, kv, dims, range, scale)
+    }
+
+    /// [`Partial::attend`] for heads of 64 (four 512-bit registers) and `R` query heads per kv
+    /// head: each key row is loaded once for the `R` scores, and each value row once into the
+    /// `R` context rows, which stay in registers for the whole range (the portable loops read
+    /// and write them in memory per key).
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and VL, AVX2 and FMA; `q` is `(n_head, 64)` and the caches hold
+    /// `range` of every kv head (as [`Partial::attend`]'s callers guarantee).
+    // Register arrays indexed in lockstep read clearer as `for c in 0..4` than as zips.
+    #[allow(clippy::needless_range_loop)]
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    unsafe fn attend_avx512<const R: usize>(
+        &mut self,
+        q: &[f32],
+        (k, v): (&[f32], &[f32]),
+        (nh, nkv, cap, hd): (usize, usize, usize, usize),
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) {
+        use std::arch::x86_64::*;
+        let n = range.len();
+        self.max.clear();
+        self.max.resize(nh, f32::NEG_INFINITY);
+        self.sum.clear();
+        self.sum.resize(nh, 0.0);
+        self.out.clear();
+        self.out.resize(nh * hd, 0.0);
+        self.scores.resize(R * n, 0.0);
+        assert!(q.len() >= nh * hd && k.len() >= nkv * cap * hd && v.len() >= nkv * cap * hd);
+        assert!(range.end <= cap);
+        let scores = self.scores.as_mut_ptr();
+        // SAFETY (whole body): q rows h < nh, cache rows (g, range) and score slots r * n + j
+        // are in bounds by the asserts above; `out` is `nh * 64`.
+        unsafe {
+            let load4 = |p: *const f32| -> [__m512; 4] {
+                std::array::from_fn(|c| _mm512_loadu_ps(p.add(16 * c)))
+            };
+            for g in 0..nkv {
+                let h0 = g * R;
+                let qs: [[__m512; 4]; R] =
+                    std::array::from_fn(|r| load4(q.as_ptr().add((h0 + r) * hd)));
+                let base = (g * cap + range.start) * hd;
+                let mut max = [f32::NEG_INFINITY; R];
+                for j in 0..n {
+                    let key = load4(k.as_ptr().add(base + j * hd));
+                    for r in 0..R {
+                        let mut acc = _mm512_mul_ps(qs[r][0], key[0]);
+                        for c in 1..4 {
+                            acc = _mm512_fmadd_ps(qs[r][c], key[c], acc);
+                        }
+                        let s = _mm512_reduce_add_ps(acc) * scale;
+                        *scores.add(r * n + j) = s;
+                        max[r] = max[r].max(s);
+                    }
+                }
+                for r in 0..R {
+                    let mut sum = 0f32;
+                    for j in 0..n {
+                        let s = scores.add(r * n + j);
+                        *s = exp(*s - max[r]);
+                        sum += *s;
+                    }
+                    self.max[h0 + r] = max[r];
+                    self.sum[h0 + r] = sum;
+                }
+                let mut ctx = [[_mm512_setzero_ps(); 4]; R];
+                for j in 0..n {
+                    let value = load4(v.as_ptr().add(base + j * hd));
+                    for r in 0..R {
+                        let w = _mm512_set1_ps(*scores.add(r * n + j));
+                        for c in 0..4 {
+                            ctx[r][c] = _mm512_fmadd_ps(w, value[c], ctx[r][c]);
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let out = self.out.as_mut_ptr().add((h0 + r) * hd);
+                    for c in 0..4 {
+                        _mm512_storeu_ps(out.add(16 * c), ctx[r][c]);
+                    }
+                }
+            }
+        }
     }
 
     /// The same loops compiled for AVX2: eight lanes per instruction instead of SSE2's four
@@ -415,7 +514,7 @@ impl Partial {
             for (r, h) in heads.clone().enumerate() {
                 let mut sum = 0f32;
                 for s in &mut scores[r * n..(r + 1) * n] {
-                    *s = (*s - self.max[h]).exp();
+                    *s = exp(*s - self.max[h]);
                     sum += *s;
                 }
                 self.sum[h] = sum;

@@ -507,8 +507,10 @@ mod tests {
     /// reference on the file as shipped (Q4_1 with Q8_1 activations); its prefill is also
     /// checked against the F32 reference. Teacher-forced on the reference's tokens, every step
     /// must pick the same token and:
-    /// - F32: logits within 1e-3 (seen: bit-identical; the Q8_0 output head re-quantises the
-    ///   last hidden state, which absorbs our different float summation order);
+    /// - F32: logits within 1e-2 (seen: bit-identical while our decode attention summed each
+    ///   score in order; with the AVX-512 one's tree sum, 2.4e-3 at worst: the Q8_0 output head
+    ///   re-quantises the last hidden state, which absorbs most of a different float summation
+    ///   order and now and then flips one quantisation step);
     /// - Q8_0: worst per-step mean |Δlogit| below 1.0. Q8_0 re-quantises activations at every
     ///   matmul, so ~1e-7 differences in summation order (our decode attention is a plain loop,
     ///   our GEMMs batch heads differently) now and then flip a quantisation step and the
@@ -557,7 +559,7 @@ mod tests {
             }
             eprintln!("{format:?}: |Δlogit| max {worst_max}, worst step mean {worst_mean}");
             match format {
-                WeightFormat::F32 => assert!(worst_max < 1e-3, "{format:?}: {worst_max}"),
+                WeightFormat::F32 => assert!(worst_max < 1e-2, "{format:?}: {worst_max}"),
                 _ => assert!(worst_mean < 1.0, "{format:?}: {worst_mean}"),
             }
 
