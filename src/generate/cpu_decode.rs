@@ -381,6 +381,17 @@ impl Partial {
         self.attend_body(q, kv, dims, range, scale)
     }
 
+    /// Empty per-head results for `nh` heads of `hd`, and room for `scores` scores.
+    fn reset(&mut self, nh: usize, hd: usize, scores: usize) {
+        self.max.clear();
+        self.max.resize(nh, f32::NEG_INFINITY);
+        self.sum.clear();
+        self.sum.resize(nh, 0.0);
+        self.out.clear();
+        self.out.resize(nh * hd, 0.0);
+        self.scores.resize(scores, 0.0);
+    }
+
     /// [`Partial::attend`] for heads of 64 (four 512-bit registers) and `R` query heads per kv
     /// head: each key row is loaded once for the `R` scores, and each value row once into the
     /// `R` context rows, which stay in registers for the whole range (the portable loops read
@@ -403,13 +414,7 @@ impl Partial {
     ) {
         use std::arch::x86_64::*;
         let n = range.len();
-        self.max.clear();
-        self.max.resize(nh, f32::NEG_INFINITY);
-        self.sum.clear();
-        self.sum.resize(nh, 0.0);
-        self.out.clear();
-        self.out.resize(nh * hd, 0.0);
-        self.scores.resize(R * n, 0.0);
+        self.reset(nh, hd, R * n);
         assert!(q.len() >= nh * hd && k.len() >= nkv * cap * hd && v.len() >= nkv * cap * hd);
         assert!(range.end <= cap);
         let scores = self.scores.as_mut_ptr();
@@ -493,13 +498,7 @@ impl Partial {
     ) {
         let n_rep = nh / nkv;
         let n = range.len();
-        self.max.clear();
-        self.max.resize(nh, f32::NEG_INFINITY);
-        self.sum.clear();
-        self.sum.resize(nh, 0.0);
-        self.out.clear();
-        self.out.resize(nh * hd, 0.0);
-        self.scores.resize(n_rep * n, 0.0);
+        self.reset(nh, hd, n_rep * n);
         let scores = &mut self.scores;
         for g in 0..nkv {
             let heads = g * n_rep..(g + 1) * n_rep;
