@@ -185,6 +185,38 @@ impl CpuDecoder {
         Ok(())
     }
 
+    /// Rotates the query and key heads of one `[q | k | v]` row for position `pos` and writes
+    /// its keys and values into layer `layer` of `kv` at that position.
+    pub(super) fn rope_and_cache(
+        &self,
+        row: &mut [f32],
+        pos: usize,
+        kv: &mut HostKv,
+        layer: usize,
+    ) {
+        let Dims {
+            n_head: nh,
+            n_kv_head: nkv,
+            head_dim: hd,
+            ..
+        } = self.dims;
+        let half = hd / 2;
+        let (cos, sin) = (
+            &self.cos[pos * half..(pos + 1) * half],
+            &self.sin[pos * half..(pos + 1) * half],
+        );
+        let (qk, v) = row.split_at_mut((nh + nkv) * hd);
+        for head in qk.chunks_exact_mut(hd) {
+            rope_interleaved(head, cos, sin);
+        }
+        let cap = kv.capacity;
+        for g in 0..nkv {
+            let at = (g * cap + pos) * hd;
+            kv.k[layer][at..at + hd].copy_from_slice(&qk[(nh + g) * hd..(nh + g + 1) * hd]);
+            kv.v[layer][at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
+        }
+    }
+
     /// Runs each sequence's token at its position, writing its keys and values into its cache;
     /// `logits` receives `(seqs.len(), vocab)` row after row.
     pub fn step(&self, seqs: &mut [SeqStep<'_>], logits: &mut [f32]) -> candle_core::Result<()> {
@@ -222,21 +254,7 @@ impl CpuDecoder {
             sc.acts.quantize(&sc.h, b, hidden);
             matmul(&layer.qkv, &sc.acts, &mut sc.qkv);
             for (s, row) in seqs.iter_mut().zip(sc.qkv.chunks_exact_mut(qkv_width)) {
-                let half = hd / 2;
-                let (cos, sin) = (
-                    &self.cos[s.pos * half..(s.pos + 1) * half],
-                    &self.sin[s.pos * half..(s.pos + 1) * half],
-                );
-                let (qk, v) = row.split_at_mut((nh + nkv) * hd);
-                for head in qk.chunks_exact_mut(hd) {
-                    rope_interleaved(head, cos, sin);
-                }
-                let cap = s.kv.capacity;
-                for g in 0..nkv {
-                    let at = (g * cap + s.pos) * hd;
-                    s.kv.k[li][at..at + hd].copy_from_slice(&qk[(nh + g) * hd..(nh + g + 1) * hd]);
-                    s.kv.v[li][at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
-                }
+                self.rope_and_cache(row, s.pos, s.kv, li);
             }
             self.attend(seqs, li, sc);
             sc.acts.quantize(&sc.y, b, hidden);
@@ -586,7 +604,7 @@ pub(super) fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]
 }
 
 /// RoPE on one head, pairs (2i, 2i + 1) rotated by angle i (GGUF llama's interleaved layout).
-pub(super) fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
+fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
     for ((pair, &c), &s) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
         let (a, b) = (pair[0], pair[1]);
         pair[0] = a * c - b * s;

@@ -9,7 +9,7 @@
 
 use std::cell::RefCell;
 
-use super::cpu_decode::{rms_norm_rows, rope_interleaved, CpuDecoder, Dims, HostKv};
+use super::cpu_decode::{rms_norm_rows, CpuDecoder, Dims, HostKv};
 use super::schedule::Scheduler;
 use super::weights::Weights;
 use crate::embed::kernels::{attention_head, silu_mul, Head, HeadRows, Shared};
@@ -42,19 +42,14 @@ pub(super) fn hidden(
         ffn,
         rms_eps,
     } = dims;
-    let (t, hidden, half) = (tokens.len(), nh * hd, hd / 2);
+    let (t, hidden) = (tokens.len(), nh * hd);
     let qkv_width = (nh + 2 * nkv) * hd;
-    if t == 0 || pos + t > kv.capacity || (pos + t) * half > decoder.cos.len() {
-        candle_core::bail!(
-            "{t} tokens at position {pos} do not fit a cache of {}",
-            kv.capacity
-        );
+    if t == 0 {
+        candle_core::bail!("no tokens to prefill");
     }
     let mut x = vec![0f32; t * hidden];
-    for (&token, row) in tokens.iter().zip(x.chunks_exact_mut(hidden)) {
-        if token as usize >= decoder.embed.rows() {
-            candle_core::bail!("token id {token} is outside the vocabulary");
-        }
+    for (i, (&token, row)) in tokens.iter().zip(x.chunks_exact_mut(hidden)).enumerate() {
+        decoder.check(kv, pos + i, token)?;
         decoder.embed.dequantize_row(token as usize, row);
     }
     let mut h = vec![0f32; t * hidden];
@@ -69,20 +64,7 @@ pub(super) fn hidden(
         rms_norm_rows(&x, &norms.attn_norm, rms_eps, &mut h);
         layer.qkv.prefill_rows(&h, t, &mut qkv, None)?;
         for (i, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
-            let p = pos + i;
-            let (cos, sin) = (
-                &decoder.cos[p * half..(p + 1) * half],
-                &decoder.sin[p * half..(p + 1) * half],
-            );
-            let (qk, v) = row.split_at_mut((nh + nkv) * hd);
-            for head in qk.chunks_exact_mut(hd) {
-                rope_interleaved(head, cos, sin);
-            }
-            for g in 0..nkv {
-                let at = (g * cap + p) * hd;
-                kv.k[li][at..at + hd].copy_from_slice(&qk[(nh + g) * hd..(nh + g + 1) * hd]);
-                kv.v[li][at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
-            }
+            decoder.rope_and_cache(row, pos + i, kv, li);
         }
         attend(&qkv, (&kv.k[li], &kv.v[li]), dims, (pos, t, cap), &mut y);
         layer.attn_out.prefill_rows(&y, t, &mut next, Some(&x))?;
