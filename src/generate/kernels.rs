@@ -631,9 +631,11 @@ mod x86 {
     }
 
     /// How far ahead of the blocks being multiplied the kernel asks for the weights (bytes).
-    /// Measured on the decode step (`ragscope bench --decode-step`): 1 KiB ahead 9.4 ms against
-    /// 9.8–10.1 without; 512 B, 768 B, 1.5 KiB and more were no better than none.
-    const PREFETCH_BYTES: usize = 1024;
+    /// Measured on the decode step (`ragscope bench --decode-step`, Zen 5, medians of six
+    /// interleaved runs), the layer matmuls: 2.85 ms at 4 KiB, 2.73 at 8 KiB, 3.26 at 2 KiB,
+    /// against 4.88 when only the tile's first row was prefetched (1 KiB ahead), which left
+    /// three quarters of its bytes to the hardware prefetchers.
+    const PREFETCH_BYTES: usize = 4096;
 
     /// Picks the monomorphised tile for `rows.len()` × `acts.len()`.
     #[inline(always)]
@@ -692,7 +694,6 @@ mod x86 {
                 assert!(a.q.len() >= nb * BLOCK && a.d.len() >= stride && a.s.len() >= stride);
                 assert!(a.quad.len() >= nb * BLOCK);
             }
-            let w0q = rows[0].quants.as_ptr();
             let mut acc = [[_mm256_setzero_ps(); N]; R];
             // Σ m · d_a·Σq_a per lane (Q4_1 only).
             let mut acc_min = [[_mm256_setzero_ps(); N]; R];
@@ -703,15 +704,18 @@ mod x86 {
             while group < nb {
                 let count = 8.min(nb - group);
                 {
-                    // The rows of a tile are contiguous: one stream ahead of the first covers
-                    // them all. Prefetching never faults, even past the end of the matrix.
+                    // Every row's group, PREFETCH_BYTES ahead: each byte the tile reads was
+                    // asked for once, earlier. Prefetching never faults, even past the end.
                     let qb = if Q4 { BLOCK / 2 } else { BLOCK };
-                    let p = w0q.wrapping_add(group * qb + PREFETCH_BYTES) as *const i8;
-                    _mm_prefetch::<_MM_HINT_T0>(p);
-                    _mm_prefetch::<_MM_HINT_T0>(p.add(64));
-                    if !Q4 {
-                        _mm_prefetch::<_MM_HINT_T0>(p.add(128));
-                        _mm_prefetch::<_MM_HINT_T0>(p.add(192));
+                    for w in rows {
+                        let p = w.quants.as_ptr().wrapping_add(group * qb + PREFETCH_BYTES);
+                        let p = p as *const i8;
+                        _mm_prefetch::<_MM_HINT_T0>(p);
+                        _mm_prefetch::<_MM_HINT_T0>(p.add(64));
+                        if !Q4 {
+                            _mm_prefetch::<_MM_HINT_T0>(p.add(128));
+                            _mm_prefetch::<_MM_HINT_T0>(p.add(192));
+                        }
                     }
                 }
                 let mut scales = [[[0f32; 8]; N]; R];
