@@ -293,7 +293,7 @@ fn ask(
 fn settings(p: &PipelineArgs) -> String {
     format!(
         "context {} budget {}/passage method {} template {:?} rerank_top_n {} max_tokens {} \
-         repetition_penalty {} no_repeat_ngram {}",
+         repetition_penalty {} no_repeat_ngram {} context_bias {} copy_bias {} end_at_paragraph {}",
         p.context.as_str(),
         p.context_budget,
         p.context_method.as_str(),
@@ -301,7 +301,10 @@ fn settings(p: &PipelineArgs) -> String {
         p.rerank_top_n,
         p.max_tokens,
         p.repetition_penalty,
-        p.no_repeat_ngram
+        p.no_repeat_ngram,
+        p.context_bias,
+        p.copy_bias,
+        p.end_at_paragraph
     )
 }
 

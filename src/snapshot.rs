@@ -93,8 +93,11 @@ pub struct SamplingFacts {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
+    /// The answer could also end at its first finished paragraph.
+    #[serde(default)]
+    pub end_at_paragraph: bool,
     pub logprobs: Option<usize>,
-    /// The tokens `context_bias` favoured (absent in snapshots of requests without it).
+    /// The context tokens `context_bias` and `copy_bias` looked at (absent in snapshots of requests without it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub context_tokens: Vec<u32>,
 }
@@ -409,6 +412,7 @@ mod tests {
                 max_tokens: 4,
                 ignore_eos: false,
                 stop: Vec::new(),
+                end_at_paragraph: false,
                 logprobs: None,
                 context_tokens: Vec::new(),
             },

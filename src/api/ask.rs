@@ -183,6 +183,7 @@ impl Decoding {
             no_repeat_ngram: self.no_repeat_ngram_size.unwrap_or(base.no_repeat_ngram),
             penalize_prompt: self.penalize_prompt.unwrap_or(base.penalize_prompt),
             context_bias: base.context_bias,
+            copy_bias: base.copy_bias,
         }
     }
 }

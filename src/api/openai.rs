@@ -385,6 +385,8 @@ pub async fn chat_completions(
             .repetition_penalty
             .map_or(neutral.repetition_penalty, |v| v as f32);
         req.sampling.no_repeat_ngram = body.no_repeat_ngram_size.unwrap_or(neutral.no_repeat_ngram);
+        req.sampling.context_bias = neutral.context_bias;
+        req.sampling.copy_bias = neutral.copy_bias;
     }
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = if plain {

@@ -230,6 +230,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 deadline: None,
                 ignore_eos: false,
                 stop: &[],
+                end_at_paragraph: false,
                 logprobs: None,
                 context_tokens: &[],
             },

@@ -190,7 +190,7 @@ impl<'a> TextGeneration<'a> {
         let ban: &[u32] = if req.ignore_eos { &llama.eos } else { &[] };
         let mut sampler = Sampler::for_request(&req.sampling, req.prompt, req.context_tokens, ban);
         let mut stream = Utf8Stream::new();
-        let mut text = StopText::new(req.stop);
+        let mut text = StopText::new(req.stop).ending_at_paragraph(req.end_at_paragraph);
         let top_logprobs = req.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS));
         let mut by_stop_string = false;
         let mut index = 0usize;

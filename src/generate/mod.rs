@@ -77,6 +77,12 @@ pub struct Sampling {
     /// copying its sources' words (`--context-bias`, measured in docs/CONTEXT.md).
     #[serde(default)]
     pub context_bias: f32,
+    /// Added to the logit of each token that continues, in the context passages, the longest
+    /// run of the answer's last tokens found there (0 = off): the answer is pulled towards
+    /// copying its sources' spans (an option's name, a command line) instead of inventing
+    /// them (`--copy-bias`, measured in docs/CONTEXT.md).
+    #[serde(default)]
+    pub copy_bias: f32,
 }
 
 impl Sampling {
@@ -87,6 +93,7 @@ impl Sampling {
             || self.repetition_penalty != 1.0
             || self.no_repeat_ngram > 0
             || self.context_bias != 0.0
+            || self.copy_bias != 0.0
     }
 }
 
@@ -102,6 +109,7 @@ impl Default for Sampling {
             no_repeat_ngram: 0,
             penalize_prompt: false,
             context_bias: 0.0,
+            copy_bias: 0.0,
         }
     }
 }
@@ -191,6 +199,9 @@ pub struct GenerateRequest<'a> {
     /// Stop strings: generation ends with [`FinishReason::Stop`] where the text first contains
     /// one (across token boundaries), and neither it nor anything after it is in the text.
     pub stop: &'a [String],
+    /// Also end, as at a stop string, at the first finished paragraph: a blank line after a
+    /// sentence's end or a closed code block, outside code (a RAG answer's natural end).
+    pub end_at_paragraph: bool,
     /// `Some(k)`: each generated token's log-probability and its `k` (at most
     /// [`MAX_TOP_LOGPROBS`]) most likely alternatives.
     pub logprobs: Option<usize>,
@@ -211,6 +222,7 @@ impl<'a> GenerateRequest<'a> {
             deadline: None,
             ignore_eos: true,
             stop: &[],
+            end_at_paragraph: false,
             logprobs: None,
             context_tokens: &[],
         }

@@ -12,6 +12,10 @@ use rand::{Rng, SeedableRng};
 
 use super::Sampling;
 
+/// The longest run of an answer's last tokens the copy bias looks for in the context: enough
+/// to tell one option's spelling from another's.
+const COPY_MATCH: usize = 8;
+
 /// The last position's logits `(vocab,)`: a candle tensor (maybe on the GPU), or the host
 /// buffer [`CpuDecoder`](super::cpu_decode::CpuDecoder) wrote.
 pub(super) enum Logits {
@@ -45,12 +49,18 @@ pub(super) struct Pick {
     pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
 }
 
-/// The penalties and the n-gram block, with the generated tokens they look at, and the bias
-/// towards the context's tokens.
+/// The penalties and the n-gram block, with the generated tokens they look at, and the biases
+/// towards the context's tokens and spans.
 struct Penalties {
     /// The context's distinct tokens, and what is added to their logits.
     favoured: Vec<u32>,
     bias: f32,
+    /// The context's tokens in order, and what is added to the logits of the tokens that
+    /// continue there the answer's last tokens.
+    context: Vec<u32>,
+    copy: f32,
+    /// Where the answer starts in `history` (after the prompt, when that was counted).
+    answer_from: usize,
     presence: f32,
     frequency: f32,
     repetition: f32,
@@ -66,6 +76,9 @@ impl Penalties {
         s.penalises().then(|| Penalties {
             favoured: Vec::new(),
             bias: s.context_bias,
+            context: Vec::new(),
+            copy: s.copy_bias,
+            answer_from: 0,
             presence: s.presence_penalty,
             frequency: s.frequency_penalty,
             repetition: s.repetition_penalty,
@@ -98,11 +111,50 @@ impl Penalties {
             }
             *l -= self.presence + self.frequency * count as f32;
         }
+        if self.copy != 0.0 {
+            self.for_each_copied(|token| {
+                if let Some(l) = logits.get_mut(token as usize) {
+                    *l += self.copy;
+                }
+            });
+        }
         self.for_each_blocked(|token| {
             if let Some(l) = logits.get_mut(token as usize) {
                 *l = f32::NEG_INFINITY;
             }
         });
+    }
+
+    /// Calls `f` once with each token that follows, in the context, the longest run of the
+    /// answer's last tokens (up to [`COPY_MATCH`]) that the context holds.
+    fn for_each_copied(&self, mut f: impl FnMut(u32)) {
+        let (answer, context) = (&self.history[self.answer_from..], &self.context);
+        let Some(&last) = answer.last() else {
+            return;
+        };
+        let mut best = 0;
+        let mut next: Vec<u32> = Vec::new();
+        for j in 0..context.len().saturating_sub(1) {
+            if context[j] != last {
+                continue;
+            }
+            let mut run = 1;
+            while run < COPY_MATCH
+                && run < answer.len()
+                && run <= j
+                && context[j - run] == answer[answer.len() - 1 - run]
+            {
+                run += 1;
+            }
+            if run > best {
+                best = run;
+                next.clear();
+            }
+            if run == best && !next.contains(&context[j + 1]) {
+                next.push(context[j + 1]);
+            }
+        }
+        next.into_iter().for_each(&mut f);
     }
 
     /// Calls `f` with each token that would complete an n-gram already generated: the last
@@ -181,6 +233,10 @@ impl Sampler {
                 p.favoured.sort_unstable();
                 p.favoured.dedup();
             }
+            if p.copy != 0.0 {
+                p.context = context.to_vec();
+            }
+            p.answer_from = p.history.len();
         }
         sampler.banning(ban)
     }
@@ -429,6 +485,42 @@ mod tests {
         // No context, or no bias: the model's own pick.
         assert_eq!(pick(&strong, &[]).token, 0);
         assert_eq!(pick(&Sampling::default(), &[2]).token, 0);
+    }
+
+    #[test]
+    fn the_copy_bias_favours_what_follows_the_longest_match_in_the_context() {
+        let s = Sampling {
+            copy_bias: 2.0,
+            ..Sampling::default()
+        };
+        // The context spells "5 1 2" and "7 1 3": after "7 1" the longer match says 3.
+        let context = [5, 1, 2, 9, 7, 1, 3];
+        let logits = Logits::Host(vec![0.0, 0.0, 1.0, 0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        let mut sampler = Sampler::for_request(&s, &[4, 4], &context, &[]);
+        let feed = |sampler: &mut Sampler, token: u32| {
+            sampler.penalties.as_mut().unwrap().accept(token);
+        };
+        // Nothing generated yet: no bias, the model's own pick.
+        assert_eq!(sampler.sample(&logits).unwrap(), 4);
+        sampler = Sampler::for_request(&s, &[4, 4], &context, &[]);
+        feed(&mut sampler, 7);
+        feed(&mut sampler, 1);
+        assert_eq!(sampler.sample(&logits).unwrap(), 3);
+        // After a lone "1" both continuations match one token long: 2 wins on its logit.
+        let mut sampler = Sampler::for_request(&s, &[], &context, &[]);
+        feed(&mut sampler, 1);
+        assert_eq!(sampler.sample(&logits).unwrap(), 2);
+        // A token the context does not hold: the model's own pick.
+        let mut sampler = Sampler::for_request(&s, &[], &context, &[]);
+        feed(&mut sampler, 8);
+        assert_eq!(sampler.sample(&logits).unwrap(), 4);
+        // The prompt, counted for the penalties, is not part of the answer being matched.
+        let counted = Sampling {
+            penalize_prompt: true,
+            ..s
+        };
+        let mut sampler = Sampler::for_request(&counted, &[7, 1], &context, &[]);
+        assert_eq!(sampler.sample(&logits).unwrap(), 4);
     }
 
     #[test]

@@ -130,6 +130,7 @@ impl Watch<'_> {
                 max_tokens: req.max_tokens,
                 ignore_eos: req.ignore_eos,
                 stop: req.stop.to_vec(),
+                end_at_paragraph: req.end_at_paragraph,
                 logprobs: req.logprobs,
                 context_tokens: req.context_tokens.to_vec(),
             },

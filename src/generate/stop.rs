@@ -2,6 +2,9 @@
 //! that could still be the start of one is held back until the next token shows whether it is;
 //! a stop string and everything after it never reach the consumer. Each token's log-probability
 //! travels with the piece of text that completes it.
+//!
+//! A generation may also end at its first finished paragraph: a blank line after a sentence's
+//! end (`.`, `!`, `?`) or a closed code block, outside any code block.
 
 use std::collections::VecDeque;
 
@@ -10,6 +13,10 @@ use super::TokenLogprob;
 /// The text of one generation between the tokens and the consumer.
 pub(super) struct StopText<'a> {
     stops: &'a [String],
+    /// End at the first finished paragraph.
+    paragraph: bool,
+    /// The text handed on so far (kept only when `paragraph` is on: the rule looks back).
+    before: String,
     /// Bytes handed on so far.
     released: usize,
     /// Text produced after `released`: it may still turn into a stop string.
@@ -40,6 +47,8 @@ impl<'a> StopText<'a> {
     pub fn new(stops: &'a [String]) -> StopText<'a> {
         StopText {
             stops,
+            paragraph: false,
+            before: String::new(),
             released: 0,
             held: String::new(),
             queued: VecDeque::new(),
@@ -60,6 +69,7 @@ impl<'a> StopText<'a> {
             .iter()
             .filter(|s| !s.is_empty())
             .filter_map(|s| self.held.find(s.as_str()))
+            .chain(self.paragraph_end())
             .min();
         if let Some(cut) = found {
             let mut out = self.release(cut, Some(cut));
@@ -68,6 +78,38 @@ impl<'a> StopText<'a> {
         }
         let keep = self.longest_stop_prefix();
         self.release(self.held.len() - keep, None)
+    }
+
+    /// Also ends the text at its first finished paragraph (a RAG answer's natural end).
+    pub fn ending_at_paragraph(mut self, on: bool) -> StopText<'a> {
+        self.paragraph = on;
+        self
+    }
+
+    /// Where in `held` the first finished paragraph ends: a blank line whose text before it
+    /// ends a sentence or closes a code block, with every code block closed.
+    fn paragraph_end(&self) -> Option<usize> {
+        if !self.paragraph {
+            return None;
+        }
+        let mut from = 0;
+        while let Some(i) = self.held[from..].find("\n\n") {
+            let at = from + i;
+            let head = self.held[..at].trim_end();
+            let text = if head.is_empty() {
+                self.before.trim_end()
+            } else {
+                head
+            };
+            let fences =
+                self.before.matches("```").count() + self.held[..at].matches("```").count();
+            let finished = text.ends_with(['.', '!', '?']) || text.ends_with("```");
+            if fences.is_multiple_of(2) && finished {
+                return Some(at);
+            }
+            from = at + 1;
+        }
+        None
     }
 
     /// Everything still held, once no more tokens come.
@@ -86,6 +128,7 @@ impl<'a> StopText<'a> {
                     .rev()
                     .find(|&k| held.ends_with(&s.as_bytes()[..k]))
             })
+            .chain((self.paragraph && self.held.ends_with('\n')).then_some(1))
             .max()
             .unwrap_or(0)
     }
@@ -100,6 +143,9 @@ impl<'a> StopText<'a> {
         let cut = last.map(|c| self.released.saturating_add(c));
         self.out_text.clear();
         self.out_text.push_str(&self.held[..upto]);
+        if self.paragraph {
+            self.before.push_str(&self.held[..upto]);
+        }
         self.held.drain(..upto);
         self.released = end;
         self.out_logprobs.clear();
@@ -193,6 +239,59 @@ mod tests {
         assert_eq!(pieces, ["a", "b", ""]);
         let (pieces, _, _) = feed(&[""], &["a"]);
         assert_eq!(pieces.concat(), "a");
+    }
+
+    /// [`feed`] with the paragraph rule on.
+    fn feed_paragraphs(stops: &[&str], tokens: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut st = StopText::new(&stops).ending_at_paragraph(true);
+        let mut text = String::new();
+        for t in tokens {
+            let r = st.push(t, None);
+            text.push_str(r.text);
+            if r.stopped {
+                return (text, true);
+            }
+        }
+        text.push_str(st.finish().text);
+        (text, false)
+    }
+
+    #[test]
+    fn the_first_finished_paragraph_ends_the_text() {
+        // The blank line arrives one newline per token; the sentence before it is finished.
+        let (text, stopped) = feed_paragraphs(&[], &["Use", " --depth", ".", "\n", "\n", "More"]);
+        assert!(stopped);
+        assert_eq!(text, "Use --depth.");
+        // A blank line after an unfinished sentence ("…command:") does not end it, nor does
+        // one inside a code block; the one after the block's closing fence does.
+        let tokens = [
+            "Run this:",
+            "\n\n",
+            "```\n",
+            "a.\n\n",
+            "b\n",
+            "```",
+            "\n\n",
+            "x",
+        ];
+        let (text, stopped) = feed_paragraphs(&[], &tokens);
+        assert!(stopped);
+        assert_eq!(text, "Run this:\n\n```\na.\n\nb\n```");
+        // A blank line before any text is not an end; a stop string earlier still wins.
+        let (text, stopped) = feed_paragraphs(&[], &["\n\n", "Done!", "\n\n"]);
+        assert!(stopped);
+        assert_eq!(text, "\n\nDone!");
+        let (text, stopped) = feed_paragraphs(&["Done"], &["Ok. Done.", "\n\n"]);
+        assert!(stopped);
+        assert_eq!(text, "Ok. ");
+        // Off, a finished paragraph is only text; a lone newline is handed on at the end.
+        let (pieces, _, stopped) = feed(&[], &["A.", "\n\n", "B.\n"]);
+        assert!(!stopped);
+        assert_eq!(pieces.concat(), "A.\n\nB.\n");
+        let (text, stopped) = feed_paragraphs(&[], &["A.", "\n"]);
+        assert!(!stopped);
+        assert_eq!(text, "A.\n");
     }
 
     #[test]

@@ -77,6 +77,7 @@ pub(super) fn request(
         deadline: None,
         ignore_eos: false,
         stop: &[],
+        end_at_paragraph: false,
         logprobs: None,
         context_tokens: &[],
     }

@@ -167,7 +167,7 @@ impl Pipeline {
             warm.finish();
         }
         let gap = retrieved_at.elapsed();
-        let favoured = if req.sampling.context_bias != 0.0 {
+        let favoured = if req.sampling.context_bias != 0.0 || req.sampling.copy_bias != 0.0 {
             self.generator.tokenize(&texts.join("\n"), false)?
         } else {
             Vec::new()
@@ -180,7 +180,15 @@ impl Pipeline {
             .cloned()
             .chain(prompt::ANSWER_ENDS.iter().map(|s| s.to_string()))
             .collect();
-        let generated = self.generate(&mut run, req, &built.tokens, &favoured, &stop, events)?;
+        let generated = self.generate(
+            &mut run,
+            req,
+            &built.tokens,
+            &favoured,
+            &stop,
+            self.defaults.end_at_paragraph,
+            events,
+        )?;
         let window = self.generator.context_window();
         record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
         let mut answer = self.finish(run, sources, generated);
@@ -370,7 +378,8 @@ impl Pipeline {
     }
 
     /// 6. The answer, one per choice (generated side by side), each piece of text streamed
-    ///    as it completes.
+    ///    as it completes; ending at its first finished paragraph when `end_at_paragraph`.
+    #[allow(clippy::too_many_arguments)]
     fn generate(
         &self,
         run: &mut StageRunner,
@@ -378,6 +387,7 @@ impl Pipeline {
         prompt: &[u32],
         context_tokens: &[u32],
         stop: &[String],
+        end_at_paragraph: bool,
         events: Option<&EventSender>,
     ) -> Result<Vec<Generated>, PipelineError> {
         let model = self.generator.model_id();
@@ -418,6 +428,7 @@ impl Pipeline {
             ),
             (attr::REQUEST_REPETITION_PENALTY, s.repetition_penalty, 1.0),
             (attr::REQUEST_CONTEXT_BIAS, s.context_bias, 0.0),
+            (attr::REQUEST_COPY_BIAS, s.copy_bias, 0.0),
         ] {
             if value != neutral {
                 attributes.push(KeyValue::new(key, f64::from(value)));
@@ -481,6 +492,7 @@ impl Pipeline {
                     deadline: Some(req.deadline),
                     ignore_eos: false,
                     stop,
+                    end_at_paragraph,
                     logprobs: req.logprobs,
                     context_tokens,
                 })

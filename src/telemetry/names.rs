@@ -299,6 +299,7 @@ names! {
         REQUEST_NO_REPEAT_NGRAM_SIZE = "rag.request.no_repeat_ngram_size",
         REQUEST_PENALIZE_PROMPT = "rag.request.penalize_prompt",
         REQUEST_CONTEXT_BIAS = "rag.request.context_bias",
+        REQUEST_COPY_BIAS = "rag.request.copy_bias",
         PREFILL_TOKENS_PER_SECOND = "rag.prefill.tokens_per_second",
         PREFILL_CACHED_TOKENS = "rag.prefill.cached_tokens",
         PREFILL_COMPUTED_TOKENS = "rag.prefill.computed_tokens",
