@@ -39,6 +39,8 @@ pub const MAX_CHOICES: usize = 8;
 /// The range OpenAI allows for `presence_penalty` and `frequency_penalty`.
 const PENALTY_RANGE: std::ops::RangeInclusive<f64> = -2.0..=2.0;
 const MAX_NGRAM: usize = 32;
+/// Largest `copy_bias`: past this the answer is the context pasted whatever the model says.
+const MAX_COPY_BIAS: f64 = 10.0;
 
 /// What the RAG and chat endpoints were asked, before validation.
 pub struct Asked {
@@ -72,6 +74,10 @@ pub struct Decoding {
     pub no_repeat_ngram_size: Option<usize>,
     /// Count the prompt's tokens for the penalties too (HF and llama.cpp do).
     pub penalize_prompt: Option<bool>,
+    /// What the context's continuation of the answer gets added ([`Sampling::copy_bias`]).
+    pub copy_bias: Option<f64>,
+    /// End a RAG answer at its first finished paragraph (`--end-at-paragraph`).
+    pub end_at_paragraph: Option<bool>,
 }
 
 /// `stop` as the HTTP APIs take it: one string, or a list of them. An empty string or list
@@ -152,6 +158,14 @@ impl Decoding {
                 ));
             }
         }
+        if let Some(b) = self.copy_bias {
+            if !(0.0..=MAX_COPY_BIAS).contains(&b) {
+                return Err(ApiError::field(
+                    "copy_bias",
+                    format!("must be between 0 (off) and {MAX_COPY_BIAS}, got {b}"),
+                ));
+            }
+        }
         if let Some(n) = self.no_repeat_ngram_size {
             if n > MAX_NGRAM {
                 return Err(ApiError::field(
@@ -183,7 +197,7 @@ impl Decoding {
             no_repeat_ngram: self.no_repeat_ngram_size.unwrap_or(base.no_repeat_ngram),
             penalize_prompt: self.penalize_prompt.unwrap_or(base.penalize_prompt),
             context_bias: base.context_bias,
-            copy_bias: base.copy_bias,
+            copy_bias: float(self.copy_bias, base.copy_bias),
         }
     }
 }
@@ -279,6 +293,9 @@ pub fn rag_request(
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
         overlap: overlap.unwrap_or(defaults.overlap.on()),
+        end_at_paragraph: decoding
+            .end_at_paragraph
+            .unwrap_or(defaults.end_at_paragraph),
     })
 }
 

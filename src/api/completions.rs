@@ -491,6 +491,7 @@ fn generation_request(
         .decoding
         .sampling(temperature, body.top_p, body.seed, Sampling::default());
     req.stop = plan.decoding.stop.clone();
+    req.end_at_paragraph = plan.decoding.end_at_paragraph.unwrap_or(false);
     req.logprobs = plan.logprobs;
     req.choices = plan.n;
     Ok(req)

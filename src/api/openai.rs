@@ -54,6 +54,10 @@ pub struct ChatBody {
     pub no_repeat_ngram_size: Option<usize>,
     /// Extension: the penalties count the prompt's tokens too.
     pub penalize_prompt: Option<bool>,
+    /// Extensions: the copy bias (0 to 10) and the paragraph end of RAG answers (unset: the
+    /// server's `--copy-bias` and `--end-at-paragraph`; neither for the plain model).
+    pub copy_bias: Option<f64>,
+    pub end_at_paragraph: Option<bool>,
     /// Extension: retrieval settings and filter.
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
@@ -350,6 +354,8 @@ pub async fn chat_completions(
             repetition_penalty: body.repetition_penalty,
             no_repeat_ngram_size: body.no_repeat_ngram_size,
             penalize_prompt: body.penalize_prompt,
+            copy_bias: body.copy_bias,
+            end_at_paragraph: body.end_at_paragraph,
         },
         context: ContextAsked {
             mode: body.context,
@@ -386,7 +392,8 @@ pub async fn chat_completions(
             .map_or(neutral.repetition_penalty, |v| v as f32);
         req.sampling.no_repeat_ngram = body.no_repeat_ngram_size.unwrap_or(neutral.no_repeat_ngram);
         req.sampling.context_bias = neutral.context_bias;
-        req.sampling.copy_bias = neutral.copy_bias;
+        req.sampling.copy_bias = body.copy_bias.map_or(neutral.copy_bias, |v| v as f32);
+        req.end_at_paragraph = body.end_at_paragraph.unwrap_or(false);
     }
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = if plain {

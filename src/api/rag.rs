@@ -42,6 +42,12 @@ pub struct QueryBody {
     pub repetition_penalty: Option<f64>,
     pub no_repeat_ngram_size: Option<usize>,
     pub penalize_prompt: Option<bool>,
+    /// 0 to 10, added to the logit of each token that continues, in the context passages, the
+    /// answer's last tokens (unset: the server's `--copy-bias`; 0 is off).
+    pub copy_bias: Option<f64>,
+    /// End the answer at its first finished paragraph (unset: the server's
+    /// `--end-at-paragraph`).
+    pub end_at_paragraph: Option<bool>,
     /// The context stage: `off`, `sentences` or `passages`; its token budget; its method.
     pub context: Option<String>,
     pub context_budget: Option<usize>,
@@ -82,6 +88,8 @@ pub async fn query(
             repetition_penalty: body.repetition_penalty,
             no_repeat_ngram_size: body.no_repeat_ngram_size,
             penalize_prompt: body.penalize_prompt,
+            copy_bias: body.copy_bias,
+            end_at_paragraph: body.end_at_paragraph,
         },
         context: ContextAsked {
             mode: body.context,

@@ -186,7 +186,7 @@ impl Pipeline {
             &built.tokens,
             &favoured,
             &stop,
-            self.defaults.end_at_paragraph,
+            req.end_at_paragraph,
             events,
         )?;
         let window = self.generator.context_window();

@@ -47,7 +47,15 @@ impl Pipeline {
         let mut run = StageRunner::new(request, &req.faults);
         run.timings_mut().queue_ms = millis(request.elapsed());
         check_deadline(req, request)?;
-        let generated = self.generate(&mut run, req, prompt, &[], &req.stop, false, events)?;
+        let generated = self.generate(
+            &mut run,
+            req,
+            prompt,
+            &[],
+            &req.stop,
+            req.end_at_paragraph,
+            events,
+        )?;
         let texts: Vec<String> = generated.iter().map(|g| g.text.clone()).collect();
         let mut answer = self.finish(run, Vec::new(), generated);
         for (choice, text) in answer.choices.iter_mut().zip(texts) {

@@ -43,6 +43,8 @@ pub struct RagRequest {
     pub faults: Arc<FaultPlan>,
     /// Prefill the prompt's head while embedding and retrieving (`--overlap`).
     pub overlap: bool,
+    /// The answer ends at its first finished paragraph (`--end-at-paragraph`).
+    pub end_at_paragraph: bool,
 }
 
 impl RagRequest {
@@ -63,6 +65,7 @@ impl RagRequest {
             deadline: clock::now() + timeout,
             faults: Arc::default(),
             overlap: defaults.overlap.on(),
+            end_at_paragraph: defaults.end_at_paragraph,
         }
     }
 }

@@ -59,7 +59,8 @@ fn seeds() -> Vec<(&'static str, &'static str, Value)> {
             "rerank_top_n": 1, "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 7,
             "filter": {"doc_id": "zorbia"}, "stream": false, "stop": ["."], "logprobs": 1,
             "presence_penalty": 0.1, "frequency_penalty": 0.1, "repetition_penalty": 1.1,
-            "no_repeat_ngram_size": 3, "penalize_prompt": false, "context": "sentences",
+            "no_repeat_ngram_size": 3, "penalize_prompt": false, "copy_bias": 2.0,
+            "end_at_paragraph": false, "context": "sentences",
             "context_budget": 64, "context_method": "lexical"}),
         ),
         (

@@ -215,6 +215,8 @@ impl Rag for RagService {
                 repetition_penalty: r.repetition_penalty,
                 no_repeat_ngram_size: r.no_repeat_ngram_size.map(|n| n as usize),
                 penalize_prompt: r.penalize_prompt,
+                copy_bias: r.copy_bias,
+                end_at_paragraph: r.end_at_paragraph,
             },
             context: ContextAsked {
                 mode: r.context,
