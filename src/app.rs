@@ -75,6 +75,10 @@ pub fn load_models_with(
         .with_prefill_chunk(args.prefill_chunk_tokens)
         .with_prefix_cache(args.prefix_cache_mb)
         .with_snapshots(snapshots);
+    let generator = match args.kv_cache_dtype {
+        Some(dtype) => generator.with_kv_dtype(dtype)?,
+        None => generator,
+    };
     let reranker: Option<Arc<dyn Reranker>> = match args.reranker.as_str() {
         "none" => None,
         "fusion" => Some(Arc::new(FusionReranker::default())),

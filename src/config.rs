@@ -238,6 +238,12 @@ pub struct ModelArgs {
     /// CPU has AVX-512 BF16, F32 elsewhere).
     #[arg(long, env = "RAGSCOPE_WEIGHT_FORMAT", value_parser = weight_format)]
     pub weight_format: Option<crate::generate::llama::WeightFormat>,
+    /// How the CPU decoder's KV cache stores keys and values: `f16` (what unset means there:
+    /// half the bytes a decode step reads from the cache, as llama.cpp's default cache) or
+    /// `f32` (the values exactly as computed). On a GPU the cache is F32 tensors, and `f16` is
+    /// refused at start.
+    #[arg(long, env = "RAGSCOPE_KV_CACHE_DTYPE", value_enum)]
+    pub kv_cache_dtype: Option<crate::generate::KvDtype>,
     /// Fetch missing models on start.
     #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
     pub fetch_models: bool,

@@ -66,6 +66,10 @@ pub struct ModelFacts {
     pub weight_format: String,
     /// `cpu` or `cuda`.
     pub device: String,
+    /// How the CPU decoder's cache stored keys and values (`f16`, `f32`); absent for a cache
+    /// of device tensors (F32), and in snapshots written before it was recorded (F32 then).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_dtype: Option<String>,
     /// The GGUF file's name and the sha256 of its bytes.
     pub file: String,
     pub weights_sha256: Option<String>,
@@ -394,6 +398,7 @@ mod tests {
                 id: "m".into(),
                 weight_format: "F32".into(),
                 device: "cpu".into(),
+                kv_cache_dtype: None,
                 file: "m.gguf".into(),
                 weights_sha256: None,
                 context_window: 8,

@@ -76,7 +76,14 @@ fn decode_step(args: &BenchArgs) -> Result<()> {
     let dir = crate::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
     let path = crate::app::gguf_in(&dir)?;
     let (d, _) = crate::generate::llama::decoder_for_bench(&path);
-    let mut kv = HostKv::new(d.layers.len(), d.dims.n_kv_head, d.dims.head_dim, 1024);
+    let dtype = m.kv_cache_dtype.unwrap_or_default();
+    let mut kv = HostKv::new(
+        d.layers.len(),
+        d.dims.n_kv_head,
+        d.dims.head_dim,
+        1024,
+        dtype,
+    );
     let mut logits = vec![0f32; d.vocab()];
     let mut step = |pos: usize| {
         let seq = SeqStep {

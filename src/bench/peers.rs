@@ -151,6 +151,10 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
     let generator = app::load_generator_as(&gen_dir, &device, m.max_context, format)
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
         .with_prefill_chunk(m.prefill_chunk_tokens);
+    let generator = match m.kv_cache_dtype {
+        Some(dtype) => generator.with_kv_dtype(dtype)?,
+        None => generator,
+    };
 
     std::fs::create_dir_all(dir)?;
     let path = dir.join("inputs.json");

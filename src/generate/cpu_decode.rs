@@ -13,6 +13,8 @@ use std::sync::Mutex;
 
 use candle_core::quantized::QTensor;
 
+pub(crate) use super::host_kv::HostKv;
+use super::host_kv::{KvElem, KvLayer};
 use super::kernels::{matmul, QActs, QMatrix};
 use crate::embed::kernels::{exp, silu_mul};
 
@@ -24,26 +26,6 @@ pub(crate) struct Dims {
     pub head_dim: usize,
     pub ffn: usize,
     pub rms_eps: f32,
-}
-
-/// One sequence's keys and values on the host: per layer `(n_kv_head, capacity, head_dim)`,
-/// head-major like the candle cache.
-#[derive(Default)]
-pub(crate) struct HostKv {
-    pub k: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
-    pub capacity: usize,
-}
-
-impl HostKv {
-    pub fn new(n_layer: usize, n_kv_head: usize, head_dim: usize, capacity: usize) -> HostKv {
-        let per_layer = n_kv_head * capacity * head_dim;
-        HostKv {
-            k: (0..n_layer).map(|_| vec![0f32; per_layer]).collect(),
-            v: (0..n_layer).map(|_| vec![0f32; per_layer]).collect(),
-            capacity,
-        }
-    }
 }
 
 /// One sequence's share of a step: its cache, the position its token goes to, and the token.
@@ -179,8 +161,12 @@ impl CpuDecoder {
         if token as usize >= self.embed.rows() {
             candle_core::bail!("token id {token} is outside the vocabulary");
         }
-        if kv.k.len() != self.layers.len() {
-            candle_core::bail!("a cache of {} layers for {}", kv.k.len(), self.layers.len());
+        if kv.n_layers() != self.layers.len() {
+            candle_core::bail!(
+                "a cache of {} layers for {}",
+                kv.n_layers(),
+                self.layers.len()
+            );
         }
         Ok(())
     }
@@ -212,8 +198,12 @@ impl CpuDecoder {
         let cap = kv.capacity;
         for g in 0..nkv {
             let at = (g * cap + pos) * hd;
-            kv.k[layer][at..at + hd].copy_from_slice(&qk[(nh + g) * hd..(nh + g + 1) * hd]);
-            kv.v[layer][at..at + hd].copy_from_slice(&v[g * hd..(g + 1) * hd]);
+            kv.write(
+                layer,
+                at,
+                &qk[(nh + g) * hd..(nh + g + 1) * hd],
+                &v[g * hd..(g + 1) * hd],
+            );
         }
     }
 
@@ -320,16 +310,13 @@ impl CpuDecoder {
                 let (i, ref positions) = items[item];
                 let s = &seqs[i];
                 let q = &qkv[i * qkv_width..i * qkv_width + nh * hd];
-                let cache = (&s.kv.k[layer][..], &s.kv.v[layer][..]);
                 // SAFETY: each item writes only its own slot, and `parts` outlives this call.
                 let part = unsafe { &mut *(parts_addr as *mut Partial).add(item) };
-                part.attend(
-                    q,
-                    cache,
-                    (nh, nkv, s.kv.capacity, hd),
-                    positions.clone(),
-                    scale,
-                );
+                let dims = (nh, nkv, s.kv.capacity, hd);
+                match s.kv.layer(layer) {
+                    KvLayer::F32(k, v) => part.attend(q, (k, v), dims, positions.clone(), scale),
+                    KvLayer::F16(k, v) => part.attend(q, (k, v), dims, positions.clone(), scale),
+                }
             }
         };
         if items.len() == 1 {
@@ -363,16 +350,18 @@ pub(super) struct Partial {
     /// Per head: sum of exp(score - max) * value.
     out: Vec<f32>,
     scores: Vec<f32>,
+    /// One key or value row as F32 (the portable body's conversion buffer).
+    row: Vec<f32>,
 }
 
 impl Partial {
     /// Attends all heads of `q` `(n_head, head_dim)` over `range` of the caches
     /// `(n_kv_head, cap, head_dim)`. The query heads sharing a kv head are done together, so
     /// every key and value row is read once.
-    pub fn attend(
+    pub fn attend<T: KvElem>(
         &mut self,
         q: &[f32],
-        kv: (&[f32], &[f32]),
+        kv: (&[T], &[T]),
         dims: (usize, usize, usize, usize),
         range: std::ops::Range<usize>,
         scale: f32,
@@ -384,10 +373,10 @@ impl Partial {
             if Isa::detect() == Isa::Avx512Vnni && hd == 64 && nh % nkv == 0 {
                 // SAFETY: `Isa::detect` saw avx512f, avx512vl, avx2 and fma on this CPU.
                 match nh / nkv {
-                    1 => return unsafe { self.attend_avx512::<1>(q, kv, dims, range, scale) },
-                    2 => return unsafe { self.attend_avx512::<2>(q, kv, dims, range, scale) },
-                    3 => return unsafe { self.attend_avx512::<3>(q, kv, dims, range, scale) },
-                    4 => return unsafe { self.attend_avx512::<4>(q, kv, dims, range, scale) },
+                    1 => return unsafe { self.attend_avx512::<1, T>(q, kv, dims, range, scale) },
+                    2 => return unsafe { self.attend_avx512::<2, T>(q, kv, dims, range, scale) },
+                    3 => return unsafe { self.attend_avx512::<3, T>(q, kv, dims, range, scale) },
+                    4 => return unsafe { self.attend_avx512::<4, T>(q, kv, dims, range, scale) },
                     _ => {}
                 }
             }
@@ -422,10 +411,10 @@ impl Partial {
     #[allow(clippy::needless_range_loop)]
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-    unsafe fn attend_avx512<const R: usize>(
+    unsafe fn attend_avx512<const R: usize, T: KvElem>(
         &mut self,
         q: &[f32],
-        (k, v): (&[f32], &[f32]),
+        (k, v): (&[T], &[T]),
         (nh, nkv, cap, hd): (usize, usize, usize, usize),
         range: std::ops::Range<usize>,
         scale: f32,
@@ -439,13 +428,14 @@ impl Partial {
         // SAFETY (whole body): q rows h < nh, cache rows (g, range) and score slots r * n + j
         // are in bounds by the asserts above; `out` is `nh * 64`.
         unsafe {
-            let load4 = |p: *const f32| -> [__m512; 4] {
-                std::array::from_fn(|c| _mm512_loadu_ps(p.add(16 * c)))
-            };
+            let load4 =
+                |p: *const T| -> [__m512; 4] { std::array::from_fn(|c| T::load16(p.add(16 * c))) };
             for g in 0..nkv {
                 let h0 = g * R;
-                let qs: [[__m512; 4]; R] =
-                    std::array::from_fn(|r| load4(q.as_ptr().add((h0 + r) * hd)));
+                let qs: [[__m512; 4]; R] = std::array::from_fn(|r| {
+                    let row = q.as_ptr().add((h0 + r) * hd);
+                    std::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)))
+                });
                 let base = (g * cap + range.start) * hd;
                 let mut max = [f32::NEG_INFINITY; R];
                 for j in 0..n {
@@ -494,10 +484,10 @@ impl Partial {
     /// (same arithmetic in the same order, so the same results).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn attend_avx2(
+    unsafe fn attend_avx2<T: KvElem>(
         &mut self,
         q: &[f32],
-        kv: (&[f32], &[f32]),
+        kv: (&[T], &[T]),
         dims: (usize, usize, usize, usize),
         range: std::ops::Range<usize>,
         scale: f32,
@@ -506,10 +496,10 @@ impl Partial {
     }
 
     #[inline(always)]
-    fn attend_body(
+    fn attend_body<T: KvElem>(
         &mut self,
         q: &[f32],
-        (k, v): (&[f32], &[f32]),
+        (k, v): (&[T], &[T]),
         (nh, nkv, cap, hd): (usize, usize, usize, usize),
         range: std::ops::Range<usize>,
         scale: f32,
@@ -517,11 +507,13 @@ impl Partial {
         let n_rep = nh / nkv;
         let n = range.len();
         self.reset(nh, hd, n_rep * n);
-        let scores = &mut self.scores;
+        self.row.resize(hd, 0.0);
+        let (scores, row) = (&mut self.scores, &mut self.row);
         for g in 0..nkv {
             let heads = g * n_rep..(g + 1) * n_rep;
             let (lo, hi) = ((g * cap + range.start) * hd, (g * cap + range.end) * hd);
             for (j, key) in k[lo..hi].chunks_exact(hd).enumerate() {
+                let key = T::as_f32(key, row);
                 for (r, h) in heads.clone().enumerate() {
                     let s = dot(&q[h * hd..(h + 1) * hd], key) * scale;
                     scores[r * n + j] = s;
@@ -537,6 +529,7 @@ impl Partial {
                 self.sum[h] = sum;
             }
             for (j, value) in v[lo..hi].chunks_exact(hd).enumerate() {
+                let value = T::as_f32(value, row);
                 for (r, h) in heads.clone().enumerate() {
                     let w = scores[r * n + j];
                     for (o, &x) in self.out[h * hd..(h + 1) * hd].iter_mut().zip(value) {
@@ -615,5 +608,54 @@ fn rope_interleaved(head: &mut [f32], cos: &[f32], sin: &[f32]) {
 fn add_into(x: &mut [f32], y: &[f32]) {
     for (x, y) in x.iter_mut().zip(y) {
         *x += y;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::*;
+
+    /// Attention over an F16 cache is attention over the same values widened to F32: the
+    /// AVX-512 body loads them with `vcvtph2ps`, the portable body converts each row first,
+    /// and both then do the F32 arithmetic of the F32 cache, bit for bit.
+    #[test]
+    fn attention_over_f16_rows_is_attention_over_their_f32_values() {
+        let (nh, nkv, hd, cap) = (9, 3, 64, 200);
+        let wave = |i: usize, f: f32| (i as f32 * f).sin() * 2.0;
+        let q: Vec<f32> = (0..nh * hd).map(|i| wave(i, 0.37)).collect();
+        let k16: Vec<f16> = (0..nkv * cap * hd)
+            .map(|i| f16::from_f32(wave(i, 0.11)))
+            .collect();
+        let v16: Vec<f16> = (0..nkv * cap * hd)
+            .map(|i| f16::from_f32(wave(i, 0.23)))
+            .collect();
+        let widen = |x: &[f16]| x.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
+        let (k32, v32) = (widen(&k16), widen(&v16));
+        let dims = (nh, nkv, cap, hd);
+        for range in [0..1, 0..130, 64..200, 17..81] {
+            let (mut a, mut b, mut c) =
+                (Partial::default(), Partial::default(), Partial::default());
+            a.attend(&q, (&k16[..], &v16[..]), dims, range.clone(), 0.125);
+            b.attend(&q, (&k32[..], &v32[..]), dims, range.clone(), 0.125);
+            c.attend_body(&q, (&k16[..], &v16[..]), dims, range.clone(), 0.125);
+            let (mut ya, mut yb, mut yc) = (
+                vec![0f32; nh * hd],
+                vec![0f32; nh * hd],
+                vec![0f32; nh * hd],
+            );
+            merge(std::slice::from_ref(&a), nh, hd, &mut ya);
+            merge(std::slice::from_ref(&b), nh, hd, &mut yb);
+            merge(std::slice::from_ref(&c), nh, hd, &mut yc);
+            assert_eq!(ya, yb, "{range:?}: dispatched body, F16 against F32 rows");
+            // The portable body sums in another order than the AVX-512 one.
+            let diff = yc
+                .iter()
+                .zip(&yb)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(diff < 1e-5, "{range:?}: portable body differs by {diff}");
+        }
     }
 }

@@ -10,6 +10,7 @@
 use std::cell::RefCell;
 
 use super::cpu_decode::{rms_norm_rows, CpuDecoder, Dims, HostKv};
+use super::host_kv::KvLayer;
 use super::schedule::Scheduler;
 use super::weights::Weights;
 use crate::embed::kernels::{attention_head, silu_mul, Head, HeadRows, Shared};
@@ -58,7 +59,10 @@ pub(super) fn hidden(
     let mut next = vec![0f32; t * hidden];
     let mut gate_up = vec![0f32; t * 2 * ffn];
     let mut act = vec![0f32; t * ffn];
-    let cap = kv.capacity;
+    // An F16 cache's keys and values up to the last query, as F32 `(n_kv_head, len, head_dim)`:
+    // converted once per layer, so attention reads the same rounded values decode will.
+    let (mut keys, mut values) = (Vec::new(), Vec::new());
+    let (cap, len) = (kv.capacity, pos + t);
     for (li, (layer, norms)) in weights.layers.iter().zip(&decoder.layers).enumerate() {
         let _turn = schedule.compute_turn();
         rms_norm_rows(&x, &norms.attn_norm, rms_eps, &mut h);
@@ -66,7 +70,22 @@ pub(super) fn hidden(
         for (i, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
             decoder.rope_and_cache(row, pos + i, kv, li);
         }
-        attend(&qkv, (&kv.k[li], &kv.v[li]), dims, (pos, t, cap), &mut y);
+        match kv.layer(li) {
+            KvLayer::F32(k, v) => attend(&qkv, (k, v), dims, (pos, t, cap), &mut y),
+            KvLayer::F16(..) => {
+                keys.clear();
+                values.clear();
+                for g in 0..nkv {
+                    kv.read(
+                        li,
+                        g * cap * hd..(g * cap + len) * hd,
+                        &mut keys,
+                        &mut values,
+                    );
+                }
+                attend(&qkv, (&keys, &values), dims, (pos, t, len), &mut y);
+            }
+        }
         layer.attn_out.prefill_rows(&y, t, &mut next, Some(&x))?;
         std::mem::swap(&mut x, &mut next);
 
@@ -80,7 +99,7 @@ pub(super) fn hidden(
 }
 
 /// Causal attention of the `t` query rows in `qkv` (positions `pos..pos + t`, after RoPE) over
-/// the layer's cache `(n_kv_head, cap, head_dim)` up to each query's own position, into `y`
+/// the layer's keys and values `(n_kv_head, cap, head_dim)` up to each query's own position, into `y`
 /// `(t, n_head * head_dim)`. Work items are (query head, block of [`QUERY_BLOCK`] queries),
 /// taken by the pool's threads from a shared cursor; a query's result does not depend on the
 /// block it is in, so any chunking of the prompt gives the same rows.

@@ -139,7 +139,7 @@ impl<'a> TextGeneration<'a> {
                 &net.cfg,
                 n_prompt + req.max_tokens,
                 &net.device,
-                net.weights.decoder.is_some(),
+                net.host_kv(),
             ),
         )?;
         let gpu = GpuTimer::start(&net.device);

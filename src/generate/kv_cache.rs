@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::cpu_decode::HostKv;
+use super::host_kv::{HostKv, KvDtype};
 use super::weights::Config;
 use crate::snapshot::KvDigest;
 
@@ -33,19 +33,20 @@ pub(super) enum KvStore {
 }
 
 impl KvCache {
-    /// `host`: buffers for the CPU decoder instead of device tensors.
+    /// `host`: buffers for the CPU decoder, in that dtype, instead of F32 device tensors.
     pub fn new(
         cfg: &Config,
         capacity: usize,
         device: &Device,
-        host: bool,
+        host: Option<KvDtype>,
     ) -> candle_core::Result<KvCache> {
-        let store = if host {
+        let store = if let Some(dtype) = host {
             KvStore::Host(HostKv::new(
                 cfg.n_layer,
                 cfg.n_kv_head,
                 cfg.head_dim,
                 capacity,
+                dtype,
             ))
         } else {
             let shape = (cfg.n_kv_head, capacity, cfg.head_dim);
@@ -57,7 +58,8 @@ impl KvCache {
             }
             KvStore::Tensors { k, v }
         };
-        let bytes = (2 * cfg.n_layer * cfg.n_kv_head * capacity * cfg.head_dim * 4) as u64;
+        let size = host.map_or(4, KvDtype::size);
+        let bytes = (2 * cfg.n_layer * cfg.n_kv_head * capacity * cfg.head_dim * size) as u64;
         let on_gpu = !device.is_cpu();
         Self::account(bytes, capacity as u64, on_gpu, true);
         Ok(KvCache {
@@ -82,13 +84,7 @@ impl KvCache {
         self.check_span(start, n)?;
         let (nkv, hd, cap) = (self.n_kv_head, self.head_dim, self.capacity);
         match &self.store {
-            KvStore::Host(kv) => {
-                let dims = (nkv, cap, hd);
-                Ok((
-                    read_rows(&kv.k[li], dims, start, n),
-                    read_rows(&kv.v[li], dims, start, n),
-                ))
-            }
+            KvStore::Host(kv) => Ok(read_rows(kv, li, (nkv, cap, hd), start, n)),
             KvStore::Tensors { k, v } => {
                 let read = |t: &Tensor| t.narrow(1, start, n)?.flatten_all()?.to_vec1::<f32>();
                 Ok((read(&k[li])?, read(&v[li])?))
@@ -112,10 +108,7 @@ impl KvCache {
             candle_core::bail!("{} keys for {n} positions", keys.len());
         }
         match &mut self.store {
-            KvStore::Host(kv) => {
-                write_rows(&mut kv.k[li], keys, (cap, hd), start, n);
-                write_rows(&mut kv.v[li], values, (cap, hd), start, n);
-            }
+            KvStore::Host(kv) => write_rows(kv, li, (keys, values), (cap, hd), start, n),
             KvStore::Tensors { k, v } => {
                 for (t, src) in [(&k[li], keys), (&v[li], values)] {
                     let src = Tensor::from_slice(src, (nkv, n, hd), t.device())?;
@@ -159,7 +152,7 @@ impl KvCache {
         use sha2::{Digest, Sha256};
         let (nkv, hd) = (self.n_kv_head, self.head_dim);
         let n_layer = match &self.store {
-            KvStore::Host(kv) => kv.k.len(),
+            KvStore::Host(kv) => kv.n_layers(),
             KvStore::Tensors { k, .. } => k.len(),
         };
         let mut layers = Vec::with_capacity(n_layer);
@@ -226,49 +219,71 @@ impl Drop for KvCache {
     }
 }
 
-/// Writes `x` `(n_kv_head, t, head_dim)` into a host cache `(n_kv_head, cap, head_dim)` at
-/// positions `pos..pos + t`.
+/// Writes layer `li`'s keys `k` and values `v`, each `(n_kv_head, t, head_dim)`, into a host
+/// cache at positions `pos..pos + t`.
 pub(super) fn write_host(
-    buf: &mut [f32],
-    x: &Tensor,
-    cap: usize,
+    kv: &mut HostKv,
+    li: usize,
+    (k, v): (&Tensor, &Tensor),
     pos: usize,
 ) -> candle_core::Result<()> {
-    let (_, t, hd) = x.dims3()?;
-    write_rows(buf, &x.flatten_all()?.to_vec1::<f32>()?, (cap, hd), pos, t);
+    let (_, t, hd) = k.dims3()?;
+    let (k, v) = (
+        k.flatten_all()?.to_vec1::<f32>()?,
+        v.flatten_all()?.to_vec1::<f32>()?,
+    );
+    write_rows(kv, li, (&k, &v), (kv.capacity, hd), pos, t);
     Ok(())
 }
 
-/// The first `len` positions of a host cache `(n_kv_head, cap, head_dim)` as a
-/// `(n_kv_head, len, head_dim)` tensor.
+/// Layer `li`'s first `len` positions of a host cache as `(n_kv_head, len, head_dim)` tensors
+/// of keys and values.
 pub(super) fn read_host(
-    buf: &[f32],
-    (nkv, cap, hd): (usize, usize, usize),
+    kv: &HostKv,
+    li: usize,
+    (nkv, hd): (usize, usize),
     len: usize,
-) -> candle_core::Result<Tensor> {
-    let data = read_rows(buf, (nkv, cap, hd), 0, len);
-    Tensor::from_vec(data, (nkv, len, hd), &Device::Cpu)
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (k, v) = read_rows(kv, li, (nkv, kv.capacity, hd), 0, len);
+    Ok((
+        Tensor::from_vec(k, (nkv, len, hd), &Device::Cpu)?,
+        Tensor::from_vec(v, (nkv, len, hd), &Device::Cpu)?,
+    ))
 }
 
-/// Positions `start..start + n` of a host cache `(n_kv_head, cap, head_dim)`, as
-/// `(n_kv_head, n, head_dim)`.
+/// Layer `li`'s keys and values at positions `start..start + n` of a host cache
+/// `(n_kv_head, cap, head_dim)`, each as `(n_kv_head, n, head_dim)`.
 fn read_rows(
-    buf: &[f32],
+    kv: &HostKv,
+    li: usize,
     (nkv, cap, hd): (usize, usize, usize),
     start: usize,
     n: usize,
-) -> Vec<f32> {
-    let mut out = Vec::with_capacity(nkv * n * hd);
+) -> (Vec<f32>, Vec<f32>) {
+    let mut k = Vec::with_capacity(nkv * n * hd);
+    let mut v = Vec::with_capacity(nkv * n * hd);
     for g in 0..nkv {
-        out.extend_from_slice(&buf[(g * cap + start) * hd..][..n * hd]);
+        let at = (g * cap + start) * hd;
+        kv.read(li, at..at + n * hd, &mut k, &mut v);
     }
-    out
+    (k, v)
 }
 
-/// Writes `rows` `(n_kv_head, n, head_dim)` at positions `pos..pos + n` of a host cache
-/// `(n_kv_head, cap, head_dim)`.
-fn write_rows(buf: &mut [f32], rows: &[f32], (cap, hd): (usize, usize), pos: usize, n: usize) {
-    for (g, head) in rows.chunks_exact(n * hd).enumerate() {
-        buf[(g * cap + pos) * hd..][..n * hd].copy_from_slice(head);
+/// Writes layer `li`'s `keys` and `values`, each `(n_kv_head, n, head_dim)`, at positions
+/// `pos..pos + n` of a host cache `(n_kv_head, cap, head_dim)`.
+fn write_rows(
+    kv: &mut HostKv,
+    li: usize,
+    (keys, values): (&[f32], &[f32]),
+    (cap, hd): (usize, usize),
+    pos: usize,
+    n: usize,
+) {
+    for (g, (k, v)) in keys
+        .chunks_exact(n * hd)
+        .zip(values.chunks_exact(n * hd))
+        .enumerate()
+    {
+        kv.write(li, (g * cap + pos) * hd, k, v);
     }
 }

@@ -33,8 +33,8 @@ use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
 use super::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, Sampling,
-    TokenLogprob,
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
+    Sampling, TokenLogprob,
 };
 use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
@@ -209,6 +209,7 @@ impl Llama {
                 sin,
                 device: device.clone(),
                 prefill_chunk: forward::PREFILL_CHUNK.into(),
+                kv_dtype: KvDtype::default(),
             },
             context_window: window,
             tokenizer,
@@ -259,6 +260,28 @@ impl Llama {
     /// Tokens per prefill chunk.
     pub fn prefill_chunk(&self) -> usize {
         self.transformer.prefill_chunk()
+    }
+
+    /// Stores the keys and values of the CPU decoder's caches in `dtype` (F16 unless told).
+    /// A cache of candle tensors (a GPU, the formats that decode on candle's ops) is F32, and
+    /// anything else is refused for it.
+    pub fn with_kv_dtype(mut self, dtype: KvDtype) -> Result<Llama, GenerateError> {
+        if self.transformer.host_kv().is_none() && dtype != KvDtype::F32 {
+            return Err(GenerateError::Load(format!(
+                "a KV cache in {} needs the CPU decoder; the {:?} format on this device keeps \
+                 F32 tensors",
+                dtype.name(),
+                self.format
+            )));
+        }
+        self.transformer.kv_dtype = dtype;
+        Ok(self)
+    }
+
+    /// How a request's cache holds keys and values: `None` when it is candle tensors (F32) on
+    /// the device rather than the CPU decoder's host buffers.
+    pub fn kv_dtype(&self) -> Option<KvDtype> {
+        self.transformer.host_kv()
     }
 
     /// Keeps up to `mb` MiB of prompt-prefix keys and values for later prompts to start from
@@ -331,7 +354,7 @@ impl Llama {
         tokens: usize,
     ) -> Result<(Duration, Duration), GenerateError> {
         let (net, schedule) = (&self.transformer, &self.schedule);
-        let host = net.weights.decoder.is_some();
+        let host = net.host_kv();
         let mut cache = KvCache::new(&net.cfg, prompt.len() + tokens, &net.device, host)?;
         let t0 = Instant::now();
         let mut logits = Logits::Device(net.prefill(prompt, &mut cache, schedule)?);

@@ -10,6 +10,7 @@ pub(crate) mod cpu_decode;
 mod cpu_prefill;
 mod forward;
 mod generation;
+mod host_kv;
 pub mod kernels;
 mod kv_cache;
 pub mod llama;
@@ -32,6 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::telemetry::span::Stage;
 
+pub use host_kv::KvDtype;
 pub use prefix_cache::DEFAULT_MB as PREFIX_CACHE_DEFAULT_MB;
 
 /// One chat turn.

@@ -369,7 +369,7 @@ mod tests {
         long_prompt, max_abs_diff, model, rag_messages, request, run, test_model_path,
         zorbia_prompt, MAX_CONTEXT,
     };
-    use crate::generate::{ChatMessage, Generator, Sampling};
+    use crate::generate::{ChatMessage, Generator, KvDtype, Sampling};
 
     /// A tiny model shape: 2 layers, 2 kv heads of 4 dims.
     fn tiny() -> Config {
@@ -387,7 +387,7 @@ mod tests {
 
     /// A host cache holding `len` positions whose values name their layer, position and lane.
     fn filled(cfg: &Config, len: usize, salt: f32) -> KvCache {
-        let mut cache = KvCache::new(cfg, 128, &Device::Cpu, true).unwrap();
+        let mut cache = KvCache::new(cfg, 128, &Device::Cpu, Some(KvDtype::F32)).unwrap();
         let n = cfg.n_kv_head * len * cfg.head_dim;
         for li in 0..cfg.n_layer {
             let k: Vec<f32> = (0..n).map(|i| salt + (li * 100_000 + i) as f32).collect();
@@ -432,7 +432,7 @@ mod tests {
         assert_eq!(cache.counts.hit_tokens.load(Relaxed), 32 + 16 + 32 + 16);
 
         // The hit restores exactly the source's keys and values.
-        let mut fresh = KvCache::new(&cfg, 128, &Device::Cpu, true).unwrap();
+        let mut fresh = KvCache::new(&cfg, 128, &Device::Cpu, Some(KvDtype::F32)).unwrap();
         cache.restore(&hit, &mut fresh).unwrap();
         assert_eq!(fresh.len, 32);
         for li in 0..cfg.n_layer {
@@ -442,7 +442,7 @@ mod tests {
             );
         }
         // Into tensors too (the store of the formats that decode on candle's ops).
-        let mut tensors = KvCache::new(&cfg, 128, &Device::Cpu, false).unwrap();
+        let mut tensors = KvCache::new(&cfg, 128, &Device::Cpu, None).unwrap();
         cache.restore(&hit, &mut tensors).unwrap();
         assert_eq!(
             tensors.read_span(1, 0, 32).unwrap(),
@@ -582,7 +582,7 @@ mod tests {
         assert_eq!((none, hit), (0, blocks_of(prompt.len() - 1)));
         assert_eq!(cold_tokens, warm_tokens);
 
-        let fresh = || KvCache::new(&net.cfg, prompt.len(), &net.device, false).unwrap();
+        let fresh = || KvCache::new(&net.cfg, prompt.len(), &net.device, None).unwrap();
         let cold = net.prefill(&prompt, &mut fresh(), &ours.schedule).unwrap();
         let (warm, hit) = ours.prefill(&prompt, &mut fresh()).unwrap();
         assert_eq!(hit, blocks_of(prompt.len() - 1));

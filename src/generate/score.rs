@@ -63,7 +63,7 @@ pub(super) fn score(
     let top = top.min(MAX_TOP_LOGPROBS);
     let _turn = llama.schedule.prefill_turn(stage);
     let prefill = stage.child(StageKind::Prefill.span_prefix());
-    let host = net.weights.decoder.is_some();
+    let host = net.host_kv();
     let mut scores = Vec::with_capacity(prompt.len() - 1);
     let result = KvCache::new(&net.cfg, prompt.len(), &net.device, host).and_then(|mut cache| {
         net.prefill_all_logits(prompt, &mut cache, &llama.schedule, &mut |start, logits| {
@@ -103,7 +103,7 @@ mod tests {
     /// The last prefill position's logits, as a generation sees them.
     fn prefill_logits(llama: &Llama, prompt: &[u32]) -> Vec<f32> {
         let net = &llama.transformer;
-        let host = net.weights.decoder.is_some();
+        let host = net.host_kv();
         let mut cache = KvCache::new(&net.cfg, prompt.len(), &net.device, host).unwrap();
         net.prefill(prompt, &mut cache, &llama.schedule)
             .unwrap()

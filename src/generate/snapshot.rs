@@ -26,7 +26,7 @@ use super::kv_cache::KvCache;
 use super::llama::{Llama, WeightFormat};
 use super::sampler::{Logits, Sampler};
 use super::weights::Gguf;
-use super::{FinishReason, GenerateError, GenerateRequest, Generated, MAX_TOP_LOGPROBS};
+use super::{FinishReason, GenerateError, GenerateRequest, Generated, KvDtype, MAX_TOP_LOGPROBS};
 use crate::snapshot::{
     self as store, ModelFacts, PromptFacts, SamplingFacts, Snapshot, SnapshotStore, StageTiming,
     Timings,
@@ -195,6 +195,7 @@ fn model_facts(llama: &Llama, weights_sha256: Option<String>) -> ModelFacts {
         id: super::llama::MODEL_ID.to_string(),
         weight_format: format!("{:?}", llama.format),
         device: if net.device.is_cpu() { "cpu" } else { "cuda" }.to_string(),
+        kv_cache_dtype: net.host_kv().map(|d| d.name().to_string()),
         file: llama
             .gguf_path
             .file_name()
@@ -310,14 +311,24 @@ pub fn load_for_replay(
     let name = &snapshot.model.weight_format;
     let format = WeightFormat::named(name)
         .ok_or_else(|| GenerateError::Load(format!("unknown weight format {name:?}")))?;
-    Llama::load_edited(
+    let kv = match snapshot.model.kv_cache_dtype.as_deref() {
+        None => KvDtype::F32,
+        Some(name) => KvDtype::named(name)
+            .ok_or_else(|| GenerateError::Load(format!("unknown KV cache dtype {name:?}")))?,
+    };
+    let llama = Llama::load_edited(
         gguf_path,
         tokenizer,
         &Device::Cpu,
         snapshot.model.context_window,
         (format, super::llama::Bf16Kernel::Detect),
         |gguf| perturb.iter().try_for_each(|p| p.apply(gguf)),
-    )
+    )?;
+    // A run on candle's tensors replays on the CPU decoder where the format has one: F32 both.
+    if llama.kv_dtype().is_some() {
+        return llama.with_kv_dtype(kv);
+    }
+    Ok(llama)
 }
 
 /// Where a replay first parted from its snapshot.
@@ -415,7 +426,7 @@ pub fn replay(llama: &Llama, snap: &Snapshot) -> Result<Replay, GenerateError> {
         }))
     };
 
-    let host = net.weights.decoder.is_some();
+    let host = net.host_kv();
     let capacity = n_prompt + snap.generated.len().max(1);
     let mut cache = KvCache::new(cfg, capacity, &net.device, host)?;
     // As the run did: positions a prefix-cache hit supplied were computed by an earlier

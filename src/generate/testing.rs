@@ -40,9 +40,10 @@ pub(super) fn model() -> Option<&'static Llama> {
 }
 
 /// The model with the F32 prefill (`F32PrefillQ4Decode`: what the default runs on a CPU
-/// without AVX-512 BF16), loaded once: the reference the BF16 prefill is measured against, and
-/// the model of tests about exact agreement between two ways of computing the same logits
-/// (BF16 rounding of activations turns a 1e-7 difference into a 1e-3 one).
+/// without AVX-512 BF16) and an F32 KV cache, loaded once: the reference the BF16 prefill and
+/// the F16 cache are measured against, and the model of tests about exact agreement between two
+/// ways of computing the same logits (BF16 rounding of activations turns a 1e-7 difference into
+/// a 1e-3 one).
 pub(super) fn f32_model() -> Option<&'static Llama> {
     static MODEL: OnceLock<Option<Llama>> = OnceLock::new();
     MODEL
@@ -53,6 +54,7 @@ pub(super) fn f32_model() -> Option<&'static Llama> {
             let path = test_model_path();
             Some(
                 Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)
+                    .and_then(|m| m.with_kv_dtype(super::KvDtype::F32))
                     .expect("load model"),
             )
         })
@@ -125,7 +127,7 @@ pub(super) fn rag_messages() -> Vec<ChatMessage> {
 pub(super) fn our_logits(model: &Llama, prompt: &[u32], forced: &[u32]) -> Vec<Tensor> {
     let cap = prompt.len() + forced.len();
     let (net, schedule) = (&model.transformer, &model.schedule);
-    let host = net.weights.decoder.is_some();
+    let host = net.host_kv();
     let mut cache = KvCache::new(&net.cfg, cap, &Device::Cpu, host).unwrap();
     let mut logits = vec![net.prefill(prompt, &mut cache, schedule).unwrap()];
     let mut last = Logits::Host(Vec::new());

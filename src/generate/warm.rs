@@ -35,7 +35,7 @@ pub(super) fn warm(
         return Ok(None);
     }
     let net = &llama.transformer;
-    let host = net.weights.decoder.is_some();
+    let host = net.host_kv();
     let mut cache = KvCache::new(&net.cfg, tokens.len(), &net.device, host)?;
     let (_, cached) = llama.prefill_traced(&tokens, &mut cache, Some(stage))?;
     let warmed = Warmed {
