@@ -402,7 +402,9 @@ impl Partial {
     /// [`Partial::attend`] for heads of 64 (four 512-bit registers) and `R` query heads per kv
     /// head: each key row is loaded once for the `R` scores, and each value row once into the
     /// `R` context rows, which stay in registers for the whole range (the portable loops read
-    /// and write them in memory per key).
+    /// and write them in memory per key). Scores are taken four keys at a time, the four dot
+    /// products summed across their lanes together ([`sum4`]: a quarter of the shuffles of four
+    /// separate reductions), and the softmax runs 16 scores at a time.
     ///
     /// # Safety
     /// The CPU has AVX-512 F and VL, AVX2 and FMA; `q` is `(n_head, 64)` and the caches hold
@@ -420,6 +422,8 @@ impl Partial {
         scale: f32,
     ) {
         use std::arch::x86_64::*;
+
+        use crate::embed::kernels::exp_ps;
         let n = range.len();
         self.reset(nh, hd, R * n);
         assert!(q.len() >= nh * hd && k.len() >= nkv * cap * hd && v.len() >= nkv * cap * hd);
@@ -430,39 +434,64 @@ impl Partial {
         unsafe {
             let load4 =
                 |p: *const T| -> [__m512; 4] { std::array::from_fn(|c| T::load16(p.add(16 * c))) };
+            let dot = |q: &[__m512; 4], key: &[__m512; 4]| -> __m512 {
+                let mut acc = _mm512_mul_ps(q[0], key[0]);
+                for c in 1..4 {
+                    acc = _mm512_fmadd_ps(q[c], key[c], acc);
+                }
+                acc
+            };
+            let (scale4, zero) = (_mm_set1_ps(scale), _mm512_setzero_ps());
             for g in 0..nkv {
                 let h0 = g * R;
                 let qs: [[__m512; 4]; R] = std::array::from_fn(|r| {
                     let row = q.as_ptr().add((h0 + r) * hd);
                     std::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)))
                 });
-                let base = (g * cap + range.start) * hd;
-                let mut max = [f32::NEG_INFINITY; R];
-                for j in 0..n {
-                    let key = load4(k.as_ptr().add(base + j * hd));
+                let key_row = |j: usize| k.as_ptr().add((g * cap + range.start + j) * hd);
+                let mut j = 0;
+                while j + 4 <= n {
+                    let keys: [[__m512; 4]; 4] = std::array::from_fn(|i| load4(key_row(j + i)));
                     for r in 0..R {
-                        let mut acc = _mm512_mul_ps(qs[r][0], key[0]);
-                        for c in 1..4 {
-                            acc = _mm512_fmadd_ps(qs[r][c], key[c], acc);
-                        }
-                        let s = _mm512_reduce_add_ps(acc) * scale;
-                        *scores.add(r * n + j) = s;
-                        max[r] = max[r].max(s);
+                        let sums = sum4(std::array::from_fn(|i| dot(&qs[r], &keys[i])));
+                        _mm_storeu_ps(scores.add(r * n + j), _mm_mul_ps(sums, scale4));
+                    }
+                    j += 4;
+                }
+                for j in j..n {
+                    let key = load4(key_row(j));
+                    for r in 0..R {
+                        *scores.add(r * n + j) = _mm512_reduce_add_ps(dot(&qs[r], &key)) * scale;
                     }
                 }
                 for r in 0..R {
-                    let mut sum = 0f32;
-                    for j in 0..n {
-                        let s = scores.add(r * n + j);
-                        *s = exp(*s - max[r]);
-                        sum += *s;
+                    let row = scores.add(r * n);
+                    let mask = |i: usize| -> __mmask16 {
+                        if i + 16 <= n {
+                            0xffff
+                        } else {
+                            (1 << (n - i)) - 1
+                        }
+                    };
+                    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+                    for i in (0..n).step_by(16) {
+                        max = _mm512_mask_max_ps(max, mask(i), max, _mm512_loadu_ps(row.add(i)));
                     }
-                    self.max[h0 + r] = max[r];
-                    self.sum[h0 + r] = sum;
+                    let max = _mm512_reduce_max_ps(max);
+                    let (top, mut sum) = (_mm512_set1_ps(max), zero);
+                    for i in (0..n).step_by(16) {
+                        let m = mask(i);
+                        let s = _mm512_maskz_loadu_ps(m, row.add(i));
+                        let p = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(s, top)));
+                        _mm512_mask_storeu_ps(row.add(i), m, p);
+                        sum = _mm512_add_ps(sum, p);
+                    }
+                    self.max[h0 + r] = max;
+                    self.sum[h0 + r] = _mm512_reduce_add_ps(sum);
                 }
-                let mut ctx = [[_mm512_setzero_ps(); 4]; R];
+                let mut ctx = [[zero; 4]; R];
                 for j in 0..n {
-                    let value = load4(v.as_ptr().add(base + j * hd));
+                    let value = load4(v.as_ptr().add((g * cap + range.start + j) * hd));
                     for r in 0..R {
                         let w = _mm512_set1_ps(*scores.add(r * n + j));
                         for c in 0..4 {
@@ -541,6 +570,33 @@ impl Partial {
     }
 }
 
+/// The lane sums of four vectors, as one: quarters of each pair side by side and added, then
+/// the pairs' halves, then within each quarter (15 shuffles and adds for the four, against 32
+/// for four `_mm512_reduce_add_ps`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn sum4(a: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // [a0.q0, a0.q1, a1.q0, a1.q1] + [a0.q2, a0.q3, a1.q2, a1.q3], and likewise a2 and a3.
+    let pair = |x, y| {
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+        )
+    };
+    let (p01, p23) = (pair(a[0], a[1]), pair(a[2], a[3]));
+    // Quarter i now holds four partial sums of a_i.
+    let v = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0b10_00_10_00>(p01, p23),
+        _mm512_shuffle_f32x4::<0b11_01_11_01>(p01, p23),
+    );
+    let v = _mm512_add_ps(v, _mm512_permute_ps::<0b10_11_00_01>(v));
+    let v = _mm512_add_ps(v, _mm512_permute_ps::<0b01_00_11_10>(v));
+    let firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, v))
+}
+
 /// Rescales every range to the overall max of its head, then normalises, into `out`
 /// `(n_head * head_dim)`.
 pub(super) fn merge(parts: &[Partial], nh: usize, hd: usize, out: &mut [f32]) {
@@ -616,6 +672,25 @@ mod tests {
     use half::f16;
 
     use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn sum4_gives_each_vectors_lane_sum() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let xs: [[f32; 16]; 4] =
+            std::array::from_fn(|v| std::array::from_fn(|l| (v * 100 + l * l) as f32));
+        let mut got = [0f32; 4];
+        // SAFETY: avx512f was detected; every pointer covers what it is read or written for.
+        unsafe {
+            use std::arch::x86_64::*;
+            let vs = xs.map(|x| _mm512_loadu_ps(x.as_ptr()));
+            _mm_storeu_ps(got.as_mut_ptr(), sum4(vs));
+        }
+        // Small integers: every order of the sums is exact.
+        assert_eq!(got, xs.map(|x| x.iter().sum::<f32>()));
+    }
 
     /// Attention over an F16 cache is attention over the same values widened to F32: the
     /// AVX-512 body loads them with `vcvtph2ps`, the portable body converts each row first,

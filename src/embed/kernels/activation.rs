@@ -108,10 +108,11 @@ pub(super) mod x86 {
         )
     }
 
-    /// [`super::exp`], 16 lanes at a time.
+    /// [`super::exp`], 16 lanes at a time (AVX-512 F alone: the decoder's attention, compiled
+    /// without BF16, calls it too).
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
-    pub(in crate::embed::kernels) fn exp_ps(x: __m512) -> __m512 {
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn exp_ps(x: __m512) -> __m512 {
         let x = _mm512_min_ps(
             _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
             _mm512_set1_ps(88.0),

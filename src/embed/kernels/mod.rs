@@ -18,6 +18,8 @@ mod shared;
 #[cfg(test)]
 mod tests;
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) use activation::x86::exp_ps;
 pub use activation::{exp, gelu, silu_mul};
 pub use attention::{attention_head, Head, HeadRows};
 pub use bf16::{convert_to_bf16, from_bf16, to_bf16};
