@@ -21,7 +21,8 @@ use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
 use crate::generate::llama::{Llama, WeightFormat};
 use crate::generate::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece, TokenLogprob,
+    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
+    TokenLogprob,
 };
 use crate::ingest::{self, chunk};
 use crate::telemetry::{clock, span::Stage};
@@ -66,6 +67,9 @@ pub struct PeerReport {
     /// How the prefill projections multiplied (`bf16`, `f32`), and the prefill chunk size.
     pub prefill_precision: &'static str,
     pub prefill_chunk_tokens: usize,
+    /// How the decoder's KV cache stores keys and values (`f16`, `f32`; `f32` for candle's
+    /// device tensors).
+    pub kv_cache_dtype: &'static str,
     /// The embedder's forward pass, e.g. `Cpu(Bf16)` (see `BertEmbedder::backend`).
     pub embed_backend: String,
     pub prompt_tokens: usize,
@@ -415,6 +419,7 @@ fn measure(
         weight_format: format!("{:?}", generator.weight_format()),
         prefill_precision: generator.prefill_kind().name(),
         prefill_chunk_tokens: generator.prefill_chunk(),
+        kv_cache_dtype: generator.kv_dtype().unwrap_or(KvDtype::F32).name(),
         embed_backend: format!("{:?}", embedder.backend()),
         prompt_tokens: inputs.prompt_tokens.len(),
         generated_tokens: n,
