@@ -199,7 +199,7 @@ impl Llama {
         let newline = encode(&content_tokenizer, "\n")?;
         let token_bytes = TokenBytes::new(&tokenizer);
         let schedule = Scheduler::new(weights.decoder.clone());
-        let prefix = PrefixCache::new(&cfg, 0);
+        let prefix = PrefixCache::new(&cfg, 0, KvDtype::F32);
         Ok(Llama {
             format,
             transformer: Transformer {
@@ -275,7 +275,15 @@ impl Llama {
             )));
         }
         self.transformer.kv_dtype = dtype;
+        self.prefix = self.new_prefix_cache(self.prefix.budget());
         Ok(self)
+    }
+
+    /// An empty prefix cache of `budget` bytes whose blocks take the dtype of this model's
+    /// request caches.
+    fn new_prefix_cache(&self, budget: u64) -> PrefixCache {
+        let dtype = self.transformer.host_kv().unwrap_or(KvDtype::F32);
+        PrefixCache::new(&self.transformer.cfg, budget, dtype)
     }
 
     /// How a request's cache holds keys and values: `None` when it is candle tensors (F32) on
@@ -288,7 +296,7 @@ impl Llama {
     /// (0: none). Loading leaves it off, so benchmarks that repeat a prompt measure whole
     /// prefills; the server turns it on (`--prefix-cache-mb`).
     pub fn with_prefix_cache(mut self, mb: usize) -> Llama {
-        self.prefix = PrefixCache::new(&self.transformer.cfg, mb as u64 * (1 << 20));
+        self.prefix = self.new_prefix_cache(mb as u64 * (1 << 20));
         self
     }
 

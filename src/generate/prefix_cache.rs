@@ -17,13 +17,19 @@
 //! Blocks live in host memory whichever cache store the request has: the CPU decoder's host
 //! buffers (the CPU default) or candle tensors (the other formats, and a GPU, where a hit
 //! crosses to the device in one copy per layer). Both stores are tested on the CPU; the GPU
-//! runs the same candle ops but has not been run with a hit on a GPU.
+//! runs the same candle ops but has not been run with a hit on a GPU. Blocks are kept in the
+//! dtype of the caches they come from: F16 for the CPU decoder's default cache (exactly its
+//! values, in half the bytes of F32, so the same budget holds twice the prompts), else F32.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::host_kv::KvDtype;
 use super::kv_cache::KvCache;
 use super::weights::Config;
 use crate::telemetry::metrics::PREFIX_CACHE;
@@ -32,8 +38,9 @@ use crate::telemetry::metrics::PREFIX_CACHE;
 /// at most 16 positions; large enough that a 600-token prompt is ~40 map entries.
 pub(super) const BLOCK_TOKENS: usize = 16;
 
-/// The default budget, in MiB: ~5,800 positions of SmolLM2-135M (45 KiB each in F32), about
-/// nine default RAG prompts, less than the model's own prefill weights.
+/// The default budget, in MiB: ~11,600 positions of SmolLM2-135M (22.5 KiB each in F16, the
+/// CPU default; half as many in F32), about fifty default RAG prompts, less than the model's
+/// own prefill weights.
 pub const DEFAULT_MB: usize = 256;
 
 /// One cached block of a prefix.
@@ -42,9 +49,26 @@ struct Block {
     parent: Option<u64>,
     tokens: [u32; BLOCK_TOKENS],
     /// Per layer: keys, then values, each `(n_kv_head, BLOCK_TOKENS, head_dim)`.
-    kv: Arc<[f32]>,
+    kv: BlockKv,
     /// Position in the LRU order (larger: used more recently).
     tick: u64,
+}
+
+/// A block's keys and values, in the dtype of the caches they came from.
+#[derive(Clone)]
+enum BlockKv {
+    F32(Arc<[f32]>),
+    F16(Arc<[f16]>),
+}
+
+impl BlockKv {
+    /// Elements `range` as F32, into `out`.
+    fn read(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
+        match self {
+            BlockKv::F32(x) => out.copy_from_slice(&x[range]),
+            BlockKv::F16(x) => x[range].convert_to_f32_slice(out),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -58,7 +82,7 @@ struct Blocks {
 
 /// A lookup's result: the cached blocks of the prompt's longest cached prefix, in order.
 pub(super) struct Hit {
-    blocks: Vec<Arc<[f32]>>,
+    blocks: Vec<BlockKv>,
 }
 
 impl Hit {
@@ -81,6 +105,8 @@ pub(super) struct Counts {
 /// One model's prefix cache, shared by all its requests.
 pub(super) struct PrefixCache {
     budget: u64,
+    /// How blocks are stored.
+    dtype: KvDtype,
     n_layer: usize,
     n_kv_head: usize,
     head_dim: usize,
@@ -89,10 +115,14 @@ pub(super) struct PrefixCache {
 }
 
 impl PrefixCache {
-    /// A cache of at most `budget` bytes of blocks for a model shaped `cfg` (0: off).
-    pub fn new(cfg: &Config, budget: u64) -> PrefixCache {
+    /// A cache of at most `budget` bytes of blocks for a model shaped `cfg` (0: off), taking
+    /// blocks from caches in `dtype` and keeping them so (F16 only from F16 caches: storing a
+    /// cache's F32 values in F16 would round them, and a hit must give what a cold prefill
+    /// gives).
+    pub fn new(cfg: &Config, budget: u64, dtype: KvDtype) -> PrefixCache {
         PrefixCache {
             budget,
+            dtype,
             n_layer: cfg.n_layer,
             n_kv_head: cfg.n_kv_head,
             head_dim: cfg.head_dim,
@@ -107,7 +137,12 @@ impl PrefixCache {
     }
 
     fn block_bytes(&self) -> u64 {
-        (self.n_layer * 2 * self.half_layer() * std::mem::size_of::<f32>()) as u64
+        (self.n_layer * 2 * self.half_layer() * self.dtype.size()) as u64
+    }
+
+    /// The budget this cache was made with (a model's new KV dtype makes it anew).
+    pub fn budget(&self) -> u64 {
+        self.budget
     }
 
     /// Whether a block fits the budget at all.
@@ -185,12 +220,12 @@ impl PrefixCache {
         let mut v = vec![0f32; nkv * n * hd];
         for li in 0..self.n_layer {
             for (b, block) in hit.blocks.iter().enumerate() {
-                let layer = &block[li * 2 * half..(li + 1) * 2 * half];
-                let (bk, bv) = layer.split_at(half);
+                let (bk, bv) = (li * 2 * half, li * 2 * half + half);
                 for g in 0..nkv {
                     let at = (g * n + b * BLOCK_TOKENS) * hd;
-                    k[at..at + row].copy_from_slice(&bk[g * row..(g + 1) * row]);
-                    v[at..at + row].copy_from_slice(&bv[g * row..(g + 1) * row]);
+                    let from = g * row..(g + 1) * row;
+                    block.read(bk + from.start..bk + from.end, &mut k[at..at + row]);
+                    block.read(bv + from.start..bv + from.end, &mut v[at..at + row]);
                 }
             }
             cache.write_span(li, 0, n, &k, &v)?;
@@ -231,6 +266,18 @@ impl PrefixCache {
             }
         }
 
+        let new: Vec<BlockKv> = new
+            .into_iter()
+            .map(|kv| match self.dtype {
+                KvDtype::F32 => BlockKv::F32(kv.into()),
+                KvDtype::F16 => {
+                    let mut half = vec![f16::ZERO; kv.len()];
+                    half.convert_from_f32_slice(&kv);
+                    BlockKv::F16(half.into())
+                }
+            })
+            .collect();
+
         let bytes = self.block_bytes();
         let mut blocks = self.lock();
         // Another request may have cached some of them meanwhile, or evicted the blocks ours
@@ -257,7 +304,7 @@ impl PrefixCache {
                 tokens: prompt[i * BLOCK_TOKENS..][..BLOCK_TOKENS]
                     .try_into()
                     .expect("one block of tokens"),
-                kv: kv.into(),
+                kv,
                 tick,
             };
             blocks.lru.insert(tick, keys[i]);
@@ -405,7 +452,7 @@ mod tests {
     #[test]
     fn lookup_finds_the_longest_cached_block_prefix_and_leaves_a_token_to_compute() {
         let cfg = tiny();
-        let cache = PrefixCache::new(&cfg, 1 << 20);
+        let cache = PrefixCache::new(&cfg, 1 << 20, KvDtype::F32);
         let a = prompt(40, 1000);
         let source = filled(&cfg, 40, 0.5);
         assert_eq!(cache.lookup(&a).tokens(), 0);
@@ -452,10 +499,44 @@ mod tests {
         assert!(cache.restore(&hit, &mut tensors).is_err());
     }
 
+    /// Blocks from an F16 request cache are kept in F16: half the bytes of F32 blocks, and a
+    /// hit restores the request cache's values exactly.
+    #[test]
+    fn f16_blocks_take_half_the_bytes_and_restore_exactly() {
+        let cfg = tiny();
+        let wide = PrefixCache::new(&cfg, 1 << 20, KvDtype::F32);
+        let cache = PrefixCache::new(&cfg, 1 << 20, KvDtype::F16);
+        assert_eq!(2 * cache.block_bytes(), wide.block_bytes());
+        let f16 = Some(KvDtype::F16);
+        let mut source = KvCache::new(&cfg, 128, &Device::Cpu, f16).unwrap();
+        let n = cfg.n_kv_head * 40 * cfg.head_dim;
+        for li in 0..cfg.n_layer {
+            let k: Vec<f32> = (0..n)
+                .map(|i| (li * 1000 + i) as f32 * 0.013 - 3.0)
+                .collect();
+            let v: Vec<f32> = k.iter().map(|x| x * -0.37).collect();
+            source.write_span(li, 0, 40, &k, &v).unwrap();
+        }
+        source.len = 40;
+        let a = prompt(40, 7);
+        cache.insert(&a, &source).unwrap();
+        assert_eq!(cache.bytes(), 2 * cache.block_bytes());
+        let hit = cache.lookup(&a);
+        assert_eq!(hit.tokens(), 32);
+        let mut fresh = KvCache::new(&cfg, 128, &Device::Cpu, f16).unwrap();
+        cache.restore(&hit, &mut fresh).unwrap();
+        for li in 0..cfg.n_layer {
+            assert_eq!(
+                fresh.read_span(li, 0, 32).unwrap(),
+                source.read_span(li, 0, 32).unwrap()
+            );
+        }
+    }
+
     #[test]
     fn the_byte_budget_holds_by_evicting_least_recently_used_blocks() {
         let cfg = tiny();
-        let probe = PrefixCache::new(&cfg, 0);
+        let probe = PrefixCache::new(&cfg, 0, KvDtype::F32);
         assert!(!probe.enabled());
         probe
             .insert(&prompt(40, 0), &filled(&cfg, 40, 0.0))
@@ -471,7 +552,7 @@ mod tests {
         );
 
         let block = probe.block_bytes();
-        let cache = PrefixCache::new(&cfg, 3 * block);
+        let cache = PrefixCache::new(&cfg, 3 * block, KvDtype::F32);
         let (a, b, c) = (prompt(33, 0), prompt(33, 5000), prompt(90, 9000));
         cache.insert(&a, &filled(&cfg, 33, 0.0)).unwrap();
         cache.insert(&b, &filled(&cfg, 33, 1.0)).unwrap();
