@@ -143,7 +143,7 @@ impl<'a> TextGeneration<'a> {
             ),
         )?;
         let gpu = GpuTimer::start(&net.device);
-        let prefilled = llama.prefill_traced(req.prompt, &mut cache, Some(&prefill));
+        let prefilled = llama.prefill_traced(req.prompt, &mut cache, Some(&prefill), true);
         let (logits, cached) = on_stage(&prefill, prefilled)?;
         let logits = Logits::Device(logits);
         gpu.finish_into(&prefill, "prefill");

@@ -301,31 +301,43 @@ impl Llama {
     }
 
     /// Prefills `prompt` into the empty `cache`: positions covered by the longest cached prefix
-    /// are copied in, the rest computed, then the prompt's whole blocks cached. Returns the last
-    /// position's logits and the number of positions that came from the cache.
+    /// are copied in, the rest computed, then the prompt's whole blocks cached, and its end (its
+    /// last positions and logits), so the same prompt again needs no prefill at all. Returns the
+    /// last position's logits and the number of positions that came from the cache.
     #[cfg(test)]
     pub(super) fn prefill(
         &self,
         prompt: &[u32],
         cache: &mut KvCache,
     ) -> candle_core::Result<(candle_core::Tensor, usize)> {
-        self.prefill_traced(prompt, cache, None)
+        self.prefill_traced(prompt, cache, None, true)
     }
 
-    /// [`Llama::prefill`], with each computed chunk an event on `stage`.
+    /// [`Llama::prefill`], with each computed chunk an event on `stage`; `whole`: take and
+    /// leave the whole prompt's end too (not for a prompt that no request will repeat, such as
+    /// a warm-up's head).
     pub(super) fn prefill_traced(
         &self,
         prompt: &[u32],
         cache: &mut KvCache,
         stage: Option<&crate::telemetry::span::Stage>,
+        whole: bool,
     ) -> candle_core::Result<(candle_core::Tensor, usize)> {
-        let hit = self.prefix.lookup(prompt);
+        let hit = self.prefix.lookup(prompt, whole);
         self.prefix.restore(&hit, cache)?;
         let cached = hit.tokens();
-        drop(hit);
         let net = &self.transformer;
+        if let Some(logits) = hit.logits() {
+            let logits = candle_core::Tensor::from_slice(logits, logits.len(), &net.device)?;
+            return Ok((logits, cached));
+        }
+        drop(hit);
         let logits = net.prefill_traced(&prompt[cached..], cache, &self.schedule, stage)?;
-        self.prefix.insert(prompt, cache)?;
+        let last = match whole {
+            true => Some(logits.to_vec1::<f32>()?),
+            false => None,
+        };
+        self.prefix.insert(prompt, cache, last.as_deref())?;
         Ok((logits, cached))
     }
 

@@ -14,6 +14,12 @@
 //! nothing cached is ever unreachable. Blocks are shared (`Arc`), so a request copies its hit
 //! outside the lock while another request inserts or evicts.
 //!
+//! A prompt asked again in full skips its prefill altogether: beside the block its reusable
+//! prefix ends with, the cache keeps the prompt's last positions (the partial block a prefill
+//! must otherwise compute) and the logits its prefill ended on, so a repeated question (the
+//! load generator's popular ones, a client retrying) restores every position and starts
+//! decoding at once, with the logits a cold prefill of that prompt gave.
+//!
 //! Blocks live in host memory whichever cache store the request has: the CPU decoder's host
 //! buffers (the CPU default) or candle tensors (the other formats, and a GPU, where a hit
 //! crosses to the device in one copy per layer). Both stores are tested on the CPU; the GPU
@@ -43,6 +49,10 @@ pub(super) const BLOCK_TOKENS: usize = 16;
 /// own prefill weights.
 pub const DEFAULT_MB: usize = 256;
 
+/// Whole prompts' ends a block keeps (the most recent; prompts that share every block but
+/// differ in their last positions).
+const TAILS_PER_BLOCK: usize = 4;
+
 /// One cached block of a prefix.
 struct Block {
     /// The previous block's key (`None` for a prompt's first block).
@@ -50,8 +60,31 @@ struct Block {
     tokens: [u32; BLOCK_TOKENS],
     /// Per layer: keys, then values, each `(n_kv_head, BLOCK_TOKENS, head_dim)`.
     kv: BlockKv,
+    /// The ends of whole prompts whose reusable prefix ends with this block, oldest first.
+    tails: Vec<Tail>,
+    /// This block's bytes and its tails'.
+    bytes: u64,
     /// Position in the LRU order (larger: used more recently).
     tick: u64,
+}
+
+/// The end of a whole prompt: the positions after its reusable blocks (1 to [`BLOCK_TOKENS`])
+/// and the last position's logits.
+struct Tail {
+    tokens: Vec<u32>,
+    /// Per layer: keys, then values, each `(n_kv_head, tokens.len(), head_dim)`.
+    kv: BlockKv,
+    logits: Arc<[f32]>,
+}
+
+impl Tail {
+    fn bytes(&self) -> u64 {
+        let kv = match &self.kv {
+            BlockKv::F32(x) => 4 * x.len(),
+            BlockKv::F16(x) => 2 * x.len(),
+        };
+        (kv + 4 * self.logits.len()) as u64
+    }
 }
 
 /// A block's keys and values, in the dtype of the caches they came from.
@@ -80,15 +113,23 @@ struct Blocks {
     bytes: u64,
 }
 
-/// A lookup's result: the cached blocks of the prompt's longest cached prefix, in order.
+/// A lookup's result: the cached blocks of the prompt's longest cached prefix, in order, and
+/// when the whole prompt was cached, its end.
 pub(super) struct Hit {
     blocks: Vec<BlockKv>,
+    /// The positions after the blocks, their count, and the prompt's last logits.
+    tail: Option<(BlockKv, usize, Arc<[f32]>)>,
 }
 
 impl Hit {
     /// Prompt positions the hit covers.
     pub fn tokens(&self) -> usize {
-        self.blocks.len() * BLOCK_TOKENS
+        self.blocks.len() * BLOCK_TOKENS + self.tail.as_ref().map_or(0, |t| t.1)
+    }
+
+    /// The last position's logits, when the whole prompt was cached (nothing to prefill).
+    pub fn logits(&self) -> Option<&[f32]> {
+        self.tail.as_ref().map(|t| &t.2[..])
     }
 }
 
@@ -162,9 +203,13 @@ impl PrefixCache {
     }
 
     /// The longest cached block-aligned prefix of `prompt` that leaves at least one token to
-    /// compute (a prefill must produce the last position's logits).
-    pub fn lookup(&self, prompt: &[u32]) -> Hit {
-        let mut hit = Hit { blocks: Vec::new() };
+    /// compute (a prefill must produce the last position's logits), or with `whole` the whole
+    /// prompt when it was cached with its end (then nothing is left to compute).
+    pub fn lookup(&self, prompt: &[u32], whole: bool) -> Hit {
+        let mut hit = Hit {
+            blocks: Vec::new(),
+            tail: None,
+        };
         if !self.enabled() {
             return hit;
         }
@@ -176,6 +221,11 @@ impl PrefixCache {
             .iter()
             .map(|k| blocks.by_key[k].kv.clone())
             .collect();
+        if whole && matched == keys.len() {
+            hit.tail = blocks
+                .tail(&keys, &prompt[usable.len()..])
+                .map(|t| (t.kv.clone(), t.tokens.len(), t.logits.clone()));
+        }
         drop(blocks);
         self.count(&self.counts.lookups, &PREFIX_CACHE.lookups, 1);
         if matched > 0 {
@@ -186,14 +236,20 @@ impl PrefixCache {
         hit
     }
 
-    /// Tokens of `prompt` that [`PrefixCache::lookup`] would find now, without using the blocks
-    /// or counting a lookup (admission's guess at a prefill's cost).
+    /// Tokens of `prompt` that a whole [`PrefixCache::lookup`] would find now, without using
+    /// the blocks or counting a lookup (admission's guess at a prefill's cost).
     pub fn peek(&self, prompt: &[u32]) -> usize {
         if !self.enabled() {
             return 0;
         }
         let (usable, keys) = reusable(prompt);
-        self.lock().matching(usable, &keys) * BLOCK_TOKENS
+        let blocks = self.lock();
+        let matched = blocks.matching(usable, &keys);
+        let tail = match matched == keys.len() {
+            true => blocks.tail(&keys, &prompt[usable.len()..]),
+            false => None,
+        };
+        matched * BLOCK_TOKENS + tail.map_or(0, |t| t.tokens.len())
     }
 
     fn count(&self, own: &AtomicU64, global: &AtomicU64, n: u64) {
@@ -214,18 +270,31 @@ impl PrefixCache {
                 cache.capacity
             );
         }
-        let (nkv, hd, half) = (self.n_kv_head, self.head_dim, self.half_layer());
-        let row = BLOCK_TOKENS * hd;
+        let (nkv, hd) = (self.n_kv_head, self.head_dim);
         let mut k = vec![0f32; nkv * n * hd];
         let mut v = vec![0f32; nkv * n * hd];
+        // Each piece (a block, or the tail) holds per layer `(nkv, len, hd)` keys then values;
+        // its positions go at `first..first + len` of every kv head's rows.
+        let pieces = hit
+            .blocks
+            .iter()
+            .enumerate()
+            .map(|(b, kv)| (kv, b * BLOCK_TOKENS, BLOCK_TOKENS))
+            .chain(
+                hit.tail
+                    .as_ref()
+                    .map(|(kv, len, _)| (kv, hit.blocks.len() * BLOCK_TOKENS, *len)),
+            );
+        let pieces: Vec<_> = pieces.collect();
         for li in 0..self.n_layer {
-            for (b, block) in hit.blocks.iter().enumerate() {
-                let (bk, bv) = (li * 2 * half, li * 2 * half + half);
+            for &(kv, first, len) in &pieces {
+                let (row, half) = (len * hd, nkv * len * hd);
+                let (pk, pv) = (li * 2 * half, li * 2 * half + half);
                 for g in 0..nkv {
-                    let at = (g * n + b * BLOCK_TOKENS) * hd;
+                    let at = (g * n + first) * hd;
                     let from = g * row..(g + 1) * row;
-                    block.read(bk + from.start..bk + from.end, &mut k[at..at + row]);
-                    block.read(bv + from.start..bv + from.end, &mut v[at..at + row]);
+                    kv.read(pk + from.start..pk + from.end, &mut k[at..at + row]);
+                    kv.read(pv + from.start..pv + from.end, &mut v[at..at + row]);
                 }
             }
             cache.write_span(li, 0, n, &k, &v)?;
@@ -235,54 +304,58 @@ impl PrefixCache {
     }
 
     /// Caches the full blocks of `prompt` that `cache` holds (prefilled) and the cache does not
-    /// have yet, evicting the least recently used blocks to stay within the budget.
-    pub fn insert(&self, prompt: &[u32], cache: &KvCache) -> candle_core::Result<()> {
+    /// have yet, evicting the least recently used blocks to stay within the budget; with the
+    /// prompt's last `logits`, also its end (see [`PrefixCache::lookup`]'s `whole`).
+    pub fn insert(
+        &self,
+        prompt: &[u32],
+        cache: &KvCache,
+        logits: Option<&[f32]>,
+    ) -> candle_core::Result<()> {
         if !self.enabled() {
             return Ok(());
         }
         let full = prompt.len().min(cache.len) / BLOCK_TOKENS;
-        let prompt = &prompt[..full * BLOCK_TOKENS];
-        let keys = chain_keys(prompt);
-        let have = self.lock().matching(prompt, &keys);
-        if have == full {
+        let whole = &prompt[..full * BLOCK_TOKENS];
+        let keys = chain_keys(whole);
+        // The end a repeat of the whole prompt would restore: the positions after its reusable
+        // blocks, which `keys` starts with.
+        let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
+        let end = (usable > 0 && cache.len >= prompt.len())
+            .then_some(logits)
+            .flatten()
+            .filter(|_| {
+                let blocks = self.lock();
+                blocks.matching(whole, &keys) < usable
+                    || blocks
+                        .tail(&keys[..usable], &prompt[usable * BLOCK_TOKENS..])
+                        .is_none()
+            });
+        let have = self.lock().matching(whole, &keys);
+        if have == full && end.is_none() {
             return Ok(());
         }
-        // Copy the new blocks out of the request's cache without holding the lock.
-        let (nkv, hd, half) = (self.n_kv_head, self.head_dim, self.half_layer());
-        let (start, n) = (have * BLOCK_TOKENS, (full - have) * BLOCK_TOKENS);
-        let row = BLOCK_TOKENS * hd;
-        let mut new: Vec<Vec<f32>> = (have..full)
-            .map(|_| Vec::with_capacity(self.n_layer * 2 * half))
-            .collect();
-        for li in 0..self.n_layer {
-            let (k, v) = cache.read_span(li, start, n)?;
-            for (b, block) in new.iter_mut().enumerate() {
-                for src in [&k, &v] {
-                    for g in 0..nkv {
-                        let at = (g * n + b * BLOCK_TOKENS) * hd;
-                        block.extend_from_slice(&src[at..at + row]);
-                    }
-                }
+        // Copy what is new out of the request's cache without holding the lock.
+        let new: Vec<BlockKv> = (have..full)
+            .map(|b| self.copy_out(cache, b * BLOCK_TOKENS, BLOCK_TOKENS))
+            .collect::<candle_core::Result<_>>()?;
+        let end = match end {
+            Some(logits) => {
+                let first = usable * BLOCK_TOKENS;
+                Some(Tail {
+                    tokens: prompt[first..].to_vec(),
+                    kv: self.copy_out(cache, first, prompt.len() - first)?,
+                    logits: logits.into(),
+                })
             }
-        }
-
-        let new: Vec<BlockKv> = new
-            .into_iter()
-            .map(|kv| match self.dtype {
-                KvDtype::F32 => BlockKv::F32(kv.into()),
-                KvDtype::F16 => {
-                    let mut half = vec![f16::ZERO; kv.len()];
-                    half.convert_from_f32_slice(&kv);
-                    BlockKv::F16(half.into())
-                }
-            })
-            .collect();
+            None => None,
+        };
 
         let bytes = self.block_bytes();
         let mut blocks = self.lock();
         // Another request may have cached some of them meanwhile, or evicted the blocks ours
         // would hang from (then ours would be unreachable: keep none).
-        let now = blocks.matching(prompt, &keys);
+        let now = blocks.matching(whole, &keys);
         if now < have {
             return Ok(());
         }
@@ -301,10 +374,12 @@ impl PrefixCache {
             let tick = blocks.tick();
             let block = Block {
                 parent: i.checked_sub(1).map(|p| keys[p]),
-                tokens: prompt[i * BLOCK_TOKENS..][..BLOCK_TOKENS]
+                tokens: whole[i * BLOCK_TOKENS..][..BLOCK_TOKENS]
                     .try_into()
                     .expect("one block of tokens"),
                 kv,
+                tails: Vec::new(),
+                bytes,
                 tick,
             };
             blocks.lru.insert(tick, keys[i]);
@@ -314,9 +389,50 @@ impl PrefixCache {
             cached = i + 1;
         }
         blocks.touch(&keys[..cached]);
+        if let Some(end) = end.filter(|_| cached >= usable) {
+            let keep_from = blocks.next_tick - cached as u64;
+            let more = end.bytes();
+            if blocks.tail(&keys[..usable], &end.tokens).is_none()
+                && blocks.make_room(more, self.budget, keep_from, &mut evicted)
+            {
+                let host = blocks
+                    .by_key
+                    .get_mut(&keys[usable - 1])
+                    .expect("kept above");
+                host.tails.push(end);
+                host.bytes += more;
+                let mut freed = 0;
+                if host.tails.len() > TAILS_PER_BLOCK {
+                    freed = host.tails.remove(0).bytes();
+                    host.bytes -= freed;
+                }
+                blocks.bytes = blocks.bytes + more - freed;
+                PREFIX_CACHE.bytes.fetch_add(more, Relaxed);
+                PREFIX_CACHE.bytes.fetch_sub(freed, Relaxed);
+            }
+        }
         drop(blocks);
         self.count(&self.counts.evictions, &PREFIX_CACHE.evictions, evicted);
         Ok(())
+    }
+
+    /// Positions `first..first + len` of `cache`, as a block or a tail holds them: per layer
+    /// the keys, then the values, each `(n_kv_head, len, head_dim)`, in this cache's dtype.
+    fn copy_out(&self, cache: &KvCache, first: usize, len: usize) -> candle_core::Result<BlockKv> {
+        let mut kv = Vec::with_capacity(self.n_layer * 2 * self.n_kv_head * len * self.head_dim);
+        for li in 0..self.n_layer {
+            let (k, v) = cache.read_span(li, first, len)?;
+            kv.extend_from_slice(&k);
+            kv.extend_from_slice(&v);
+        }
+        Ok(match self.dtype {
+            KvDtype::F32 => BlockKv::F32(kv.into()),
+            KvDtype::F16 => {
+                let mut half = vec![f16::ZERO; kv.len()];
+                half.convert_from_f32_slice(&kv);
+                BlockKv::F16(half.into())
+            }
+        })
     }
 }
 
@@ -342,6 +458,13 @@ impl Blocks {
             }
         }
         keys.len()
+    }
+
+    /// The end cached for a whole prompt whose reusable blocks are `keys` (all cached) and
+    /// whose last positions are `tokens`.
+    fn tail(&self, keys: &[u64], tokens: &[u32]) -> Option<&Tail> {
+        let host = self.by_key.get(keys.last()?)?;
+        host.tails.iter().find(|t| t.tokens == tokens)
     }
 
     fn tick(&mut self) -> u64 {
@@ -372,9 +495,12 @@ impl Blocks {
                 return false;
             }
             self.lru.remove(&tick);
-            self.by_key.remove(&key);
-            self.bytes -= bytes;
-            PREFIX_CACHE.bytes.fetch_sub(bytes, Relaxed);
+            let gone = self
+                .by_key
+                .remove(&key)
+                .expect("the LRU names cached blocks");
+            self.bytes -= gone.bytes;
+            PREFIX_CACHE.bytes.fetch_sub(gone.bytes, Relaxed);
             *evicted += 1;
         }
         true
@@ -455,20 +581,28 @@ mod tests {
         let cache = PrefixCache::new(&cfg, 1 << 20, KvDtype::F32);
         let a = prompt(40, 1000);
         let source = filled(&cfg, 40, 0.5);
-        assert_eq!(cache.lookup(&a).tokens(), 0);
-        cache.insert(&a, &source).unwrap();
+        assert_eq!(cache.lookup(&a, false).tokens(), 0);
+        cache.insert(&a, &source, None).unwrap();
         assert_eq!(cache.bytes(), 2 * cache.block_bytes(), "two whole blocks");
 
-        let hit = cache.lookup(&a);
+        let hit = cache.lookup(&a, false);
         assert_eq!(hit.tokens(), 32);
         // A prompt of exactly two blocks reuses one: its last token must still be computed.
-        assert_eq!(cache.lookup(&a[..32]).tokens(), 16);
-        assert_eq!(cache.lookup(&a[..33]).tokens(), 32);
+        assert_eq!(cache.lookup(&a[..32], false).tokens(), 16);
+        assert_eq!(cache.lookup(&a[..33], false).tokens(), 32);
         let mut b = a.clone();
         b[20] = 7;
-        assert_eq!(cache.lookup(&b).tokens(), 16, "differs in the second block");
+        assert_eq!(
+            cache.lookup(&b, false).tokens(),
+            16,
+            "differs in the second block"
+        );
         b[3] = 7;
-        assert_eq!(cache.lookup(&b).tokens(), 0, "differs in the first block");
+        assert_eq!(
+            cache.lookup(&b, false).tokens(),
+            0,
+            "differs in the first block"
+        );
         // A peek finds what a lookup would, and counts nothing.
         assert_eq!(
             (cache.peek(&a), cache.peek(&a[..32]), cache.peek(&b)),
@@ -499,6 +633,54 @@ mod tests {
         assert!(cache.restore(&hit, &mut tensors).is_err());
     }
 
+    /// A prompt inserted with its logits comes back whole: every position, and the logits, so
+    /// nothing is left to prefill; only the same tokens, all of them, make that hit.
+    #[test]
+    fn a_whole_prompt_comes_back_with_its_end_and_logits() {
+        let cfg = tiny();
+        let cache = PrefixCache::new(&cfg, 1 << 20, KvDtype::F32);
+        let a = prompt(40, 1000);
+        let source = filled(&cfg, 40, 0.5);
+        let logits: Vec<f32> = (0..50).map(|i| i as f32 * 0.5).collect();
+        cache.insert(&a, &source, Some(&logits)).unwrap();
+        let end = (2 * cfg.n_layer * cfg.n_kv_head * 8 * cfg.head_dim + 50) as u64 * 4;
+        assert_eq!(cache.bytes(), 2 * cache.block_bytes() + end);
+
+        let hit = cache.lookup(&a, true);
+        assert_eq!((hit.tokens(), hit.logits()), (40, Some(&logits[..])));
+        assert_eq!(cache.peek(&a), 40);
+        let mut fresh = KvCache::new(&cfg, 128, &Device::Cpu, Some(KvDtype::F32)).unwrap();
+        cache.restore(&hit, &mut fresh).unwrap();
+        assert_eq!(fresh.len, 40);
+        for li in 0..cfg.n_layer {
+            assert_eq!(
+                fresh.read_span(li, 0, 40).unwrap(),
+                source.read_span(li, 0, 40).unwrap()
+            );
+        }
+        // Without `whole`, the blocks only.
+        let blocks = cache.lookup(&a, false);
+        assert_eq!((blocks.tokens(), blocks.logits()), (32, None));
+        // Another ending, a shorter or a longer prompt: the blocks, and its end to compute.
+        let mut b = a.clone();
+        b[39] = 7;
+        let longer = prompt(41, 1000);
+        for other in [&b[..], &a[..39], &longer[..]] {
+            let hit = cache.lookup(other, true);
+            assert_eq!((hit.tokens(), hit.logits().is_none()), (32, true));
+        }
+        // The same prompt again adds nothing; a prompt of exactly two blocks keeps its second
+        // block as its end.
+        cache.insert(&a, &source, Some(&logits)).unwrap();
+        assert_eq!(cache.bytes(), 2 * cache.block_bytes() + end);
+        let two = prompt(32, 1000);
+        cache
+            .insert(&two, &filled(&cfg, 32, 0.5), Some(&logits))
+            .unwrap();
+        assert_eq!(cache.lookup(&two, true).tokens(), 32);
+        assert_eq!(cache.lookup(&two, false).tokens(), 16);
+    }
+
     /// Blocks from an F16 request cache are kept in F16: half the bytes of F32 blocks, and a
     /// hit restores the request cache's values exactly.
     #[test]
@@ -519,9 +701,9 @@ mod tests {
         }
         source.len = 40;
         let a = prompt(40, 7);
-        cache.insert(&a, &source).unwrap();
+        cache.insert(&a, &source, None).unwrap();
         assert_eq!(cache.bytes(), 2 * cache.block_bytes());
-        let hit = cache.lookup(&a);
+        let hit = cache.lookup(&a, false);
         assert_eq!(hit.tokens(), 32);
         let mut fresh = KvCache::new(&cfg, 128, &Device::Cpu, f16).unwrap();
         cache.restore(&hit, &mut fresh).unwrap();
@@ -539,10 +721,10 @@ mod tests {
         let probe = PrefixCache::new(&cfg, 0, KvDtype::F32);
         assert!(!probe.enabled());
         probe
-            .insert(&prompt(40, 0), &filled(&cfg, 40, 0.0))
+            .insert(&prompt(40, 0), &filled(&cfg, 40, 0.0), None)
             .unwrap();
         assert_eq!(
-            (probe.bytes(), probe.lookup(&prompt(40, 0)).tokens()),
+            (probe.bytes(), probe.lookup(&prompt(40, 0), false).tokens()),
             (0, 0)
         );
         assert_eq!(
@@ -554,25 +736,28 @@ mod tests {
         let block = probe.block_bytes();
         let cache = PrefixCache::new(&cfg, 3 * block, KvDtype::F32);
         let (a, b, c) = (prompt(33, 0), prompt(33, 5000), prompt(90, 9000));
-        cache.insert(&a, &filled(&cfg, 33, 0.0)).unwrap();
-        cache.insert(&b, &filled(&cfg, 33, 1.0)).unwrap();
+        cache.insert(&a, &filled(&cfg, 33, 0.0), None).unwrap();
+        cache.insert(&b, &filled(&cfg, 33, 1.0), None).unwrap();
         // Four blocks for a budget of three: a's last block (the least recently used, and a
         // leaf) went.
         assert_eq!(cache.counts.evictions.load(Relaxed), 1);
         assert_eq!(cache.bytes(), 3 * block);
-        assert_eq!(cache.lookup(&a).tokens(), 16);
-        assert_eq!(cache.lookup(&b).tokens(), 32);
+        assert_eq!(cache.lookup(&a, false).tokens(), 16);
+        assert_eq!(cache.lookup(&b, false).tokens(), 32);
         // A prompt longer than the whole budget keeps its first three blocks.
-        cache.insert(&c, &filled(&cfg, 90, 2.0)).unwrap();
+        cache.insert(&c, &filled(&cfg, 90, 2.0), None).unwrap();
         assert!(cache.bytes() <= 3 * block);
-        assert_eq!(cache.lookup(&c).tokens(), 48);
+        assert_eq!(cache.lookup(&c, false).tokens(), 48);
         assert_eq!(
-            (cache.lookup(&a).tokens(), cache.lookup(&b).tokens()),
+            (
+                cache.lookup(&a, false).tokens(),
+                cache.lookup(&b, false).tokens()
+            ),
             (0, 0)
         );
         assert_eq!(cache.counts.evictions.load(Relaxed), 4);
         // Re-inserting what is cached changes nothing.
-        cache.insert(&c, &filled(&cfg, 90, 2.0)).unwrap();
+        cache.insert(&c, &filled(&cfg, 90, 2.0), None).unwrap();
         assert_eq!(cache.counts.evictions.load(Relaxed), 4);
     }
 
@@ -597,8 +782,9 @@ mod tests {
 
     /// The same greedy tokens with and without a hit, on the CPU default (keys and values in
     /// host buffers, decoded by the CPU decoder): a repeated ~600-token prompt (two prefill
-    /// chunks cold, one after the hit), a new question under the same system turn, and the
-    /// next turn of a chat, each against a model without a prefix cache.
+    /// chunks cold, none after the hit: the whole prompt comes back), the same prompt one token
+    /// longer (its blocks from the cache, its end computed), a new question under the same
+    /// system turn, and the next turn of a chat, each against a model without a prefix cache.
     #[test]
     fn greedy_tokens_are_the_same_with_and_without_a_prefix_hit() {
         let Some(plain) = model() else { return };
@@ -608,10 +794,13 @@ mod tests {
         let long = long_prompt(plain);
         let (expected, _) = greedy(plain, &long, n);
         assert_eq!(greedy(&ours, &long, n), (expected.clone(), 0), "cold");
+        assert_eq!(greedy(&ours, &long, n), (expected, long.len()), "repeated");
+        let mut longer = long.clone();
+        longer.push(long[long.len() / 2]);
         assert_eq!(
-            greedy(&ours, &long, n),
-            (expected, blocks_of(long.len() - 1)),
-            "repeated"
+            greedy(&ours, &longer, n),
+            (greedy(plain, &longer, n).0, blocks_of(longer.len() - 1)),
+            "extended"
         );
 
         let mut messages = rag_messages();
@@ -660,13 +849,16 @@ mod tests {
         let net = &ours.transformer;
         let (cold_tokens, none) = greedy(&ours, &prompt, 16);
         let (warm_tokens, hit) = greedy(&ours, &prompt, 16);
-        assert_eq!((none, hit), (0, blocks_of(prompt.len() - 1)));
+        assert_eq!((none, hit), (0, prompt.len()));
         assert_eq!(cold_tokens, warm_tokens);
 
-        let fresh = || KvCache::new(&net.cfg, prompt.len(), &net.device, None).unwrap();
-        let cold = net.prefill(&prompt, &mut fresh(), &ours.schedule).unwrap();
-        let (warm, hit) = ours.prefill(&prompt, &mut fresh()).unwrap();
-        assert_eq!(hit, blocks_of(prompt.len() - 1));
+        // One token longer: the blocks come from the cache, the end is computed over them.
+        let mut longer = prompt.clone();
+        longer.push(prompt[1]);
+        let fresh = || KvCache::new(&net.cfg, longer.len(), &net.device, None).unwrap();
+        let cold = net.prefill(&longer, &mut fresh(), &ours.schedule).unwrap();
+        let (warm, hit) = ours.prefill(&longer, &mut fresh()).unwrap();
+        assert_eq!(hit, blocks_of(longer.len() - 1));
         let diff = max_abs_diff(&cold, &warm);
         eprintln!("|Δlogit| cold vs hit: {diff}");
         assert!(diff < 1e-3, "{diff}");

@@ -37,7 +37,7 @@ pub(super) fn warm(
     let net = &llama.transformer;
     let host = net.host_kv();
     let mut cache = KvCache::new(&net.cfg, tokens.len(), &net.device, host)?;
-    let (_, cached) = llama.prefill_traced(&tokens, &mut cache, Some(stage))?;
+    let (_, cached) = llama.prefill_traced(&tokens, &mut cache, Some(stage), false)?;
     let warmed = Warmed {
         head_tokens: blocks * BLOCK_TOKENS,
         cached_tokens: cached,

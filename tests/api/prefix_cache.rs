@@ -46,7 +46,8 @@ async fn a_repeated_question_reads_its_prompt_from_the_prefix_cache() {
     let second = chat(&app).await;
     let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(first["usage"]["prompt_tokens"].as_u64(), Some(prompt));
-    assert_eq!(cached(&second["usage"]), (prompt - 1) / BLOCK * BLOCK);
+    // The whole prompt was cached with its end: nothing is prefilled again.
+    assert_eq!(cached(&second["usage"]), prompt);
     assert_eq!(
         first["choices"][0]["message"]["content"], second["choices"][0]["message"]["content"],
         "greedy: the same answer from the cache"
@@ -89,7 +90,7 @@ async fn a_repeated_question_reads_its_prompt_from_the_prefix_cache() {
     }
     let usage = usage.expect("a done event");
     assert!(usage.cached_tokens as u64 >= BLOCK, "{usage:?}");
-    assert!(usage.cached_tokens < usage.prompt_tokens);
+    assert!(usage.cached_tokens <= usage.prompt_tokens);
 
     let metrics = app.metrics_text().await;
     let value = |name: &str| -> f64 {
