@@ -333,7 +333,7 @@ impl Llama {
         }
         drop(hit);
         let logits = net.prefill_traced(&prompt[cached..], cache, &self.schedule, stage)?;
-        let last = match whole {
+        let last = match whole && self.prefix.enabled() {
             true => Some(logits.to_vec1::<f32>()?),
             false => None,
         };

@@ -79,11 +79,7 @@ struct Tail {
 
 impl Tail {
     fn bytes(&self) -> u64 {
-        let kv = match &self.kv {
-            BlockKv::F32(x) => 4 * x.len(),
-            BlockKv::F16(x) => 2 * x.len(),
-        };
-        (kv + 4 * self.logits.len()) as u64
+        self.kv.bytes() + 4 * self.logits.len() as u64
     }
 }
 
@@ -95,6 +91,13 @@ enum BlockKv {
 }
 
 impl BlockKv {
+    fn bytes(&self) -> u64 {
+        match self {
+            BlockKv::F32(x) => 4 * x.len() as u64,
+            BlockKv::F16(x) => 2 * x.len() as u64,
+        }
+    }
+
     /// Elements `range` as F32, into `out`.
     fn read(&self, range: std::ops::Range<usize>, out: &mut [f32]) {
         match self {
