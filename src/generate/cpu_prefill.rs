@@ -99,10 +99,10 @@ pub(super) fn hidden(
 }
 
 /// Causal attention of the `t` query rows in `qkv` (positions `pos..pos + t`, after RoPE) over
-/// the layer's keys and values `(n_kv_head, cap, head_dim)` up to each query's own position, into `y`
-/// `(t, n_head * head_dim)`. Work items are (query head, block of [`QUERY_BLOCK`] queries),
-/// taken by the pool's threads from a shared cursor; a query's result does not depend on the
-/// block it is in, so any chunking of the prompt gives the same rows.
+/// the layer's keys and values `(n_kv_head, cap, head_dim)` up to each query's own position,
+/// into `y` `(t, n_head * head_dim)`. Work items are (query head, block of [`QUERY_BLOCK`]
+/// queries), taken by the pool's threads from a shared cursor; a query's result does not depend
+/// on the block it is in, so any chunking of the prompt gives the same rows.
 fn attend(
     qkv: &[f32],
     (k, v): (&[f32], &[f32]),
