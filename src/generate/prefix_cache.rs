@@ -324,17 +324,19 @@ impl PrefixCache {
         // The end a repeat of the whole prompt would restore: the positions after its reusable
         // blocks, which `keys` starts with.
         let usable = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
-        let end = (usable > 0 && cache.len >= prompt.len())
+        let (have, has_end) = {
+            let blocks = self.lock();
+            let have = blocks.matching(whole, &keys);
+            let ends = usable > 0 && have >= usable;
+            let has_end = ends
+                && blocks
+                    .tail(&keys[..usable], &prompt[usable * BLOCK_TOKENS..])
+                    .is_some();
+            (have, has_end)
+        };
+        let end = (usable > 0 && cache.len >= prompt.len() && !has_end)
             .then_some(logits)
-            .flatten()
-            .filter(|_| {
-                let blocks = self.lock();
-                blocks.matching(whole, &keys) < usable
-                    || blocks
-                        .tail(&keys[..usable], &prompt[usable * BLOCK_TOKENS..])
-                        .is_none()
-            });
-        let have = self.lock().matching(whole, &keys);
+            .flatten();
         if have == full && end.is_none() {
             return Ok(());
         }
