@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::generate::TokenTrace;
-use crate::pipeline::context::{ContextMethod, ContextMode};
+use crate::pipeline::context::{ContextMethod, ContextMode, ContextOrder};
 use crate::pipeline::Overlap;
 use crate::prompt::PromptTemplate;
 
@@ -341,6 +341,11 @@ pub struct PipelineArgs {
     /// How the context stage scores sentences against the question: dense, lexical or hybrid.
     #[arg(long, env = "RAGSCOPE_CONTEXT_METHOD", value_enum, default_value_t = ContextMethod::Hybrid)]
     pub context_method: ContextMethod,
+    /// How the prompt lists the context's passages: `best-last` puts the passage holding the
+    /// best-scoring sentence last, nearest the question (the small generator copies that one
+    /// most often); `rank` keeps rerank order. Markers stay the sources' numbers either way.
+    #[arg(long, env = "RAGSCOPE_CONTEXT_ORDER", value_enum, default_value_t = ContextOrder::BestLast)]
+    pub context_order: ContextOrder,
     /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
     /// otherwise.
     #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]

@@ -292,11 +292,12 @@ fn ask(
 /// The settings an answer run used, for its report line.
 fn settings(p: &PipelineArgs) -> String {
     format!(
-        "context {} budget {}/passage method {} template {:?} rerank_top_n {} max_tokens {} \
+        "context {} budget {}/passage method {} order {} template {:?} rerank_top_n {} max_tokens {} \
          repetition_penalty {} no_repeat_ngram {} context_bias {} copy_bias {} end_at_paragraph {}",
         p.context.as_str(),
         p.context_budget,
         p.context_method.as_str(),
+        p.context_order.as_str(),
         p.prompt_template,
         p.rerank_top_n,
         p.max_tokens,

@@ -15,8 +15,8 @@ const BRIEF_SYSTEM: &str =
     "Answer the question in one short sentence, using only the numbered passages. \
 Name the exact command or option.";
 
-/// How the RAG prompt is worded. Every template numbers the passages `[1]`, `[2]`, … in the
-/// order of the answer's `sources`.
+/// How the RAG prompt is worded. Every template marks each passage `[n]` for the answer's
+/// `n`-th source, whatever order the passages are listed in.
 #[derive(
     Debug,
     Clone,
@@ -58,8 +58,8 @@ impl PromptTemplate {
             s.push_str(&format!("Question: {question}\n\n"));
         }
         s.push_str("Passages:\n");
-        for (n, (_, text)) in passages.iter().enumerate() {
-            s.push_str(&format!("[{}] {}\n\n", n + 1, text.trim()));
+        for (source, text) in passages {
+            s.push_str(&format!("[{}] {}\n\n", source + 1, text.trim()));
         }
         match self {
             PromptTemplate::Inline => s.push_str(&format!(
@@ -106,14 +106,20 @@ pub fn build(
     )
 }
 
-/// The template's messages around `kept` passages, tokenized.
+/// The template's messages around `kept` passages (each with its index among the sources),
+/// listed in the order of `listing`, tokenized.
 fn render(
     generator: &dyn Generator,
     template: PromptTemplate,
     history: &[ChatMessage],
     question: &str,
     kept: &[(usize, String)],
+    listing: &[usize],
 ) -> Result<Vec<u32>, GenerateError> {
+    let place = |i: usize| listing.iter().position(|&l| l == i).unwrap_or(i);
+    let mut listed: Vec<&(usize, String)> = kept.iter().collect();
+    listed.sort_by_key(|(i, _)| place(*i));
+    let listed: Vec<(usize, String)> = listed.into_iter().cloned().collect();
     let mut messages: Vec<ChatMessage> = template
         .system()
         .map(|s| ChatMessage::new("system", s))
@@ -122,7 +128,7 @@ fn render(
     messages.extend(history.iter().cloned());
     messages.push(ChatMessage::new(
         "user",
-        template.user_message(question, kept),
+        template.user_message(question, &listed),
     ));
     generator.chat_prompt(&messages)
 }
@@ -138,8 +144,15 @@ pub fn head(
     history: &[ChatMessage],
     question: &str,
 ) -> Result<Vec<u32>, GenerateError> {
-    let none = render(generator, template, history, question, &[])?;
-    let one = render(generator, template, history, question, &[(0, "x".into())])?;
+    let none = render(generator, template, history, question, &[], &[])?;
+    let one = render(
+        generator,
+        template,
+        history,
+        question,
+        &[(0, "x".into())],
+        &[0],
+    )?;
     let shared = none.iter().zip(&one).take_while(|(a, b)| a == b).count();
     Ok(none[..shared].to_vec())
 }
@@ -154,9 +167,28 @@ pub fn build_with(
     passages: &[&str],
     max_tokens: usize,
 ) -> Result<Prompt, GenerateError> {
+    let listing: Vec<usize> = (0..passages.len()).collect();
+    build_listed(
+        generator, template, history, question, passages, &listing, max_tokens,
+    )
+}
+
+/// [`build_with`], the passages listed in the order of `listing` (indices into `passages`,
+/// see [`ContextOrder`](crate::pipeline::context::ContextOrder)). Passages are still kept
+/// best-first, in the order given, while they fit; each keeps its `[n]` marker.
+pub fn build_listed(
+    generator: &dyn Generator,
+    template: PromptTemplate,
+    history: &[ChatMessage],
+    question: &str,
+    passages: &[&str],
+    listing: &[usize],
+    max_tokens: usize,
+) -> Result<Prompt, GenerateError> {
     let window = generator.context_window();
     let budget = window.saturating_sub(max_tokens);
-    let render = |kept: &[(usize, String)]| render(generator, template, history, question, kept);
+    let render =
+        |kept: &[(usize, String)]| render(generator, template, history, question, kept, listing);
     let mut kept: Vec<(usize, String)> = Vec::new();
     let mut tokens = render(&kept)?;
     if tokens.len() > budget {
@@ -207,6 +239,36 @@ pub fn build_with(
 mod tests {
     use super::*;
     use crate::generate::llama::{test_model_path, Llama};
+
+    #[test]
+    fn listed_passages_keep_their_source_markers_in_any_order() {
+        let path = test_model_path();
+        if !path.exists() {
+            eprintln!("skipping: {} not found", path.display());
+            return;
+        }
+        let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
+        let passages = ["Alpha is first.", "Beta is second.", "Gamma is third."];
+        let template = PromptTemplate::QuestionLast;
+        let text = |listing: &[usize]| {
+            let built =
+                build_listed(&model, template, &[], "Which?", &passages, listing, 16).unwrap();
+            assert_eq!(built.kept, [0, 1, 2]);
+            model.detokenize(&built.tokens).unwrap()
+        };
+        let places = |text: &str| -> Vec<usize> {
+            ["[1] Alpha", "[2] Beta", "[3] Gamma"]
+                .iter()
+                .map(|m| text.find(m).unwrap_or_else(|| panic!("{m} in {text}")))
+                .collect()
+        };
+        let listed = places(&text(&[2, 0, 1]));
+        assert!(listed[2] < listed[0] && listed[0] < listed[1], "{listed:?}");
+        let in_order = places(&text(&[0, 1, 2]));
+        assert!(in_order[0] < in_order[1] && in_order[1] < in_order[2]);
+        let plain = build_with(&model, template, &[], "Which?", &passages, 16).unwrap();
+        assert_eq!(model.detokenize(&plain.tokens).unwrap(), text(&[0, 1, 2]));
+    }
 
     #[test]
     fn the_head_starts_every_prompt_of_its_question() {

@@ -66,6 +66,7 @@ pub struct ChatBody {
     pub context: Option<String>,
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
+    pub context_order: Option<String>,
     /// Extension: prefill the prompt's head while retrieving (unset: the server's `--overlap`).
     pub overlap: Option<bool>,
     /// Accepted and ignored: they label or route the request but cannot change the answer.
@@ -361,6 +362,7 @@ pub async fn chat_completions(
             mode: body.context,
             budget: body.context_budget,
             method: body.context_method,
+            order: body.context_order,
         },
         overlap: body.overlap,
     };
@@ -458,6 +460,10 @@ fn refuse_retrieval_settings(body: &ChatBody) -> Result<(), ApiError> {
         ("top_k", body.top_k.is_some()),
         ("rerank_top_n", body.rerank_top_n.is_some()),
         ("filter", body.filter.as_ref().is_some_and(|f| !f.is_null())),
+        ("context", body.context.is_some()),
+        ("context_budget", body.context_budget.is_some()),
+        ("context_method", body.context_method.is_some()),
+        ("context_order", body.context_order.is_some()),
     ] {
         if set {
             return Err(ApiError::field(

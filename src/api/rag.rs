@@ -48,10 +48,12 @@ pub struct QueryBody {
     /// End the answer at its first finished paragraph (unset: the server's
     /// `--end-at-paragraph`).
     pub end_at_paragraph: Option<bool>,
-    /// The context stage: `off`, `sentences` or `passages`; its token budget; its method.
+    /// The context stage: `off`, `sentences` or `passages`; its token budget; its method; the
+    /// order the prompt lists its passages in (`best-last` or `rank`).
     pub context: Option<String>,
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
+    pub context_order: Option<String>,
     /// Prefill the prompt's head while retrieving (unset: the server's `--overlap`).
     pub overlap: Option<bool>,
 }
@@ -95,6 +97,7 @@ pub async fn query(
             mode: body.context,
             budget: body.context_budget,
             method: body.context_method,
+            order: body.context_order,
         },
         overlap: body.overlap,
     };

@@ -9,6 +9,10 @@
 //! sentence to the source it came from. `passages` keeps whole passages best-first within the
 //! budget instead; `off` hands every passage on whole, as the prompt had them before this stage.
 //!
+//! Order (`--context-order`): `best-last` lists the passages so that the one holding the
+//! best-scoring sentence comes last, nearest the question at the prompt's end; `rank` lists
+//! them in rerank order. Either way each keeps its source's `[n]` marker.
+//!
 //! Scoring (`--context-method`): `dense` is the cosine of the query's vector with each
 //! sentence's (one embedder call for all sentences), `lexical` the IDF-weighted overlap of
 //! their words, `hybrid` the sum of both after scaling each to [0, 1] over the request's
@@ -87,6 +91,52 @@ impl ContextMethod {
     }
 }
 
+/// In what order the prompt lists the context's passages. Every passage keeps the marker of
+/// its source (`[n]` for the answer's `n`-th source) whatever its place in the list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ContextOrder {
+    /// Rerank order: the best-ranked passage first.
+    Rank,
+    /// The passage holding the best-scoring sentence last, nearest the question, the others
+    /// before it from the least relevant up (whole passages: the best-ranked last). The small
+    /// generator copies the passage nearest the question more often than any other, so this
+    /// is the one it should copy (docs/CONTEXT.md).
+    #[default]
+    BestLast,
+}
+
+impl ContextOrder {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ContextOrder::Rank => "rank",
+            ContextOrder::BestLast => "best-last",
+        }
+    }
+
+    /// Parses a request's `context_order` field.
+    pub fn parse(s: &str) -> Option<ContextOrder> {
+        [ContextOrder::Rank, ContextOrder::BestLast]
+            .into_iter()
+            .find(|o| o.as_str() == s)
+    }
+
+    /// The order in which the prompt lists `passages` (indices into them). Ties keep the
+    /// better-ranked passage nearer the question.
+    pub fn listing(self, passages: &[ContextPassage]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..passages.len()).collect();
+        if self == ContextOrder::BestLast {
+            order.sort_by(|&a, &b| {
+                passages[a]
+                    .best
+                    .total_cmp(&passages[b].best)
+                    .then(b.cmp(&a))
+            });
+        }
+        order
+    }
+}
+
 /// A request's context settings, resolved against the server's defaults.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ContextSettings {
@@ -94,6 +144,7 @@ pub struct ContextSettings {
     pub method: ContextMethod,
     /// Tokens of passage text (headers and sentences, counted with the generator's tokenizer).
     pub budget: usize,
+    pub order: ContextOrder,
 }
 
 /// One passage split for selection: its first line (the chunk's `title › section`) and the
@@ -132,6 +183,9 @@ pub struct ContextPassage {
     /// Index into the reranked passages.
     pub source: usize,
     pub text: String,
+    /// How well it answers, for [`ContextOrder::listing`]: the score of its best kept sentence
+    /// (whole passages: minus their rank, so the best-ranked is the highest).
+    pub best: f32,
 }
 
 /// What the stage chose, and the counts its span reports.
@@ -244,6 +298,7 @@ pub fn select_passages(texts: &[&str], tokens: &[usize], budget: usize) -> Selec
         passages.push(ContextPassage {
             source: i,
             text: text.trim().to_string(),
+            best: -(i as f32),
         });
     }
     let tokens_out = passages.iter().map(|p| tokens[p.source]).sum();
@@ -307,27 +362,35 @@ pub fn select_sentences(
     let mut sentences_out = 0;
     let mut tokens_out = 0;
     for (p, passage) in split.iter().enumerate() {
-        let mut chosen: Vec<(usize, usize)> = units
+        let mut chosen: Vec<(usize, usize, f32)> = units
             .iter()
             .zip(&kept)
             .filter(|(u, &k)| k && u.passage == p)
-            .map(|(u, _)| (u.index, u.tokens))
+            .map(|(u, _)| (u.index, u.tokens, u.score))
             .collect();
         if chosen.is_empty() {
             continue;
         }
-        chosen.sort_unstable();
+        let best = chosen
+            .iter()
+            .map(|&(_, _, score)| score)
+            .fold(f32::NEG_INFINITY, f32::max);
+        chosen.sort_unstable_by_key(|&(index, _, _)| index);
         sentences_out += chosen.len();
-        tokens_out += header_tokens[p] + chosen.iter().map(|(_, t)| t).sum::<usize>();
+        tokens_out += header_tokens[p] + chosen.iter().map(|(_, t, _)| t).sum::<usize>();
         let body: Vec<&str> = chosen
             .iter()
-            .map(|&(i, _)| passage.sentences[i].as_str())
+            .map(|&(i, _, _)| passage.sentences[i].as_str())
             .collect();
         let text = match &passage.header {
             Some(h) => format!("{h}\n{}", body.join(" ")),
             None => body.join(" "),
         };
-        passages.push(ContextPassage { source: p, text });
+        passages.push(ContextPassage {
+            source: p,
+            text,
+            best,
+        });
     }
     Selection {
         passages,
@@ -359,6 +422,7 @@ pub struct ContextAsked {
     pub mode: Option<String>,
     pub budget: Option<usize>,
     pub method: Option<String>,
+    pub order: Option<String>,
 }
 
 impl ContextSettings {
@@ -370,6 +434,7 @@ impl ContextSettings {
             mode: args.context,
             method: args.context_method,
             budget: args.context_budget * rerank_top_n.max(1),
+            order: args.context_order,
         }
     }
 
@@ -394,6 +459,14 @@ impl ContextSettings {
                 (
                     "context_method",
                     format!("must be one of dense, lexical, hybrid; got {m:?}"),
+                )
+            })?;
+        }
+        if let Some(o) = &asked.order {
+            settings.order = ContextOrder::parse(o).ok_or_else(|| {
+                (
+                    "context_order",
+                    format!("must be one of rank, best-last; got {o:?}"),
                 )
             })?;
         }
@@ -613,11 +686,13 @@ mod tests {
             [
                 ContextPassage {
                     source: 0,
-                    text: "a(1) › X\nA1. A2.".into()
+                    text: "a(1) › X\nA1. A2.".into(),
+                    best: 0.9,
                 },
                 ContextPassage {
                     source: 1,
-                    text: "B0.".into()
+                    text: "B0.".into(),
+                    best: 0.8,
                 },
             ]
         );
@@ -641,6 +716,24 @@ mod tests {
     }
 
     #[test]
+    fn best_last_lists_the_passage_with_the_best_sentence_nearest_the_question() {
+        let passage = |source, best| ContextPassage {
+            source,
+            text: String::new(),
+            best,
+        };
+        let passages = [passage(0, 0.6), passage(1, 0.9), passage(2, 0.4)];
+        assert_eq!(ContextOrder::Rank.listing(&passages), [0, 1, 2]);
+        assert_eq!(ContextOrder::BestLast.listing(&passages), [2, 0, 1]);
+        // A tie keeps the better-ranked passage nearer the question.
+        let tied = [passage(0, 0.5), passage(1, 0.5)];
+        assert_eq!(ContextOrder::BestLast.listing(&tied), [1, 0]);
+        // Whole passages: the best-ranked last.
+        let whole = select_passages(&["a", "b", "c"], &[1, 1, 1], 100);
+        assert_eq!(ContextOrder::BestLast.listing(&whole.passages), [2, 1, 0]);
+    }
+
+    #[test]
     fn modes_parse_from_their_names() {
         for m in [
             ContextMode::Off,
@@ -650,5 +743,9 @@ mod tests {
             assert_eq!(ContextMode::parse(m.as_str()), Some(m));
         }
         assert_eq!(ContextMode::parse("all"), None);
+        for o in [ContextOrder::Rank, ContextOrder::BestLast] {
+            assert_eq!(ContextOrder::parse(o.as_str()), Some(o));
+        }
+        assert_eq!(ContextOrder::parse("best_last"), None);
     }
 }

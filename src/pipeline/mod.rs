@@ -40,7 +40,7 @@ use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
 use crate::worker::{Admission, JobKind, Warmth, Workers};
-use context::{ContextMode, ContextPassage};
+use context::{ContextMode, ContextOrder, ContextPassage};
 
 /// Everything a request needs, shared by all requests.
 pub struct Pipeline {
@@ -159,7 +159,12 @@ impl Pipeline {
         check_deadline(req, request)?;
 
         let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
-        let built = self.build_prompt(&mut run, req, &texts)?;
+        // `off` hands the passages on as they came; otherwise the context's order lists them.
+        let listing = match req.context.mode {
+            ContextMode::Off => ContextOrder::Rank.listing(&context),
+            _ => req.context.order.listing(&context),
+        };
+        let built = self.build_prompt(&mut run, req, &texts, &listing)?;
         self.prompts
             .replace(&req.query, built.tokens.as_slice().into());
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
@@ -325,6 +330,9 @@ impl Pipeline {
                 settings.method.as_str(),
             ));
         }
+        if settings.mode != ContextMode::Off {
+            attributes.push(KeyValue::new(attr::CONTEXT_ORDER, settings.order.as_str()));
+        }
         let spec = StageSpec::new(StageKind::Context)
             .with(attributes)
             .profiled(embeds);
@@ -357,14 +365,16 @@ impl Pipeline {
         run: &mut StageRunner,
         req: &RagRequest,
         passages: &[&str],
+        listing: &[usize],
     ) -> Result<Prompt, PipelineError> {
         run.run(StageSpec::new(StageKind::Prompt), |stage| {
-            let built = prompt::build_with(
+            let built = prompt::build_listed(
                 self.generator.as_ref(),
                 self.defaults.prompt_template,
                 &req.history,
                 &req.query,
                 passages,
+                listing,
                 req.max_tokens,
             )?;
             stage.set_all([

@@ -285,6 +285,7 @@ names! {
         // Prompt and generation.
         CONTEXT_MODE = "rag.context.mode",
         CONTEXT_METHOD = "rag.context.method",
+        CONTEXT_ORDER = "rag.context.order",
         CONTEXT_BUDGET = "rag.context.budget",
         CONTEXT_SENTENCES_IN = "rag.context.sentences_in",
         CONTEXT_SENTENCES_OUT = "rag.context.sentences_out",

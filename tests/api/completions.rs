@@ -750,5 +750,14 @@ async fn plain_requests_trace_no_retrieval_stages() {
         .await;
     assert_eq!(status, 400, "{out}");
     assert_eq!(out["error"]["param"], "top_k");
+    // So are the context stage's: the plain model has no context.
+    let (status, out) = app
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": plain, "messages": messages, "context_order": "rank"}),
+        )
+        .await;
+    assert_eq!(status, 400, "{out}");
+    assert_eq!(out["error"]["param"], "context_order");
     app.stop().await;
 }

@@ -99,6 +99,10 @@ async fn the_context_stage_runs_between_rerank_and_prompt_and_its_timing_is_its_
         string(context, "rag.context.method").as_deref(),
         Some("hybrid")
     );
+    assert_eq!(
+        string(context, "rag.context.order").as_deref(),
+        Some("best-last")
+    );
     let budget = int(context, "rag.context.budget");
     let (s_in, s_out) = (
         int(context, "rag.context.sentences_in"),
@@ -182,6 +186,48 @@ async fn context_off_gives_the_prompt_of_whole_passages() {
 }
 
 #[tokio::test]
+async fn the_context_order_lists_passages_but_keeps_the_sources_in_rank_order() {
+    record_spans();
+    let app = spawn_app().await;
+    app.ingest_fixtures().await;
+    let mut seen = Vec::new();
+    for order in ["rank", "best-last"] {
+        let (status, body) = app
+            .post(
+                "/v1/rag/query",
+                &json!({"query": "What is the capital of Zorbia?", "max_tokens": 4,
+                        "rerank_top_n": 3, "context": "passages", "context_budget": 2000,
+                        "context_order": order, "seed": 1}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let context = last_trace(&app).await;
+        assert_eq!(
+            string(span(&context, "context"), "rag.context.order").as_deref(),
+            Some(order)
+        );
+        let ids: Vec<String> = body["sources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].to_string())
+            .collect();
+        assert_eq!(ids.len(), 3, "{body}");
+        let scores: Vec<f64> = body["sources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["score"].as_f64().unwrap())
+            .collect();
+        assert!(scores.windows(2).all(|w| w[0] >= w[1]), "{scores:?}");
+        seen.push((ids, body["usage"]["prompt_tokens"].clone()));
+    }
+    // The same passages, listed differently: the same sources in the same (rank) order, and
+    // the same number of prompt tokens.
+    assert_eq!(seen[0], seen[1]);
+}
+
+#[tokio::test]
 async fn bad_context_fields_are_refused_by_name() {
     let app = spawn_app().await;
     for (body, field) in [
@@ -191,6 +237,10 @@ async fn bad_context_fields_are_refused_by_name() {
             "context_method",
         ),
         (json!({"query": "q", "context_budget": 0}), "context_budget"),
+        (
+            json!({"query": "q", "context_order": "best_last"}),
+            "context_order",
+        ),
     ] {
         let (status, error) = app.post("/v1/rag/query", &body).await;
         assert_eq!(status, 400, "{error}");

@@ -283,6 +283,13 @@ async fn invalid_input_is_invalid_argument_naming_the_field() {
         ),
         (
             QueryRequest {
+                context_order: Some("sideways".into()),
+                ..base()
+            },
+            "context_order",
+        ),
+        (
+            QueryRequest {
                 filter: Some(json_to_struct(object(json!({"colour": "blue"})))),
                 ..base()
             },

@@ -222,6 +222,7 @@ impl Rag for RagService {
                 mode: r.context,
                 budget: r.context_budget.map(|v| v as usize),
                 method: r.context_method,
+                order: r.context_order,
             },
             overlap: r.overlap,
         };
