@@ -155,11 +155,18 @@ impl<'a> TextGeneration<'a> {
             KeyValue::new(attr::GEN_AI_USAGE_INPUT_TOKENS, n_prompt as i64),
             KeyValue::new(attr::PREFILL_CACHED_TOKENS, cached as i64),
             KeyValue::new(attr::PREFILL_COMPUTED_TOKENS, computed as i64),
-            KeyValue::new(attr::PREFILL_TOKENS_PER_SECOND, per_second(computed, took)),
             KeyValue::new(attr::PREFILL_PRECISION, llama.prefill_kind().name()),
             KeyValue::new(attr::PREFILL_CHUNK_SIZE, chunk as i64),
             KeyValue::new(attr::PREFILL_CHUNKS, computed.div_ceil(chunk) as i64),
         ]);
+        // A whole-prompt hit computes nothing: a rate of 0 would read as a stalled prefill
+        // on a dashboard, so the span has none.
+        if computed > 0 {
+            prefill.set(KeyValue::new(
+                attr::PREFILL_TOKENS_PER_SECOND,
+                per_second(computed, took),
+            ));
+        }
         self.stage.set(KeyValue::new(
             attr::GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
             cached as i64,

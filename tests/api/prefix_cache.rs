@@ -43,6 +43,8 @@ async fn a_repeated_question_reads_its_prompt_from_the_prefix_cache() {
     app.ingest_fixtures().await;
     let first = chat(&app).await;
     assert_eq!(cached(&first["usage"]), 0, "nothing cached yet");
+    let rate = "rag.prefill.tokens_per_second";
+    assert!(attr(span(&last_trace(&app).await, "prefill"), rate).is_some());
     let second = chat(&app).await;
     let prompt = second["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(first["usage"]["prompt_tokens"].as_u64(), Some(prompt));
@@ -65,6 +67,8 @@ async fn a_repeated_question_reads_its_prompt_from_the_prefix_cache() {
         last_trace_int(&app, "prefill", "rag.prefill.computed_tokens").await,
         Some(prompt as i64 - hit)
     );
+    // Nothing computed, so no rate (0 would read as a stalled prefill).
+    assert_eq!(attr(span(&last_trace(&app).await, "prefill"), rate), None);
 
     // The native endpoint and gRPC report it too (the same question: the same prompt).
     let (status, native) = app
