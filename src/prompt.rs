@@ -52,7 +52,7 @@ impl PromptTemplate {
         }
     }
 
-    fn user_message(self, question: &str, passages: &[(usize, String)]) -> String {
+    fn user_message(self, question: &str, passages: &[&(usize, String)]) -> String {
         let mut s = String::new();
         if self == PromptTemplate::QuestionLast {
             s.push_str(&format!("Question: {question}\n\n"));
@@ -119,7 +119,6 @@ fn render(
     let place = |i: usize| listing.iter().position(|&l| l == i).unwrap_or(i);
     let mut listed: Vec<&(usize, String)> = kept.iter().collect();
     listed.sort_by_key(|(i, _)| place(*i));
-    let listed: Vec<(usize, String)> = listed.into_iter().cloned().collect();
     let mut messages: Vec<ChatMessage> = template
         .system()
         .map(|s| ChatMessage::new("system", s))

@@ -469,6 +469,14 @@ impl ContextSettings {
                     format!("must be one of rank, best-last; got {o:?}"),
                 )
             })?;
+            if settings.mode == ContextMode::Off {
+                return Err((
+                    "context_order",
+                    "has no effect with context \"off\" (the passages go to the prompt as \
+                     retrieved)"
+                        .into(),
+                ));
+            }
         }
         if let Some(b) = asked.budget {
             if !(1..=window).contains(&b) {

@@ -241,6 +241,10 @@ async fn bad_context_fields_are_refused_by_name() {
             json!({"query": "q", "context_order": "best_last"}),
             "context_order",
         ),
+        (
+            json!({"query": "q", "context": "off", "context_order": "rank"}),
+            "context_order",
+        ),
     ] {
         let (status, error) = app.post("/v1/rag/query", &body).await;
         assert_eq!(status, 400, "{error}");
