@@ -438,6 +438,15 @@ impl ContextSettings {
         }
     }
 
+    /// The order in which the prompt lists the stage's `passages`: the settings' order, except
+    /// that `off` hands the passages on as they came.
+    pub fn listing(&self, passages: &[ContextPassage]) -> Vec<usize> {
+        match self.mode {
+            ContextMode::Off => ContextOrder::Rank.listing(passages),
+            _ => self.order.listing(passages),
+        }
+    }
+
     /// A request's settings over the defaults; an error names the field at fault.
     pub fn resolve(
         asked: &ContextAsked,

@@ -40,7 +40,7 @@ use crate::telemetry::metrics::metrics;
 use crate::telemetry::names::{attr, StageKind};
 use crate::telemetry::span::Stage;
 use crate::worker::{Admission, JobKind, Warmth, Workers};
-use context::{ContextMode, ContextOrder, ContextPassage};
+use context::{ContextMode, ContextPassage};
 
 /// Everything a request needs, shared by all requests.
 pub struct Pipeline {
@@ -159,11 +159,7 @@ impl Pipeline {
         check_deadline(req, request)?;
 
         let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
-        // `off` hands the passages on as they came; otherwise the context's order lists them.
-        let listing = match req.context.mode {
-            ContextMode::Off => ContextOrder::Rank.listing(&context),
-            _ => req.context.order.listing(&context),
-        };
+        let listing = req.context.listing(&context);
         let built = self.build_prompt(&mut run, req, &texts, &listing)?;
         self.prompts
             .replace(&req.query, built.tokens.as_slice().into());
