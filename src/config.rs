@@ -346,6 +346,11 @@ pub struct PipelineArgs {
     /// most often); `rank` keeps rerank order. Markers stay the sources' numbers either way.
     #[arg(long, env = "RAGSCOPE_CONTEXT_ORDER", value_enum, default_value_t = ContextOrder::BestLast)]
     pub context_order: ContextOrder,
+    /// A context passage's header names the option or variable whose manual entry its best
+    /// sentence belongs to (`git-clone(1) › OPTIONS › --depth <depth>`), so the answer can
+    /// name it even when the sentence that does is not kept (docs/CONTEXT.md).
+    #[arg(long, env = "RAGSCOPE_CONTEXT_TERMS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub context_terms: bool,
     /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
     /// otherwise.
     #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]

@@ -54,7 +54,7 @@ pub struct Asked {
     pub seed: Option<u64>,
     pub filter: Option<Value>,
     pub decoding: Decoding,
-    /// `context`, `context_budget`, `context_method`, `context_order`.
+    /// `context`, `context_budget`, `context_method`, `context_order`, `context_terms`.
     pub context: ContextAsked,
     /// Prefill the prompt's head beside retrieval; unset: the server's `--overlap`.
     pub overlap: Option<bool>,

@@ -67,6 +67,7 @@ pub struct ChatBody {
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
     pub context_order: Option<String>,
+    pub context_terms: Option<bool>,
     /// Extension: prefill the prompt's head while retrieving (unset: the server's `--overlap`).
     pub overlap: Option<bool>,
     /// Accepted and ignored: they label or route the request but cannot change the answer.
@@ -363,6 +364,7 @@ pub async fn chat_completions(
             budget: body.context_budget,
             method: body.context_method,
             order: body.context_order,
+            terms: body.context_terms,
         },
         overlap: body.overlap,
     };
@@ -464,6 +466,7 @@ fn refuse_retrieval_settings(body: &ChatBody) -> Result<(), ApiError> {
         ("context_budget", body.context_budget.is_some()),
         ("context_method", body.context_method.is_some()),
         ("context_order", body.context_order.is_some()),
+        ("context_terms", body.context_terms.is_some()),
     ] {
         if set {
             return Err(ApiError::field(

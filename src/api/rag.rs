@@ -49,11 +49,13 @@ pub struct QueryBody {
     /// `--end-at-paragraph`).
     pub end_at_paragraph: Option<bool>,
     /// The context stage: `off`, `sentences` or `passages`; its token budget; its method; the
-    /// order the prompt lists its passages in (`best-last` or `rank`).
+    /// order the prompt lists its passages in (`best-last` or `rank`); whether headers name
+    /// the entry term of their best sentence (`sentences` only).
     pub context: Option<String>,
     pub context_budget: Option<usize>,
     pub context_method: Option<String>,
     pub context_order: Option<String>,
+    pub context_terms: Option<bool>,
     /// Prefill the prompt's head while retrieving (unset: the server's `--overlap`).
     pub overlap: Option<bool>,
 }
@@ -98,6 +100,7 @@ pub async fn query(
             budget: body.context_budget,
             method: body.context_method,
             order: body.context_order,
+            terms: body.context_terms,
         },
         overlap: body.overlap,
     };

@@ -9,6 +9,13 @@
 //! sentence to the source it came from. `passages` keeps whole passages best-first within the
 //! budget instead; `off` hands every passage on whole, as the prompt had them before this stage.
 //!
+//! Entry terms (`--context-terms`): a manual's option and variable lists are entries that
+//! begin with what they define (`--depth <depth> Create a shallow clone…`,
+//! `core.hooksPath By default…`), and an entry's later sentences do not repeat it. A kept
+//! passage's header names the term of the entry its best sentence belongs to
+//! (`git-clone(1) › OPTIONS › --depth <depth>`), so the answer can name the option even when
+//! the sentence that does is not kept; the small generator often copies the header.
+//!
 //! Order (`--context-order`): `best-last` lists the passages so that the one holding the
 //! best-scoring sentence comes last, nearest the question at the prompt's end; `rank` lists
 //! them in rerank order. Either way each keeps its source's `[n]` marker.
@@ -145,6 +152,8 @@ pub struct ContextSettings {
     /// Tokens of passage text (headers and sentences, counted with the generator's tokenizer).
     pub budget: usize,
     pub order: ContextOrder,
+    /// Headers name the entry term of their passage's best sentence (`sentences` mode).
+    pub terms: bool,
 }
 
 /// One passage split for selection: its first line (the chunk's `title › section`) and the
@@ -153,6 +162,52 @@ pub struct ContextSettings {
 pub struct SplitPassage {
     pub header: Option<String>,
     pub sentences: Vec<String>,
+}
+
+impl SplitPassage {
+    /// The term of the entry sentence `index` belongs to: the leading option or variable of
+    /// the nearest sentence at or before it that starts with one ([`entry_term`]). Entries
+    /// that began in an earlier chunk have none here.
+    pub fn term_of(&self, index: usize) -> Option<&str> {
+        self.sentences[..=index]
+            .iter()
+            .rev()
+            .find_map(|s| entry_term(s))
+    }
+}
+
+/// The option(s) or configuration variable a manual entry starts with, if `sentence` starts
+/// one: a run of options with their argument placeholders (`-p --patch`,
+/// `--depth <depth>`, `--[no-]verify`), or a dotted lowercase-led variable
+/// (`core.hooksPath`, `mergetool.<tool>.path`). Prose, including a sentence that merely
+/// mentions an option later on, has none.
+pub fn entry_term(sentence: &str) -> Option<&str> {
+    let mut end = 0;
+    for (i, word) in sentence.split_whitespace().enumerate() {
+        let option = word.starts_with('-')
+            && word
+                .trim_start_matches('-')
+                .starts_with(|c: char| c.is_alphanumeric() || c == '[');
+        let placeholder = i > 0 && (word.starts_with('<') || word.starts_with('['));
+        let variable = i == 0 && is_variable(word.trim_end_matches([',', ':']));
+        if !(option || placeholder || variable) {
+            break;
+        }
+        // The word's place: its first occurrence after the previous word's end.
+        let start = sentence[end..].find(word).map_or(end, |at| end + at);
+        end = start + word.len();
+    }
+    let term = sentence[..end].trim().trim_end_matches([',', ':']);
+    (!term.is_empty()).then_some(term)
+}
+
+/// `section.key`, `section.<name>.key`: at least two dot-separated parts, the first all
+/// lowercase ASCII letters, none empty, and no sentence-ending dot.
+fn is_variable(word: &str) -> bool {
+    let parts: Vec<&str> = word.split('.').collect();
+    parts.len() >= 2
+        && parts.iter().all(|p| !p.is_empty())
+        && parts[0].chars().all(|c| c.is_ascii_lowercase())
 }
 
 /// Splits a chunk's text: a first line without sentence punctuation is its header (the chunker
@@ -198,6 +253,10 @@ pub struct Selection {
     pub sentences_cached: usize,
     pub tokens_in: usize,
     pub tokens_out: usize,
+    /// Passages whose header names an entry term, and the tokens those names take (not in
+    /// `tokens_out`, which the budget bounds).
+    pub terms_named: usize,
+    pub term_tokens: usize,
 }
 
 /// Word-like terms of a text, lowercased: runs of letters, digits, `-` and `_` (so `--depth`
@@ -309,6 +368,8 @@ pub fn select_passages(texts: &[&str], tokens: &[usize], budget: usize) -> Selec
         tokens_in: tokens.iter().sum(),
         tokens_out,
         passages,
+        terms_named: 0,
+        term_tokens: 0,
     }
 }
 
@@ -319,13 +380,22 @@ pub struct Unit {
     pub index: usize,
     pub tokens: usize,
     pub score: f32,
+    /// The tokens ` › term` adds to its passage's header if this, the passage's best kept
+    /// sentence, has its entry term named; 0 without a term, with terms off, or with a term
+    /// over [`MAX_TERM_TOKENS`]. Not charged against the budget (see [`select_sentences`]).
+    pub term_tokens: usize,
 }
 
 /// The best sentences within the budget: taken by score (ties: the better-ranked passage,
 /// then the earlier sentence), each passage's header and marker paid for when its first
 /// sentence comes in, a sentence that does not fit skipped for smaller ones behind it. The
 /// best sentence is always kept. Output groups sentences under their passage, passages in
-/// rank order, sentences in text order.
+/// rank order, sentences in text order. The first sentence a passage takes is its best, and
+/// its entry term, when it has a cost ([`Unit::term_tokens`]), is named in the header.
+///
+/// The budget bounds headers and sentences; a named term comes on top (at most
+/// [`MAX_TERM_TOKENS`] a passage) and is counted apart. Charged against the budget it cost
+/// a sentence often enough to give back what it won (docs/CONTEXT.md).
 pub fn select_sentences(
     split: &[SplitPassage],
     header_tokens: &[usize],
@@ -340,27 +410,29 @@ pub fn select_sentences(
             .then(ua.passage.cmp(&ub.passage))
             .then(ua.index.cmp(&ub.index))
     });
-    let mut opened = vec![false; split.len()];
+    // Each passage's first (best) kept sentence.
+    let mut opener: Vec<Option<usize>> = vec![None; split.len()];
     let mut kept = vec![false; units.len()];
     let mut used = 0;
     for (taken, &u) in order.iter().enumerate() {
         let unit = &units[u];
-        let open_cost = if opened[unit.passage] {
-            0
-        } else {
-            header_tokens[unit.passage] + PASSAGE_OVERHEAD
+        let open_cost = match opener[unit.passage] {
+            Some(_) => 0,
+            None => header_tokens[unit.passage] + PASSAGE_OVERHEAD,
         };
         let cost = unit.tokens + open_cost;
         if taken > 0 && used + cost > budget {
             continue;
         }
         used += cost;
-        opened[unit.passage] = true;
+        opener[unit.passage].get_or_insert(u);
         kept[u] = true;
     }
     let mut passages = Vec::new();
     let mut sentences_out = 0;
     let mut tokens_out = 0;
+    let mut terms_named = 0;
+    let mut term_tokens = 0;
     for (p, passage) in split.iter().enumerate() {
         let mut chosen: Vec<(usize, usize, f32)> = units
             .iter()
@@ -382,9 +454,18 @@ pub fn select_sentences(
             .iter()
             .map(|&(i, _, _)| passage.sentences[i].as_str())
             .collect();
-        let text = match &passage.header {
-            Some(h) => format!("{h}\n{}", body.join(" ")),
-            None => body.join(" "),
+        let term = opener[p]
+            .map(|u| &units[u])
+            .filter(|u| u.term_tokens > 0)
+            .and_then(|u| Some((passage.term_of(u.index)?, u.term_tokens)));
+        let text = match (&passage.header, term) {
+            (Some(h), Some((term, cost))) => {
+                terms_named += 1;
+                term_tokens += cost;
+                format!("{h}{TERM_SEPARATOR}{term}\n{}", body.join(" "))
+            }
+            (Some(h), None) => format!("{h}\n{}", body.join(" ")),
+            (None, _) => body.join(" "),
         };
         passages.push(ContextPassage {
             source: p,
@@ -400,8 +481,16 @@ pub fn select_sentences(
         tokens_in: header_tokens.iter().sum::<usize>()
             + units.iter().map(|u| u.tokens).sum::<usize>(),
         tokens_out,
+        terms_named,
+        term_tokens,
     }
 }
+
+/// Joins a header and the entry term it names, as the chunker joins title and section.
+const TERM_SEPARATOR: &str = " › ";
+
+/// The longest entry term a header names, in generator tokens with its separator.
+pub const MAX_TERM_TOKENS: usize = 16;
 
 impl ContextMethod {
     /// Parses a request's `context_method` field.
@@ -423,6 +512,7 @@ pub struct ContextAsked {
     pub budget: Option<usize>,
     pub method: Option<String>,
     pub order: Option<String>,
+    pub terms: Option<bool>,
 }
 
 impl ContextSettings {
@@ -435,6 +525,7 @@ impl ContextSettings {
             method: args.context_method,
             budget: args.context_budget * rerank_top_n.max(1),
             order: args.context_order,
+            terms: args.context_terms,
         }
     }
 
@@ -486,6 +577,19 @@ impl ContextSettings {
                         .into(),
                 ));
             }
+        }
+        if let Some(t) = asked.terms {
+            if settings.mode != ContextMode::Sentences {
+                return Err((
+                    "context_terms",
+                    format!(
+                        "applies to context \"sentences\" only (headers of kept sentences); \
+                         context is \"{}\"",
+                        settings.mode.as_str()
+                    ),
+                ));
+            }
+            settings.terms = t;
         }
         if let Some(b) = asked.budget {
             if !(1..=window).contains(&b) {
@@ -588,11 +692,25 @@ pub fn select(
                 .iter()
                 .zip(scores)
                 .map(|(&(passage, index, text), score)| {
+                    let p = &split[passage];
+                    let term_tokens = match (&p.header, p.term_of(index)) {
+                        (Some(h), Some(term)) if settings.terms => {
+                            let cost = count(&format!("{h}{TERM_SEPARATOR}{term}"))?
+                                .saturating_sub(header_tokens[passage]);
+                            if cost <= MAX_TERM_TOKENS {
+                                cost
+                            } else {
+                                0
+                            }
+                        }
+                        _ => 0,
+                    };
                     Ok(Unit {
                         passage,
                         index,
                         tokens: count(text)?,
                         score,
+                        term_tokens,
                     })
                 })
                 .collect::<Result<Vec<_>, GenerateError>>()?;
@@ -673,7 +791,101 @@ mod tests {
             index,
             tokens,
             score,
+            term_tokens: 0,
         }
+    }
+
+    #[test]
+    fn an_entry_term_is_the_leading_option_run_or_variable() {
+        let cases = [
+            (
+                "--depth <depth> Create a shallow clone.",
+                Some("--depth <depth>"),
+            ),
+            ("-p --patch Interactively choose hunks.", Some("-p --patch")),
+            ("--[no-]verify Bypass the hooks.", Some("--[no-]verify")),
+            (
+                "--ignore-revs-file <file> Ignore revisions.",
+                Some("--ignore-revs-file <file>"),
+            ),
+            (
+                "core.hooksPath By default Git looks in hooks.",
+                Some("core.hooksPath"),
+            ),
+            (
+                "mergetool.<tool>.path: Override the path.",
+                Some("mergetool.<tool>.path"),
+            ),
+            // Prose, a sentence that mentions an option later, a dash and a number.
+            ("With --no-ff, create a merge commit.", None),
+            ("The default is 2.weeks.ago.", None),
+            ("- a list item.", None),
+            ("-1 Show one commit.", Some("-1")),
+            ("e.g. this is prose.", None),
+            ("", None),
+        ];
+        for (sentence, want) in cases {
+            assert_eq!(entry_term(sentence), want, "{sentence:?}");
+        }
+    }
+
+    #[test]
+    fn a_sentence_belongs_to_the_entry_above_it() {
+        let p = split_passage(
+            "git-commit(1) › OPTIONS\nThe first line is prose. --amend Replace the tip of the \
+             current branch. The recorded tree is prepared as usual. --no-edit Keep the message.",
+        );
+        assert_eq!(p.term_of(0), None);
+        assert_eq!(p.term_of(1), Some("--amend"));
+        assert_eq!(p.term_of(2), Some("--amend"));
+        assert_eq!(p.term_of(3), Some("--no-edit"));
+    }
+
+    #[test]
+    fn a_header_names_the_entry_term_of_its_best_sentence_on_top_of_the_budget() {
+        let split = vec![split_passage(
+            "git-commit(1) › OPTIONS\n--amend Replace the tip. The tree is prepared as usual. \
+             --no-edit Keep the message.",
+        )];
+        let units = [
+            Unit {
+                term_tokens: 3,
+                ..unit(0, 0, 10, 0.2)
+            },
+            // The best sentence says no option itself; its entry's term is --amend.
+            Unit {
+                term_tokens: 3,
+                ..unit(0, 1, 10, 0.9)
+            },
+            Unit {
+                term_tokens: 4,
+                ..unit(0, 2, 10, 0.5)
+            },
+        ];
+        // Header 5 + marker 4 + 10 = 19, then 10 more is 29: the term is not charged.
+        let s = select_sentences(&split, &[5], &units, 29);
+        assert_eq!(
+            s.passages[0].text,
+            "git-commit(1) › OPTIONS › --amend\n\
+             The tree is prepared as usual. --no-edit Keep the message."
+        );
+        assert_eq!((s.sentences_out, s.tokens_out), (2, 25));
+        assert_eq!((s.terms_named, s.term_tokens), (1, 3));
+        // Without a term cost (terms off), the header is the chunk's own.
+        let off: Vec<Unit> = units
+            .iter()
+            .map(|u| Unit {
+                term_tokens: 0,
+                ..*u
+            })
+            .collect();
+        let s = select_sentences(&split, &[5], &off, 29);
+        assert_eq!(
+            s.passages[0].text,
+            "git-commit(1) › OPTIONS\nThe tree is prepared as usual. --no-edit Keep the message."
+        );
+        assert_eq!((s.sentences_out, s.tokens_out), (2, 25));
+        assert_eq!((s.terms_named, s.term_tokens), (0, 0));
     }
 
     #[test]

@@ -325,6 +325,7 @@ impl Pipeline {
                 attr::CONTEXT_METHOD,
                 settings.method.as_str(),
             ));
+            attributes.push(KeyValue::new(attr::CONTEXT_TERMS, settings.terms));
         }
         if settings.mode != ContextMode::Off {
             attributes.push(KeyValue::new(attr::CONTEXT_ORDER, settings.order.as_str()));
@@ -351,6 +352,12 @@ impl Pipeline {
                 KeyValue::new(attr::CONTEXT_TOKENS_OUT, chosen.tokens_out as i64),
                 KeyValue::new(attr::CONTEXT_PASSAGES_OUT, chosen.passages.len() as i64),
             ]);
+            if settings.mode == ContextMode::Sentences {
+                stage.set_all([
+                    KeyValue::new(attr::CONTEXT_TERMS_NAMED, chosen.terms_named as i64),
+                    KeyValue::new(attr::CONTEXT_TERM_TOKENS, chosen.term_tokens as i64),
+                ]);
+            }
             Ok(chosen.passages)
         })
     }

@@ -759,5 +759,13 @@ async fn plain_requests_trace_no_retrieval_stages() {
         .await;
     assert_eq!(status, 400, "{out}");
     assert_eq!(out["error"]["param"], "context_order");
+    let (status, out) = app
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": plain, "messages": messages, "context_terms": false}),
+        )
+        .await;
+    assert_eq!(status, 400, "{out}");
+    assert_eq!(out["error"]["param"], "context_terms");
     app.stop().await;
 }

@@ -51,13 +51,21 @@ fn int(span: &Value, key: &str) -> i64 {
         .unwrap_or_else(|| panic!("{key} = {value}"))
 }
 
-fn string(span: &Value, key: &str) -> Option<String> {
+fn attribute<'a>(span: &'a Value, key: &str) -> Option<&'a Value> {
     span["attributes"]
         .as_array()
         .unwrap()
         .iter()
         .find(|a| a["key"] == key)
-        .map(|a| a["value"]["stringValue"].as_str().unwrap().to_string())
+        .map(|a| &a["value"])
+}
+
+fn string(span: &Value, key: &str) -> Option<String> {
+    attribute(span, key).map(|v| v["stringValue"].as_str().unwrap().to_string())
+}
+
+fn boolean(span: &Value, key: &str) -> Option<bool> {
+    attribute(span, key).map(|v| v["boolValue"].as_bool().unwrap())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,6 +236,45 @@ async fn the_context_order_lists_passages_but_keeps_the_sources_in_rank_order() 
 }
 
 #[tokio::test]
+async fn a_header_names_the_option_whose_entry_holds_the_best_sentence() {
+    record_spans();
+    let app = spawn_app().await;
+    // A manual-style option list: the sentence that answers is the second of its entry and
+    // does not repeat the option.
+    let page = "# frob(1)\n\n## OPTIONS\n\n--zap-level <n> Sets the zap level of frob. Higher \
+                levels burn the toast faster and louder.\n\n--quiet Suppress all output of frob.\n";
+    app.ingest(json!([{"id": "frob", "text": page, "format": "markdown"}]))
+        .await;
+    let mut prompts = Vec::new();
+    for terms in [true, false] {
+        let (status, body) = app
+            .post(
+                "/v1/rag/query",
+                &json!({"query": "What makes frob burn the toast faster and louder?",
+                        "max_tokens": 1, "rerank_top_n": 1, "context_budget": 16,
+                        "context_terms": terms}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let spans = last_trace(&app).await;
+        let context = span(&spans, "context");
+        let named = int(context, "rag.context.terms_named");
+        assert_eq!(named, i64::from(terms), "{context}");
+        // The name rides on top of the budget, and the span says how much it took.
+        assert_eq!(
+            int(context, "rag.context.term_tokens") > 0,
+            terms,
+            "{context}"
+        );
+        assert_eq!(boolean(context, "rag.context.terms"), Some(terms));
+        // Only the best sentence fits 16 tokens; with terms its header also names the option.
+        assert_eq!(int(context, "rag.context.sentences_out"), 1);
+        prompts.push(body["usage"]["prompt_tokens"].as_i64().unwrap());
+    }
+    assert!(prompts[0] > prompts[1], "{prompts:?}");
+}
+
+#[tokio::test]
 async fn bad_context_fields_are_refused_by_name() {
     let app = spawn_app().await;
     for (body, field) in [
@@ -244,6 +291,14 @@ async fn bad_context_fields_are_refused_by_name() {
         (
             json!({"query": "q", "context": "off", "context_order": "rank"}),
             "context_order",
+        ),
+        (
+            json!({"query": "q", "context": "passages", "context_terms": true}),
+            "context_terms",
+        ),
+        (
+            json!({"query": "q", "context_terms": "yes"}),
+            "context_terms",
         ),
     ] {
         let (status, error) = app.post("/v1/rag/query", &body).await;

@@ -290,6 +290,14 @@ async fn invalid_input_is_invalid_argument_naming_the_field() {
         ),
         (
             QueryRequest {
+                context: Some("off".into()),
+                context_terms: Some(true),
+                ..base()
+            },
+            "context_terms",
+        ),
+        (
+            QueryRequest {
                 filter: Some(json_to_struct(object(json!({"colour": "blue"})))),
                 ..base()
             },

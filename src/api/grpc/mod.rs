@@ -223,6 +223,7 @@ impl Rag for RagService {
                 budget: r.context_budget.map(|v| v as usize),
                 method: r.context_method,
                 order: r.context_order,
+                terms: r.context_terms,
             },
             overlap: r.overlap,
         };
