@@ -165,14 +165,18 @@ pub struct SplitPassage {
 }
 
 impl SplitPassage {
-    /// The term of the entry sentence `index` belongs to: the leading option or variable of
-    /// the nearest sentence at or before it that starts with one ([`entry_term`]). Entries
+    /// For each sentence, the term of the entry it belongs to: the leading option or variable
+    /// of the nearest sentence at or before it that starts with one ([`entry_term`]). Entries
     /// that began in an earlier chunk have none here.
-    pub fn term_of(&self, index: usize) -> Option<&str> {
-        self.sentences[..=index]
+    pub fn entry_terms(&self) -> Vec<Option<&str>> {
+        let mut current = None;
+        self.sentences
             .iter()
-            .rev()
-            .find_map(|s| entry_term(s))
+            .map(|s| {
+                current = entry_term(s).or(current);
+                current
+            })
+            .collect()
     }
 }
 
@@ -457,7 +461,7 @@ pub fn select_sentences(
         let term = opener[p]
             .map(|u| &units[u])
             .filter(|u| u.term_tokens > 0)
-            .and_then(|u| Some((passage.term_of(u.index)?, u.term_tokens)));
+            .and_then(|u| Some((passage.entry_terms()[u.index]?, u.term_tokens)));
         let text = match (&passage.header, term) {
             (Some(h), Some((term, cost))) => {
                 terms_named += 1;
@@ -484,6 +488,33 @@ pub fn select_sentences(
         terms_named,
         term_tokens,
     }
+}
+
+/// What naming each sentence's entry term would add to `passage`'s header of `header`
+/// tokens ([`Unit::term_tokens`]); each term is counted once.
+fn term_costs(
+    passage: &SplitPassage,
+    header: usize,
+    terms: bool,
+    count: &dyn Fn(&str) -> Result<usize, GenerateError>,
+) -> Result<Vec<usize>, GenerateError> {
+    let Some(h) = passage.header.as_deref().filter(|_| terms) else {
+        return Ok(vec![0; passage.sentences.len()]);
+    };
+    let mut last: Option<(&str, usize)> = None;
+    passage
+        .entry_terms()
+        .into_iter()
+        .map(|term| {
+            let Some(term) = term else { return Ok(0) };
+            let cost = match last {
+                Some((t, cost)) if t == term => cost,
+                _ => count(&format!("{h}{TERM_SEPARATOR}{term}"))?.saturating_sub(header),
+            };
+            last = Some((term, cost));
+            Ok(if cost <= MAX_TERM_TOKENS { cost } else { 0 })
+        })
+        .collect()
 }
 
 /// Joins a header and the entry term it names, as the chunker joins title and section.
@@ -688,29 +719,21 @@ pub fn select(
                 None
             };
             let scores = combine(settings.method, dense.as_deref(), &lexical);
+            let term_tokens = split
+                .iter()
+                .zip(&header_tokens)
+                .map(|(p, &header)| term_costs(p, header, settings.terms, &count))
+                .collect::<Result<Vec<_>, _>>()?;
             let units = flat
                 .iter()
                 .zip(scores)
                 .map(|(&(passage, index, text), score)| {
-                    let p = &split[passage];
-                    let term_tokens = match (&p.header, p.term_of(index)) {
-                        (Some(h), Some(term)) if settings.terms => {
-                            let cost = count(&format!("{h}{TERM_SEPARATOR}{term}"))?
-                                .saturating_sub(header_tokens[passage]);
-                            if cost <= MAX_TERM_TOKENS {
-                                cost
-                            } else {
-                                0
-                            }
-                        }
-                        _ => 0,
-                    };
                     Ok(Unit {
                         passage,
                         index,
                         tokens: count(text)?,
                         score,
-                        term_tokens,
+                        term_tokens: term_tokens[passage][index],
                     })
                 })
                 .collect::<Result<Vec<_>, GenerateError>>()?;
@@ -835,10 +858,10 @@ mod tests {
             "git-commit(1) › OPTIONS\nThe first line is prose. --amend Replace the tip of the \
              current branch. The recorded tree is prepared as usual. --no-edit Keep the message.",
         );
-        assert_eq!(p.term_of(0), None);
-        assert_eq!(p.term_of(1), Some("--amend"));
-        assert_eq!(p.term_of(2), Some("--amend"));
-        assert_eq!(p.term_of(3), Some("--no-edit"));
+        assert_eq!(
+            p.entry_terms(),
+            [None, Some("--amend"), Some("--amend"), Some("--no-edit")]
+        );
     }
 
     #[test]
