@@ -741,31 +741,18 @@ async fn plain_requests_trace_no_retrieval_stages() {
         names.iter().any(|n| n.starts_with("retrieval")),
         "{names:?}"
     );
-    // Retrieval settings mean nothing to the plain model: refused by name.
-    let (status, out) = app
-        .post(
-            "/v1/chat/completions",
-            &json!({"model": plain, "messages": messages, "top_k": 3}),
-        )
-        .await;
-    assert_eq!(status, 400, "{out}");
-    assert_eq!(out["error"]["param"], "top_k");
-    // So are the context stage's: the plain model has no context.
-    let (status, out) = app
-        .post(
-            "/v1/chat/completions",
-            &json!({"model": plain, "messages": messages, "context_order": "rank"}),
-        )
-        .await;
-    assert_eq!(status, 400, "{out}");
-    assert_eq!(out["error"]["param"], "context_order");
-    let (status, out) = app
-        .post(
-            "/v1/chat/completions",
-            &json!({"model": plain, "messages": messages, "context_terms": false}),
-        )
-        .await;
-    assert_eq!(status, 400, "{out}");
-    assert_eq!(out["error"]["param"], "context_terms");
+    // Retrieval settings mean nothing to the plain model, nor do the context stage's: each is
+    // refused by name.
+    for (field, value) in [
+        ("top_k", json!(3)),
+        ("context_order", json!("rank")),
+        ("context_terms", json!(false)),
+    ] {
+        let mut body = json!({"model": plain, "messages": messages});
+        body[field] = value;
+        let (status, out) = app.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{out}");
+        assert_eq!(out["error"]["param"], field);
+    }
     app.stop().await;
 }
