@@ -351,6 +351,12 @@ pub struct PipelineArgs {
     /// name it even when the sentence that does is not kept (docs/CONTEXT.md).
     #[arg(long, env = "RAGSCOPE_CONTEXT_TERMS", default_value_t = true, action = clap::ArgAction::Set)]
     pub context_terms: bool,
+    /// A question that names a manual entry (`git stash pop`, `git log --follow`) gets that
+    /// entry's definition: retrieval adds the passages holding it that it missed, the rerank
+    /// stage puts them first, and in `sentences` context the defining sentence is the
+    /// passage's best (docs/CONTEXT.md). The reordering needs a reranker.
+    #[arg(long, env = "RAGSCOPE_ENTRY_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub entry_lookup: bool,
     /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
     /// otherwise.
     #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]

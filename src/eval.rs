@@ -292,14 +292,15 @@ fn ask(
 /// The settings an answer run used, for its report line.
 fn settings(p: &PipelineArgs) -> String {
     format!(
-        "context {} budget {}/passage method {} order {} terms {} template {:?} rerank_top_n {} \
-         max_tokens {} repetition_penalty {} no_repeat_ngram {} context_bias {} copy_bias {} \
-         end_at_paragraph {}",
+        "context {} budget {}/passage method {} order {} terms {} entry_lookup {} template {:?} \
+         rerank_top_n {} max_tokens {} repetition_penalty {} no_repeat_ngram {} context_bias {} \
+         copy_bias {} end_at_paragraph {}",
         p.context.as_str(),
         p.context_budget,
         p.context_method.as_str(),
         p.context_order.as_str(),
         p.context_terms,
+        p.entry_lookup,
         p.prompt_template,
         p.rerank_top_n,
         p.max_tokens,

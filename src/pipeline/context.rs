@@ -154,6 +154,9 @@ pub struct ContextSettings {
     pub order: ContextOrder,
     /// Headers name the entry term of their passage's best sentence (`sentences` mode).
     pub terms: bool,
+    /// A sentence that starts the entry the question names scores above every other
+    /// (`sentences` mode; [`super::lookup`]).
+    pub lookup: bool,
 }
 
 /// One passage split for selection: its first line (the chunk's `title › section`) and the
@@ -261,6 +264,9 @@ pub struct Selection {
     /// `tokens_out`, which the budget bounds).
     pub terms_named: usize,
     pub term_tokens: usize,
+    /// Sentences that start the entry the question names, scored above the rest
+    /// ([`ContextSettings::lookup`]).
+    pub entries_looked_up: usize,
 }
 
 /// Word-like terms of a text, lowercased: runs of letters, digits, `-` and `_` (so `--depth`
@@ -374,6 +380,7 @@ pub fn select_passages(texts: &[&str], tokens: &[usize], budget: usize) -> Selec
         passages,
         terms_named: 0,
         term_tokens: 0,
+        entries_looked_up: 0,
     }
 }
 
@@ -487,6 +494,7 @@ pub fn select_sentences(
         tokens_out,
         terms_named,
         term_tokens,
+        entries_looked_up: 0,
     }
 }
 
@@ -557,6 +565,7 @@ impl ContextSettings {
             budget: args.context_budget * rerank_top_n.max(1),
             order: args.context_order,
             terms: args.context_terms,
+            lookup: args.entry_lookup,
         }
     }
 
@@ -657,6 +666,24 @@ fn cached_vectors(
     Ok((found.into_iter().flatten().collect(), cached))
 }
 
+/// Raises each sentence (in `split`'s order, as `scores` is) that starts the entry `question`
+/// names above the best score, so that it is kept first and its passage counts as the best;
+/// returns how many it raised.
+fn look_up(question: &str, split: &[SplitPassage], scores: &mut [f32]) -> usize {
+    let question = super::lookup::Question::new(question);
+    let named: Vec<bool> = split
+        .iter()
+        .flat_map(|p| question.named_sentences(p))
+        .collect();
+    let top = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut raised = 0;
+    for (score, _) in scores.iter_mut().zip(named).filter(|(_, n)| *n) {
+        *score = top + 1.0;
+        raised += 1;
+    }
+    raised
+}
+
 /// What the context stage reads besides the passages: the models, and the cache of sentence
 /// vectors.
 pub struct Models<'a> {
@@ -718,7 +745,11 @@ pub fn select(
             } else {
                 None
             };
-            let scores = combine(settings.method, dense.as_deref(), &lexical);
+            let mut scores = combine(settings.method, dense.as_deref(), &lexical);
+            let entries_looked_up = match settings.lookup {
+                true => look_up(question, &split, &mut scores),
+                false => 0,
+            };
             let term_tokens = split
                 .iter()
                 .zip(&header_tokens)
@@ -739,6 +770,7 @@ pub fn select(
                 .collect::<Result<Vec<_>, GenerateError>>()?;
             Ok(Selection {
                 sentences_cached,
+                entries_looked_up,
                 ..select_sentences(&split, &header_tokens, &units, settings.budget)
             })
         }
@@ -779,6 +811,25 @@ mod tests {
             terms("How do I use --depth with git-clone's shallow clones?"),
             ["use", "depth", "git-clone", "shallow", "clones"]
         );
+    }
+
+    #[test]
+    fn a_sentence_starting_the_named_entry_becomes_the_best() {
+        let split = [
+            split_passage("git-stash(1) › EXAMPLES\n$ git stash pop Interrupted workflow."),
+            split_passage(
+                "git-stash(1) › COMMANDS\nUse it. pop [--index] Remove a single stashed state.",
+            ),
+        ];
+        let mut scores = [0.9, 0.4, 0.3];
+        assert_eq!(
+            look_up("What does git stash pop do?", &split, &mut scores),
+            1
+        );
+        assert_eq!(scores, [0.9, 0.4, 1.9]);
+        let mut untouched = [0.9, 0.4, 0.3];
+        assert_eq!(look_up("How do I stash?", &split, &mut untouched), 0);
+        assert_eq!(untouched, [0.9, 0.4, 0.3]);
     }
 
     #[test]

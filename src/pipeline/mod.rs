@@ -7,6 +7,7 @@
 
 pub mod context;
 pub mod events;
+pub mod lookup;
 pub mod overlap;
 mod plain;
 mod request;
@@ -274,12 +275,18 @@ impl Pipeline {
                 req.filter.as_ref(),
                 stage,
             )?;
+            let mut hits = found.hits;
+            if self.defaults.entry_lookup && req.filter.is_none() {
+                let added =
+                    lookup::fetch(self.store.as_ref(), &req.query, vector, &mut hits, stage)?;
+                stage.set(KeyValue::new(attr::RETRIEVAL_LOOKUP_ADDED, added as i64));
+            }
             stage.set_all([
-                KeyValue::new(attr::DB_RESPONSE_RETURNED_ROWS, found.hits.len() as i64),
+                KeyValue::new(attr::DB_RESPONSE_RETURNED_ROWS, hits.len() as i64),
                 KeyValue::new(attr::RETRIEVAL_LEXICAL_HITS, found.lexical as i64),
                 KeyValue::new(attr::RETRIEVAL_LEXICAL_ADDED, found.lexical_added as i64),
             ]);
-            Ok(found.hits)
+            Ok(hits)
         })
     }
 
@@ -294,7 +301,8 @@ impl Pipeline {
             Some(reranker) if !hits.is_empty() => {
                 let texts: Vec<&str> = hits.iter().map(|h| h.chunk.text.as_str()).collect();
                 let retrieval: Vec<f32> = hits.iter().map(|h| h.score).collect();
-                self.rerank_stage(run, reranker.as_ref(), query, &texts, &retrieval)?
+                let lookup = self.defaults.entry_lookup;
+                self.rerank_stage(run, reranker.as_ref(), query, &texts, &retrieval, lookup)?
             }
             _ => hits.iter().map(|h| h.score).collect(),
         };
@@ -356,6 +364,10 @@ impl Pipeline {
                 stage.set_all([
                     KeyValue::new(attr::CONTEXT_TERMS_NAMED, chosen.terms_named as i64),
                     KeyValue::new(attr::CONTEXT_TERM_TOKENS, chosen.term_tokens as i64),
+                    KeyValue::new(
+                        attr::CONTEXT_ENTRIES_LOOKED_UP,
+                        chosen.entries_looked_up as i64,
+                    ),
                 ]);
             }
             Ok(chosen.passages)
@@ -653,14 +665,17 @@ impl Pipeline {
                 Ok(cosines(&vectors[0], &vectors[1..]))
             })?;
             match &this.reranker {
-                Some(r) => this.rerank_stage(&mut run, r.as_ref(), &query, &texts, &retrieval),
+                Some(r) => {
+                    this.rerank_stage(&mut run, r.as_ref(), &query, &texts, &retrieval, false)
+                }
                 None => Ok(retrieval),
             }
         })
         .await
     }
 
-    /// The `rerank` stage over passages and their retrieval scores.
+    /// The `rerank` stage over passages and their retrieval scores; with `lookup`, the passages
+    /// defining the entry the query names come first ([`lookup`]).
     fn rerank_stage(
         &self,
         run: &mut StageRunner,
@@ -668,6 +683,7 @@ impl Pipeline {
         query: &str,
         texts: &[&str],
         retrieval: &[f32],
+        lookup: bool,
     ) -> Result<Vec<f32>, PipelineError> {
         let spec = StageSpec::model(StageKind::Rerank, reranker.model_id()).with([KeyValue::new(
             attr::GEN_AI_RERANK_CANDIDATE_COUNT,
@@ -682,7 +698,12 @@ impl Pipeline {
                     retrieval_score,
                 })
                 .collect();
-            Ok(reranker.score(query, &candidates, stage)?)
+            let mut scores = reranker.score(query, &candidates, stage)?;
+            if lookup {
+                let raised = lookup::promote(query, texts, &mut scores);
+                stage.set(KeyValue::new(attr::RERANK_ENTRIES_LOOKED_UP, raised as i64));
+            }
+            Ok(scores)
         })
     }
 

@@ -269,6 +269,7 @@ names! {
         BATCH_PADDED_TOKENS = "rag.batch.padded_tokens",
         CACHE_HIT = "rag.cache.hit",
         RERANK_MOVED = "rag.rerank.moved",
+        RERANK_ENTRIES_LOOKED_UP = "rag.rerank.entries_looked_up",
         // Retrieval.
         DB_SYSTEM_NAME = "db.system.name",
         DB_COLLECTION_NAME = "db.collection.name",
@@ -282,6 +283,7 @@ names! {
         RETRIEVAL_LEXICAL_TOP_K = "rag.retrieval.lexical.top_k",
         RETRIEVAL_LEXICAL_HITS = "rag.retrieval.lexical.hits",
         RETRIEVAL_LEXICAL_ADDED = "rag.retrieval.lexical.added",
+        RETRIEVAL_LOOKUP_ADDED = "rag.retrieval.lookup.added",
         // Prompt and generation.
         CONTEXT_MODE = "rag.context.mode",
         CONTEXT_METHOD = "rag.context.method",
@@ -289,6 +291,7 @@ names! {
         CONTEXT_TERMS = "rag.context.terms",
         CONTEXT_TERMS_NAMED = "rag.context.terms_named",
         CONTEXT_TERM_TOKENS = "rag.context.term_tokens",
+        CONTEXT_ENTRIES_LOOKED_UP = "rag.context.entries_looked_up",
         CONTEXT_BUDGET = "rag.context.budget",
         CONTEXT_SENTENCES_IN = "rag.context.sentences_in",
         CONTEXT_SENTENCES_OUT = "rag.context.sentences_out",

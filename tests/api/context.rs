@@ -4,7 +4,7 @@
 
 use serde_json::{json, Value};
 
-use crate::helpers::{models_dir, spawn_app, TestApp};
+use crate::helpers::{models_dir, spawn_app, spawn_app_with, TestApp};
 
 /// Spans go to the server's recent-trace buffer (`/debug/traces`), as when it serves.
 fn record_spans() {
@@ -272,6 +272,62 @@ async fn a_header_names_the_option_whose_entry_holds_the_best_sentence() {
         prompts.push(body["usage"]["prompt_tokens"].as_i64().unwrap());
     }
     assert!(prompts[0] > prompts[1], "{prompts:?}");
+}
+
+#[tokio::test]
+async fn a_question_naming_an_entry_gets_its_definition_first() {
+    record_spans();
+    // A manual page whose EXAMPLES echo the question, so the nearest chunk is not the entry.
+    let page = "# frob(1)\n\n## COMMANDS\n\nburn [<level>] Sets fire to the toast at the given \
+                level.\n\nzap [<n>] Cools the toast down by n degrees.\n\n## EXAMPLES\n\nWhat \
+                does frob zap do? Run frob zap and see what frob zap does.\n";
+    for lookup in ["true", "false"] {
+        let app = spawn_app_with(&["--entry-lookup", lookup]).await;
+        app.ingest(json!([{"id": "frob", "text": page, "format": "markdown"}]))
+            .await;
+        let (status, body) = app
+            .post(
+                "/v1/rag/query",
+                &json!({"query": "What does frob zap do?", "max_tokens": 1, "top_k": 1}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let spans = last_trace(&app).await;
+        let retrieval = span(&spans, "retrieval");
+        let (rerank, context) = (span(&spans, "rerank"), span(&spans, "context"));
+        let texts: Vec<&str> = body["sources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["text"].as_str().unwrap())
+            .collect();
+        if lookup == "true" {
+            // The one nearest chunk is the EXAMPLES; lookup fetches the COMMANDS chunk that
+            // defines `zap`, ranks it first and makes its `zap` sentence the context's best.
+            assert_eq!(
+                int(retrieval, "rag.retrieval.lookup.added"),
+                1,
+                "{retrieval}"
+            );
+            assert_eq!(int(retrieval, "db.response.returned_rows"), 2);
+            assert!(texts[0].contains("zap [<n>] Cools"), "{body}");
+            assert_eq!(int(rerank, "rag.rerank.entries_looked_up"), 1, "{rerank}");
+            assert_eq!(
+                int(context, "rag.context.entries_looked_up"),
+                1,
+                "{context}"
+            );
+        } else {
+            assert_eq!(attribute(retrieval, "rag.retrieval.lookup.added"), None);
+            assert_eq!(attribute(rerank, "rag.rerank.entries_looked_up"), None);
+            assert_eq!(
+                int(context, "rag.context.entries_looked_up"),
+                0,
+                "{context}"
+            );
+            assert!(texts.iter().all(|t| !t.contains("Cools")), "{body}");
+        }
+    }
 }
 
 #[tokio::test]

@@ -1,0 +1,358 @@
+//! Entry lookup: a question that names a manual entry (`What does git stash pop do?`,
+//! `What does git log --follow do?`) is answered by that entry's definition, the way a
+//! reader of the manual would look it up.
+//!
+//! The embedder cannot do this: "git stash pop" is as near to the EXAMPLES that run
+//! `git stash pop` as to the entry `pop [--index] … Remove a single stashed state …`, and
+//! the entry often starts in the middle of a chunk. Lookup is exact instead: a sentence
+//! defines a named entry when its passage's page is the command the question names
+//! (`git-stash(1)` for "git stash") and the sentence starts with the subcommand or option
+//! the question says right after it. Retrieval adds the passages holding such a sentence that
+//! the nearest vectors missed ([`fetch`]), the rerank stage puts them first ([`promote`]), and
+//! the context stage makes that sentence the passage's best.
+
+use std::collections::HashSet;
+
+use super::context::{entry_term, split_passage, SplitPassage};
+use crate::retrieve::VectorStore;
+use crate::retrieve::{Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError};
+use crate::telemetry::span::Stage;
+
+/// Chunks searched within the pages a question may name, for entries retrieval missed.
+const PAGE_TOP_K: usize = 64;
+
+/// Words that follow a command in a question without being its subcommand ("Which git
+/// rev-parse option prints…").
+const NOT_SUBCOMMANDS: &[&str] = &[
+    "option",
+    "options",
+    "subcommand",
+    "subcommands",
+    "command",
+    "commands",
+    "flag",
+    "flags",
+    "mode",
+    "setting",
+    "variable",
+];
+
+/// The question's words, lower-cased, without surrounding punctuation (`do?` → `do`), an
+/// option without its value (`--depth=1` → `--depth`).
+fn words(question: &str) -> Vec<String> {
+    question
+        .split_whitespace()
+        .map(|w| {
+            let w = w
+                .trim_matches(|c: char| !(c.is_alphanumeric() || matches!(c, '-' | '_' | '.')))
+                .trim_end_matches('.');
+            let w = match w.starts_with('-') {
+                true => w.split('=').next().unwrap_or(w),
+                false => w,
+            };
+            w.to_lowercase()
+        })
+        .filter(|w| !w.is_empty())
+        .collect()
+}
+
+/// The word a question uses for the command of a passage whose header is a manual page's
+/// (`name(N) › SECTION`): the page's name, or what follows its suite's prefix (`stash` for
+/// `git-stash(1)`, as in "git stash"). Empty for other headers.
+fn commands(header: &str) -> Vec<String> {
+    let title = header.split(" › ").next().unwrap_or_default();
+    let Some((page, rest)) = title.split_once('(') else {
+        return Vec::new();
+    };
+    let page = page.to_lowercase();
+    let manual_section = rest.strip_suffix(')').unwrap_or_default();
+    let is_page = !page.is_empty()
+        && page.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        && !manual_section.is_empty()
+        && manual_section.chars().all(|c| c.is_ascii_digit());
+    if !is_page {
+        return Vec::new();
+    }
+    let sub = page.split_once('-').map(|(_, sub)| sub.to_string());
+    std::iter::once(page).chain(sub).collect()
+}
+
+/// What an entry starting `sentence` is looked up by: each of its options without their
+/// placeholders (`-p`, `--patch`; `--depth` of `--depth <depth>`), or its subcommand (`pop`
+/// of `pop [--index] …`, `prune` of `prune Deletes stale references …`: a lower-case word
+/// followed by an argument placeholder or a capitalised description).
+fn heads(sentence: &str) -> Vec<String> {
+    if let Some(term) = entry_term(sentence) {
+        return term
+            .split_whitespace()
+            .filter(|w| w.starts_with('-'))
+            .map(|w| w.split(['=', '[', '<']).next().unwrap_or(w).to_lowercase())
+            .filter(|w| !w.trim_start_matches('-').is_empty())
+            .collect();
+    }
+    let mut parts = sentence.split_whitespace();
+    let (Some(first), Some(second)) = (parts.next(), parts.next()) else {
+        return Vec::new();
+    };
+    let subcommand = first.starts_with(|c: char| c.is_ascii_lowercase())
+        && first.chars().all(|c| c.is_ascii_lowercase() || c == '-');
+    let described = second.starts_with(['[', '<']) || second.starts_with(char::is_uppercase);
+    if subcommand && described {
+        vec![first.to_string()]
+    } else {
+        Vec::new()
+    }
+}
+
+/// What a question names: the command word's position and the words after it.
+pub struct Question {
+    words: Vec<String>,
+}
+
+impl Question {
+    pub fn new(question: &str) -> Question {
+        Question {
+            words: words(question),
+        }
+    }
+
+    /// Whether `sentence`, in a passage whose header is `header`, starts an entry the question
+    /// names: the question says the page's command, then (right after it) the entry's
+    /// subcommand or (anywhere after it) one of its options. A question with two options or
+    /// more after the command compares or excludes them ("without --soft or --hard") rather
+    /// than asking what one is, so it looks up no option.
+    pub fn names(&self, header: Option<&str>, sentence: &str) -> bool {
+        let commands = header.map(commands).unwrap_or_default();
+        let Some(at) = self.words.iter().position(|w| commands.contains(w)) else {
+            return false;
+        };
+        let after = &self.words[at + 1..];
+        let one_option = after.iter().filter(|w| w.starts_with('-')).count() == 1;
+        heads(sentence).iter().any(|head| {
+            if head.starts_with('-') {
+                one_option && after.contains(head)
+            } else {
+                after.first() == Some(head) && !NOT_SUBCOMMANDS.contains(&head.as_str())
+            }
+        })
+    }
+
+    /// The titles of the manual pages the question may name by a command followed by a
+    /// subcommand or an option: for each such word, `word(N)` and, with the word before it as
+    /// the suite, `suite-word(N)` (`git-log(1)` for "git log --follow"), N from 1 to 8. Empty
+    /// when no word is followed by another.
+    pub fn pages(&self) -> Vec<String> {
+        let name = |w: &str| {
+            w.starts_with(|c: char| c.is_ascii_lowercase())
+                && w.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        };
+        let mut pages = Vec::new();
+        for (i, pair) in self.words.windows(2).enumerate() {
+            let (command, next) = (&pair[0], &pair[1]);
+            if !name(command) || !(name(next) || next.starts_with('-')) {
+                continue;
+            }
+            pages.push(command.clone());
+            if let Some(suite) = i.checked_sub(1).map(|j| &self.words[j]).filter(|s| name(s)) {
+                pages.push(format!("{suite}-{command}"));
+            }
+        }
+        pages.sort();
+        pages.dedup();
+        pages
+            .iter()
+            .flat_map(|p| (1..=8).map(move |n| format!("{p}({n})")))
+            .collect()
+    }
+
+    /// For each sentence of `passage`, whether it starts an entry the question names.
+    pub fn named_sentences(&self, passage: &SplitPassage) -> Vec<bool> {
+        passage
+            .sentences
+            .iter()
+            .map(|s| self.names(passage.header.as_deref(), s))
+            .collect()
+    }
+}
+
+/// Adds to `hits` the chunks that define the entry `question` names and retrieval did not
+/// find: the `PAGE_TOP_K` nearest to `vector` within the pages the question may name
+/// ([`Question::pages`]), kept only if they hold the entry. Returns how many it added.
+pub fn fetch(
+    store: &dyn VectorStore,
+    question: &str,
+    vector: &[f32],
+    hits: &mut Vec<ScoredChunk>,
+    stage: &Stage,
+) -> Result<usize, StoreError> {
+    let question = Question::new(question);
+    let pages = question.pages();
+    if pages.is_empty() {
+        return Ok(0);
+    }
+    let filter = Filter {
+        conditions: vec![Condition {
+            field: FilterField::Metadata("title".into()),
+            matches: MatchValue::AnyKeyword(pages),
+        }],
+    };
+    let found = store.search(vector, PAGE_TOP_K, Some(&filter), stage)?;
+    let seen: HashSet<String> = hits.iter().map(|h| h.chunk.id.clone()).collect();
+    let before = hits.len();
+    hits.extend(found.into_iter().filter(|h| {
+        !seen.contains(&h.chunk.id)
+            && question
+                .named_sentences(&split_passage(&h.chunk.text))
+                .contains(&true)
+    }));
+    Ok(hits.len() - before)
+}
+
+/// Raises the scores of the passages (`texts`, scored by `scores`) that hold a sentence starting
+/// the entry `question` names above every other passage's, their order among themselves kept
+/// (each gains the candidates' score range plus one); returns how many it raised.
+pub fn promote(question: &str, texts: &[&str], scores: &mut [f32]) -> usize {
+    let question = Question::new(question);
+    let named: Vec<bool> = texts
+        .iter()
+        .map(|t| question.named_sentences(&split_passage(t)).contains(&true))
+        .collect();
+    let (low, high) = scores
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &s| {
+            (lo.min(s), hi.max(s))
+        });
+    let lift = high - low + 1.0;
+    let mut raised = 0;
+    for (score, _) in scores.iter_mut().zip(named).filter(|(_, n)| *n) {
+        *score += lift;
+        raised += 1;
+    }
+    raised
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::context::split_passage;
+
+    #[test]
+    fn a_subcommand_entry_is_named_by_command_then_subcommand() {
+        let q = Question::new("What does git stash pop do?");
+        let header = Some("git-stash(1) › COMMANDS");
+        assert!(q.names(
+            header,
+            "pop [--index] [-q|--quiet] [<stash>] Remove a single stashed state from the stash list."
+        ));
+        // The same word elsewhere in a sentence, another subcommand, another page: no.
+        assert!(!q.names(
+            header,
+            "$ git stash pop Interrupted workflow When you are …"
+        ));
+        assert!(!q.names(
+            header,
+            "apply [--index] [<stash>] Like pop, but do not remove it."
+        ));
+        assert!(!q.names(Some("git-remote(1) › COMMANDS"), "pop [<name>] Remove it."));
+        // A subcommand without placeholders is found by its capitalised description.
+        let prune = Question::new("What does git remote prune do?");
+        assert!(prune.names(
+            Some("git-remote(1) › COMMANDS"),
+            "prune Deletes stale references associated with <name>."
+        ));
+        // "Which git stash subcommand…" asks for one; it does not name the entry `subcommand`.
+        let which = Question::new("Which git rev-parse option prints the top level?");
+        assert!(!which.names(
+            Some("git-rev-parse(1) › Example"),
+            "option C Set the colour."
+        ));
+        // Prose that starts with a lower-case word is not an entry.
+        assert!(!prune.names(
+            Some("git-remote(1) › COMMANDS"),
+            "prune stale branches with care."
+        ));
+    }
+
+    #[test]
+    fn an_option_entry_is_named_by_any_of_its_options_after_the_command() {
+        let q = Question::new("What does git log --follow do?");
+        let header = Some("git-log(1) › OPTIONS");
+        assert!(q.names(
+            header,
+            "--follow Continue listing the history of a file beyond renames."
+        ));
+        assert!(!q.names(header, "--no-follow Stop at renames."));
+        assert!(!q.names(Some("git-diff(1) › OPTIONS"), "--follow Follow."));
+        let patch = Question::new("what does `git add --patch` do");
+        assert!(patch.names(
+            Some("git-add(1) › OPTIONS"),
+            "-p --patch Interactively choose hunks."
+        ));
+        let depth = Question::new("What does git clone --depth=1 do?");
+        assert!(depth.names(
+            Some("git-clone(1) › OPTIONS"),
+            "--depth <depth> Create a shallow clone."
+        ));
+        // Two options are compared or excluded, not looked up.
+        let modes =
+            Question::new("If I run git reset without --soft or --hard, what mode is used?");
+        assert!(!modes.names(
+            Some("git-reset(1) › DESCRIPTION"),
+            "--soft Does not touch the index file."
+        ));
+        // A question that does not say the command names nothing.
+        let bare = Question::new("What does --follow do?");
+        assert!(!bare.names(header, "--follow Continue listing."));
+    }
+
+    #[test]
+    fn passages_defining_the_named_entry_are_raised_above_the_rest_in_their_order() {
+        let texts = [
+            "git-stash(1) › EXAMPLES\n$ git stash pop Interrupted workflow.",
+            "git-stash(1) › COMMANDS\nMore. pop [--index] Remove a single stashed state.",
+            "git-stash(1) › OPTIONS\n--index Only valid for pop and apply.",
+            "git-stash(1) › COMMANDS\npop [--index] Remove it. apply Like pop.",
+        ];
+        let mut scores = [0.9, 0.2, 0.5, 0.1];
+        assert_eq!(
+            promote("What does git stash pop do?", &texts, &mut scores),
+            2
+        );
+        assert_eq!(crate::rerank::ranking(&scores), [1, 3, 0, 2]);
+        let mut unnamed = [0.9, 0.2, 0.5, 0.1];
+        assert_eq!(promote("What is a stash?", &texts, &mut unnamed), 0);
+        assert_eq!(unnamed, [0.9, 0.2, 0.5, 0.1]);
+    }
+
+    #[test]
+    fn the_pages_a_question_may_name_are_its_commands_with_and_without_their_suite() {
+        let pages = Question::new("What does git log --follow do?").pages();
+        for page in ["git-log(1)", "log(8)", "git(1)"] {
+            assert!(pages.iter().any(|p| p == page), "{page} in {pages:?}");
+        }
+        assert!(
+            !pages.iter().any(|p| p.starts_with("--follow")),
+            "{pages:?}"
+        );
+        assert!(Question::new("Why?").pages().is_empty());
+    }
+
+    #[test]
+    fn pages_without_a_command_name_nothing() {
+        let q = Question::new("What does git stash pop do?");
+        assert!(!q.names(Some("Git User Manual › Stashing"), "pop Remove it."));
+        assert!(!q.names(Some("git-stash › COMMANDS"), "pop Remove it."));
+        // Any manual page's name is its command; a suite's page also answers to its tail.
+        let frob = Question::new("What does frob zap do?");
+        assert!(frob.names(Some("frob(1) › COMMANDS"), "zap [<n>] Cools it."));
+        let dashed = Question::new("What does git-stash pop do?");
+        assert!(dashed.names(Some("git-stash(1) › COMMANDS"), "pop [<stash>] Remove it."));
+        assert!(!q.names(None, "pop [<stash>] Remove it."));
+        let split = split_passage(
+            "git-stash(1) › COMMANDS\nYou can also use it. pop [--index] [<stash>] Remove a \
+             single stashed state. apply [--index] Like pop.",
+        );
+        assert_eq!(q.named_sentences(&split), [false, true, false]);
+    }
+}
