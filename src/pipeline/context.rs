@@ -746,9 +746,10 @@ pub fn select(
                 None
             };
             let mut scores = combine(settings.method, dense.as_deref(), &lexical);
-            let entries_looked_up = match settings.lookup {
-                true => look_up(question, &split, &mut scores),
-                false => 0,
+            let entries_looked_up = if settings.lookup {
+                look_up(question, &split, &mut scores)
+            } else {
+                0
             };
             let term_tokens = split
                 .iter()

@@ -37,23 +37,49 @@ const NOT_SUBCOMMANDS: &[&str] = &[
     "variable",
 ];
 
-/// The question's words, lower-cased, without surrounding punctuation (`do?` → `do`), an
-/// option without its value (`--depth=1` → `--depth`).
+/// Pages the question's words cannot name: question words, and the suite's own name.
+const NOT_COMMANDS: &[&str] = &[
+    "a", "an", "and", "are", "can", "do", "does", "for", "git", "how", "i", "in", "is", "it", "my",
+    "of", "on", "or", "the", "to", "use", "what", "when", "which", "why", "with",
+];
+
+/// Pages searched for a question's entries at most: each of the first few command-like words,
+/// alone and after the word before it.
+const MAX_COMMANDS: usize = 4;
+
+/// The question's words without surrounding punctuation (`do?` → `do`): words lower-cased,
+/// options as written (`-d` is not `-D`) without their value (`--depth=1` → `--depth`), a
+/// typographic dash that a client put for `--` made `--` again (`—follow`). Not the
+/// tokenizers of `context::terms` or the fusion reranker, which drop stopwords and dashes.
 fn words(question: &str) -> Vec<String> {
     question
         .split_whitespace()
-        .map(|w| {
+        .filter_map(|w| {
+            let w = match w.strip_prefix(['—', '–']) {
+                Some(rest) => format!("--{rest}"),
+                None => w.to_string(),
+            };
             let w = w
                 .trim_matches(|c: char| !(c.is_alphanumeric() || matches!(c, '-' | '_' | '.')))
                 .trim_end_matches('.');
-            let w = match w.starts_with('-') {
-                true => w.split('=').next().unwrap_or(w),
-                false => w,
-            };
-            w.to_lowercase()
+            if w.trim_start_matches('-').is_empty() {
+                None
+            } else if w.starts_with('-') {
+                Some(w.split('=').next().unwrap_or(w).to_string())
+            } else {
+                Some(w.to_lowercase())
+            }
         })
-        .filter(|w| !w.is_empty())
         .collect()
+}
+
+/// A command's or subcommand's name: lower-case ASCII letters, digits and inner dashes,
+/// starting with a letter.
+fn is_name(word: &str) -> bool {
+    word.starts_with(|c: char| c.is_ascii_lowercase())
+        && word
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
 }
 
 /// The word a question uses for the command of a passage whose header is a manual page's
@@ -66,8 +92,7 @@ fn commands(header: &str) -> Vec<String> {
     };
     let page = page.to_lowercase();
     let manual_section = rest.strip_suffix(')').unwrap_or_default();
-    let is_page = !page.is_empty()
-        && page.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    let is_page = is_name(&page)
         && !manual_section.is_empty()
         && manual_section.chars().all(|c| c.is_ascii_digit());
     if !is_page {
@@ -77,16 +102,24 @@ fn commands(header: &str) -> Vec<String> {
     std::iter::once(page).chain(sub).collect()
 }
 
-/// What an entry starting `sentence` is looked up by: each of its options without their
-/// placeholders (`-p`, `--patch`; `--depth` of `--depth <depth>`), or its subcommand (`pop`
-/// of `pop [--index] …`, `prune` of `prune Deletes stale references …`: a lower-case word
-/// followed by an argument placeholder or a capitalised description).
+/// What an entry starting `sentence` is looked up by: each of its options as written, without
+/// placeholders or a list comma (`-p`, `--patch` of `-p, --patch`; `--depth` of
+/// `--depth <depth>`; both `--verify` and `--no-verify` of `--[no-]verify`), or its subcommand
+/// (`pop` of `pop [--index] …`, `prune` of `prune Deletes stale references …`: a lower-case
+/// word followed by an argument placeholder or a capitalised description).
 fn heads(sentence: &str) -> Vec<String> {
     if let Some(term) = entry_term(sentence) {
         return term
             .split_whitespace()
             .filter(|w| w.starts_with('-'))
-            .map(|w| w.split(['=', '[', '<']).next().unwrap_or(w).to_lowercase())
+            .flat_map(|w| {
+                let w = w.trim_end_matches(',');
+                match w.strip_prefix("--[no-]") {
+                    Some(rest) => vec![format!("--{rest}"), format!("--no-{rest}")],
+                    None => vec![w.to_string()],
+                }
+            })
+            .map(|w| w.split(['=', '[', '<']).next().unwrap_or(&w).to_string())
             .filter(|w| !w.trim_start_matches('-').is_empty())
             .collect();
     }
@@ -94,10 +127,8 @@ fn heads(sentence: &str) -> Vec<String> {
     let (Some(first), Some(second)) = (parts.next(), parts.next()) else {
         return Vec::new();
     };
-    let subcommand = first.starts_with(|c: char| c.is_ascii_lowercase())
-        && first.chars().all(|c| c.is_ascii_lowercase() || c == '-');
     let described = second.starts_with(['[', '<']) || second.starts_with(char::is_uppercase);
-    if subcommand && described {
+    if is_name(first) && described {
         vec![first.to_string()]
     } else {
         Vec::new()
@@ -138,27 +169,30 @@ impl Question {
     }
 
     /// The titles of the manual pages the question may name by a command followed by a
-    /// subcommand or an option: for each such word, `word(N)` and, with the word before it as
-    /// the suite, `suite-word(N)` (`git-log(1)` for "git log --follow"), N from 1 to 8. Empty
-    /// when no word is followed by another.
+    /// subcommand or an option: for each of the first [`MAX_COMMANDS`] such words (question
+    /// words and the suite's name aside), `word(N)` and, with the word before it as the
+    /// suite, `suite-word(N)` (`git-log(1)` for "git log --follow"), N from 1 to 8: at most 64
+    /// titles. Empty when no word can be a command.
     pub fn pages(&self) -> Vec<String> {
-        let name = |w: &str| {
-            w.starts_with(|c: char| c.is_ascii_lowercase())
-                && w.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        };
-        let mut pages = Vec::new();
+        let command = |w: &str| is_name(w) && !NOT_COMMANDS.contains(&w);
+        let mut pages: Vec<String> = Vec::new();
+        let mut commands = 0;
         for (i, pair) in self.words.windows(2).enumerate() {
-            let (command, next) = (&pair[0], &pair[1]);
-            if !name(command) || !(name(next) || next.starts_with('-')) {
+            let (word, next) = (&pair[0], &pair[1]);
+            if commands == MAX_COMMANDS {
+                break;
+            }
+            if !command(word) || !(command(next) || next.starts_with('-')) {
                 continue;
             }
-            pages.push(command.clone());
-            if let Some(suite) = i.checked_sub(1).map(|j| &self.words[j]).filter(|s| name(s)) {
-                pages.push(format!("{suite}-{command}"));
+            commands += 1;
+            pages.push(word.clone());
+            if let Some(suite) = i.checked_sub(1).map(|j| &self.words[j]) {
+                if is_name(suite) {
+                    pages.push(format!("{suite}-{word}"));
+                }
             }
         }
-        pages.sort();
         pages.dedup();
         pages
             .iter()
@@ -328,14 +362,37 @@ mod tests {
     #[test]
     fn the_pages_a_question_may_name_are_its_commands_with_and_without_their_suite() {
         let pages = Question::new("What does git log --follow do?").pages();
-        for page in ["git-log(1)", "log(8)", "git(1)"] {
+        assert_eq!(pages.len(), 16, "{pages:?}");
+        for page in ["git-log(1)", "log(8)"] {
             assert!(pages.iter().any(|p| p == page), "{page} in {pages:?}");
         }
-        assert!(
-            !pages.iter().any(|p| p.starts_with("--follow")),
-            "{pages:?}"
-        );
+        // Question words and the suite alone are no commands.
+        for page in ["git(1)", "what(1)", "does-git(1)", "--follow(1)"] {
+            assert!(!pages.iter().any(|p| p == page), "{page} in {pages:?}");
+        }
         assert!(Question::new("Why?").pages().is_empty());
+        // A long question searches at most a few commands' pages.
+        let long = "frob zap ".repeat(40);
+        assert!(Question::new(&long).pages().len() <= 8 * 2 * MAX_COMMANDS);
+    }
+
+    #[test]
+    fn options_are_matched_as_written_and_in_every_spelling_of_the_entry() {
+        let header = Some("git-branch(1) › OPTIONS");
+        let big = Question::new("What does git branch -D do?");
+        assert!(!big.names(header, "-d --delete Delete a branch."));
+        assert!(big.names(header, "-D Shortcut for --delete --force."));
+        let verify = Question::new("What does git commit --no-verify do?");
+        let commit = Some("git-commit(1) › OPTIONS");
+        assert!(verify.names(commit, "--[no-]verify Run or bypass the hooks."));
+        let comma = Question::new("What does git add -p do?");
+        assert!(comma.names(Some("git-add(1) › OPTIONS"), "-p, --patch Choose hunks."));
+        // A dash a chat client typeset for `--` is read as `--`; a bare `--` is no option.
+        let typeset = Question::new("What does git log —follow do?");
+        let log = Some("git-log(1) › OPTIONS");
+        assert!(typeset.names(log, "--follow Continue listing."));
+        let bare = Question::new("What does git log -- --follow do?");
+        assert!(bare.names(log, "--follow Continue listing."));
     }
 
     #[test]

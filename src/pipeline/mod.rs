@@ -276,9 +276,17 @@ impl Pipeline {
                 stage,
             )?;
             let mut hits = found.hits;
-            if self.defaults.entry_lookup && req.filter.is_none() {
-                let added =
-                    lookup::fetch(self.store.as_ref(), &req.query, vector, &mut hits, stage)?;
+            // Entries are looked up where the request did not say where to look, and only
+            // for a reranker, which puts them first (without one they would fall behind).
+            let unfiltered = req.filter.as_ref().is_none_or(|f| f.conditions.is_empty());
+            if self.defaults.entry_lookup && unfiltered && self.reranker.is_some() {
+                let store = self.store.as_ref();
+                // An extra: a failed search costs the lookup, not the request.
+                let added = lookup::fetch(store, &req.query, vector, &mut hits, stage)
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "entry lookup's search failed");
+                        0
+                    });
                 stage.set(KeyValue::new(attr::RETRIEVAL_LOOKUP_ADDED, added as i64));
             }
             stage.set_all([

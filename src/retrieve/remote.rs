@@ -3,7 +3,7 @@
 //!
 //! Same points as the embedded engine (chunk UUID as id, one unnamed cosine vector, the BM25
 //! sparse vector of [`lexical`](super::lexical) with the IDF modifier, the chunk as payload,
-//! keyword indexes on `doc_id` and `source`) and the same filter lowering, both from
+//! keyword indexes on `doc_id`, `source` and `metadata.title`) and the same filter lowering, both from
 //! [`payload`](super::payload). The trait is synchronous and runs on model-worker or blocking
 //! threads; each call is driven on a small tokio runtime this store owns, so no caller ever
 //! blocks an executor thread. Every call a request makes carries the caller's W3C trace

@@ -432,7 +432,11 @@ async fn trace_context_reaches_qdrant_and_names_the_retrieval_span() {
         );
         let mut indexed: Vec<&str> = s.indexes.iter().map(|(f, _)| f.as_str()).collect();
         indexed.sort();
-        assert_eq!(indexed, ["doc_id", "source"], "keyword indexes created");
+        assert_eq!(
+            indexed,
+            ["doc_id", "metadata.title", "source"],
+            "keyword indexes created"
+        );
         let bm25 = s
             .sparse
             .as_ref()
