@@ -666,24 +666,6 @@ fn cached_vectors(
     Ok((found.into_iter().flatten().collect(), cached))
 }
 
-/// Raises each sentence (in `split`'s order, as `scores` is) that starts the entry `question`
-/// names above the best score, so that it is kept first and its passage counts as the best;
-/// returns how many it raised.
-fn look_up(question: &str, split: &[SplitPassage], scores: &mut [f32]) -> usize {
-    let question = super::lookup::Question::new(question);
-    let named: Vec<bool> = split
-        .iter()
-        .flat_map(|p| question.named_sentences(p))
-        .collect();
-    let top = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut raised = 0;
-    for (score, _) in scores.iter_mut().zip(named).filter(|(_, n)| *n) {
-        *score = top + 1.0;
-        raised += 1;
-    }
-    raised
-}
-
 /// What the context stage reads besides the passages: the models, and the cache of sentence
 /// vectors.
 pub struct Models<'a> {
@@ -747,7 +729,7 @@ pub fn select(
             };
             let mut scores = combine(settings.method, dense.as_deref(), &lexical);
             let entries_looked_up = if settings.lookup {
-                look_up(question, &split, &mut scores)
+                super::lookup::promote_sentences(question, &split, &mut scores)
             } else {
                 0
             };
@@ -812,25 +794,6 @@ mod tests {
             terms("How do I use --depth with git-clone's shallow clones?"),
             ["use", "depth", "git-clone", "shallow", "clones"]
         );
-    }
-
-    #[test]
-    fn a_sentence_starting_the_named_entry_becomes_the_best() {
-        let split = [
-            split_passage("git-stash(1) › EXAMPLES\n$ git stash pop Interrupted workflow."),
-            split_passage(
-                "git-stash(1) › COMMANDS\nUse it. pop [--index] Remove a single stashed state.",
-            ),
-        ];
-        let mut scores = [0.9, 0.4, 0.3];
-        assert_eq!(
-            look_up("What does git stash pop do?", &split, &mut scores),
-            1
-        );
-        assert_eq!(scores, [0.9, 0.4, 1.9]);
-        let mut untouched = [0.9, 0.4, 0.3];
-        assert_eq!(look_up("How do I stash?", &split, &mut untouched), 0);
-        assert_eq!(untouched, [0.9, 0.4, 0.3]);
     }
 
     #[test]

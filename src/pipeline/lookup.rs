@@ -244,14 +244,30 @@ pub fn fetch(
 }
 
 /// Raises the scores of the passages (`texts`, scored by `scores`) that hold a sentence starting
-/// the entry `question` names above every other passage's, their order among themselves kept
-/// (each gains the candidates' score range plus one); returns how many it raised.
+/// the entry `question` names above every other passage's, their order among themselves kept;
+/// returns how many it raised. The rerank stage's step.
 pub fn promote(question: &str, texts: &[&str], scores: &mut [f32]) -> usize {
     let question = Question::new(question);
-    let named: Vec<bool> = texts
+    let named = texts
         .iter()
-        .map(|t| question.named_sentences(&split_passage(t)).contains(&true))
-        .collect();
+        .map(|t| question.named_sentences(&split_passage(t)).contains(&true));
+    raise(scores, named)
+}
+
+/// Raises the scores of the sentences (of `split`, in its order, as `scores` is) that start
+/// the entry `question` names above every other sentence's, so one is kept first and its
+/// passage counts as the best; returns how many it raised. The context stage's step.
+pub fn promote_sentences(question: &str, split: &[SplitPassage], scores: &mut [f32]) -> usize {
+    let question = Question::new(question);
+    raise(
+        scores,
+        split.iter().flat_map(|p| question.named_sentences(p)),
+    )
+}
+
+/// Adds the scores' range plus one to each score whose flag is set: all of them end above every
+/// unflagged score, in the order they had. Returns how many it raised.
+fn raise(scores: &mut [f32], flags: impl Iterator<Item = bool>) -> usize {
     let (low, high) = scores
         .iter()
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &s| {
@@ -259,7 +275,7 @@ pub fn promote(question: &str, texts: &[&str], scores: &mut [f32]) -> usize {
         });
     let lift = high - low + 1.0;
     let mut raised = 0;
-    for (score, _) in scores.iter_mut().zip(named).filter(|(_, n)| *n) {
+    for (score, _) in scores.iter_mut().zip(flags).filter(|(_, flag)| *flag) {
         *score += lift;
         raised += 1;
     }
@@ -393,6 +409,30 @@ mod tests {
         assert!(typeset.names(log, "--follow Continue listing."));
         let bare = Question::new("What does git log -- --follow do?");
         assert!(bare.names(log, "--follow Continue listing."));
+    }
+
+    #[test]
+    fn a_sentence_starting_the_named_entry_becomes_the_best() {
+        let split = [
+            split_passage("git-stash(1) › EXAMPLES\n$ git stash pop Interrupted workflow."),
+            split_passage(
+                "git-stash(1) › COMMANDS\nUse it. pop [--index] Remove a single stashed state.",
+            ),
+        ];
+        let mut scores = [0.9, 0.4, 0.3];
+        assert_eq!(
+            promote_sentences("What does git stash pop do?", &split, &mut scores),
+            1
+        );
+        // Raised above the best, the others untouched.
+        assert_eq!(crate::rerank::ranking(&scores), [2, 0, 1]);
+        assert_eq!(scores[..2], [0.9, 0.4]);
+        let mut untouched = [0.9, 0.4, 0.3];
+        assert_eq!(
+            promote_sentences("How do I stash?", &split, &mut untouched),
+            0
+        );
+        assert_eq!(untouched, [0.9, 0.4, 0.3]);
     }
 
     #[test]
