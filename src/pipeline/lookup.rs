@@ -10,16 +10,33 @@
 //! the question says right after it. Retrieval adds the passages holding such a sentence that
 //! the nearest vectors missed ([`fetch`]), the rerank stage puts them first ([`promote`]), and
 //! the context stage makes that sentence the passage's best.
+//!
+//! A manual's EXAMPLES are entries too, titled by the task they show (git-reset's
+//! `Undo add`, git-diff's `Comparing branches`). A question that says every word of such a
+//! title ("How do I undo git add?") asks for that example, wherever its page is: the
+//! question names no page, and dense vectors put git-rm's `SEE ALSO [git-add(1)]` nearer to
+//! it. Titles are compared after the BM25 tokenizer (stopwords out, words stemmed), and the
+//! passages are found by BM25 over the whole collection.
 
 use std::collections::HashSet;
 
 use super::context::{entry_term, split_passage, SplitPassage};
+use crate::retrieve::lexical;
 use crate::retrieve::VectorStore;
 use crate::retrieve::{Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError};
 use crate::telemetry::span::Stage;
 
 /// Chunks searched within the pages a question may name, for entries retrieval missed.
 const PAGE_TOP_K: usize = 64;
+
+/// Chunks the question's words find by BM25 over the whole collection, searched for an
+/// example it asks for.
+const EXAMPLE_TOP_K: usize = 16;
+
+/// Words an example's title has at least (after the tokenizer), and at most as written: one
+/// word ("Examples") names no task, and a long run is prose that ran into a shell prompt.
+const TITLE_TERMS_MIN: usize = 2;
+const TITLE_WORDS_MAX: usize = 12;
 
 /// Words that follow a command in a question without being its subcommand ("Which git
 /// rev-parse option prints…").
@@ -135,16 +152,65 @@ fn heads(sentence: &str) -> Vec<String> {
     }
 }
 
-/// What a question names: the command word's position and the words after it.
+/// The task an EXAMPLES entry starting `sentence` is titled by: the words before its first
+/// shell prompt (`Undo add` of `Undo add $ edit <1> $ git add frotz.c …`; `Clone from
+/// upstream` of the list item `* Clone from upstream: $ git clone …`), in a passage of a
+/// page's EXAMPLES section, capitalised and at most [`TITLE_WORDS_MAX`] words.
+fn example_title<'a>(header: Option<&str>, sentence: &'a str) -> Option<&'a str> {
+    let section = header?.split(" › ").nth(1)?;
+    if !section.eq_ignore_ascii_case("examples") {
+        return None;
+    }
+    let (before, _) = sentence.split_once(" $ ")?;
+    let title = after_last_sentence(before).trim();
+    let title = title
+        .strip_prefix("* ")
+        .unwrap_or(title)
+        .trim_end_matches(':');
+    let words = title.split_whitespace().count();
+    (title.starts_with(char::is_uppercase) && words <= TITLE_WORDS_MAX).then_some(title)
+}
+
+/// What follows the last sentence end in `text`: a `.`, `!` or `?`, with any closing brackets
+/// and quotes after it, then a space. The sentence splitter ends sentences only at a mark
+/// followed by a space, so an example's title can follow a `…doing so.)` in one sentence.
+fn after_last_sentence(text: &str) -> &str {
+    let mut start = 0;
+    let mut after_mark = false;
+    for (i, c) in text.char_indices() {
+        if after_mark && c.is_whitespace() {
+            start = i;
+        }
+        after_mark = matches!(c, '.' | '!' | '?')
+            || (after_mark && matches!(c, ')' | ']' | '"' | '\'' | '’' | '”'));
+    }
+    &text[start..]
+}
+
+/// What a question names: the command word's position and the words after it, and its BM25
+/// terms for the examples it may ask for.
 pub struct Question {
     words: Vec<String>,
+    terms: lexical::Terms,
 }
 
 impl Question {
     pub fn new(question: &str) -> Question {
         Question {
             words: words(question),
+            terms: lexical::query(question),
         }
+    }
+
+    /// Whether `sentence`, in a passage whose header is `header`, starts an example whose
+    /// title's words (at least [`TITLE_TERMS_MIN`], after the BM25 tokenizer) the question
+    /// all says: "How do I undo git add?" asks for git-reset's `Undo add`.
+    fn asks_for_example(&self, header: Option<&str>, sentence: &str) -> bool {
+        let Some(title) = example_title(header, sentence) else {
+            return false;
+        };
+        let title = lexical::query(title).indices;
+        title.len() >= TITLE_TERMS_MIN && title.iter().all(|t| self.terms.indices.contains(t))
     }
 
     /// Whether `sentence`, in a passage whose header is `header`, starts an entry the question
@@ -200,19 +266,29 @@ impl Question {
             .collect()
     }
 
-    /// For each sentence of `passage`, whether it starts an entry the question names.
+    /// For each sentence of `passage`, whether it starts an entry the question names, or
+    /// belongs to an example it asks for: the titled sentence and the shell lines right after
+    /// it, which the sentence splitter cut at a `...` argument (`Undo a commit and redo $ git
+    /// commit ...` then `$ git reset --soft HEAD^ <1> …`).
     pub fn named_sentences(&self, passage: &SplitPassage) -> Vec<bool> {
+        let header = passage.header.as_deref();
+        let mut in_example = false;
         passage
             .sentences
             .iter()
-            .map(|s| self.names(passage.header.as_deref(), s))
+            .map(|s| {
+                in_example =
+                    self.asks_for_example(header, s) || (in_example && s.starts_with("$ "));
+                in_example || self.names(header, s)
+            })
             .collect()
     }
 }
 
-/// Adds to `hits` the chunks that define the entry `question` names and retrieval did not
-/// find: the `PAGE_TOP_K` nearest to `vector` within the pages the question may name
-/// ([`Question::pages`]), kept only if they hold the entry. Returns how many it added.
+/// Adds to `hits` the chunks that define the entry `question` names, or show the example it
+/// asks for, and retrieval did not find: the `PAGE_TOP_K` nearest to `vector` within the pages
+/// the question may name ([`Question::pages`]) and the `EXAMPLE_TOP_K` best BM25 matches of
+/// its words, kept only if they hold the entry or example. Returns how many it added.
 pub fn fetch(
     store: &dyn VectorStore,
     question: &str,
@@ -222,24 +298,33 @@ pub fn fetch(
 ) -> Result<usize, StoreError> {
     let question = Question::new(question);
     let pages = question.pages();
-    if pages.is_empty() {
-        return Ok(0);
+    let mut found = Vec::new();
+    if !pages.is_empty() {
+        let filter = Filter {
+            conditions: vec![Condition {
+                field: FilterField::Metadata("title".into()),
+                matches: MatchValue::AnyKeyword(pages),
+            }],
+        };
+        found = store.search(vector, PAGE_TOP_K, Some(&filter), stage)?;
     }
-    let filter = Filter {
-        conditions: vec![Condition {
-            field: FilterField::Metadata("title".into()),
-            matches: MatchValue::AnyKeyword(pages),
-        }],
-    };
-    let found = store.search(vector, PAGE_TOP_K, Some(&filter), stage)?;
-    let seen: HashSet<String> = hits.iter().map(|h| h.chunk.id.clone()).collect();
+    if question.terms.indices.len() >= TITLE_TERMS_MIN {
+        let examples = store.search_lexical(&question.terms, vector, EXAMPLE_TOP_K, None, stage)?;
+        found.extend(examples);
+    }
+    let mut seen: HashSet<String> = hits.iter().map(|h| h.chunk.id.clone()).collect();
     let before = hits.len();
-    hits.extend(found.into_iter().filter(|h| {
-        !seen.contains(&h.chunk.id)
-            && question
-                .named_sentences(&split_passage(&h.chunk.text))
+    for hit in found {
+        let holds = || {
+            question
+                .named_sentences(&split_passage(&hit.chunk.text))
                 .contains(&true)
-    }));
+        };
+        if !seen.contains(&hit.chunk.id) && holds() {
+            seen.insert(hit.chunk.id.clone());
+            hits.push(hit);
+        }
+    }
     Ok(hits.len() - before)
 }
 
@@ -433,6 +518,42 @@ mod tests {
             0
         );
         assert_eq!(untouched, [0.9, 0.4, 0.3]);
+    }
+
+    #[test]
+    fn a_question_saying_every_word_of_an_example_title_asks_for_it() {
+        let q = Question::new("How do I undo git add?");
+        let examples = Some("git-reset(1) › EXAMPLES");
+        assert!(q.asks_for_example(examples, "Undo add $ edit <1> $ git add frotz.c <2>"));
+        // A title the splitter left behind the previous sentence's `.)`.
+        let merge = Question::new("How do I undo a merge or pull?");
+        let late = "(See git-rebase(1) for why.) Undo a merge or pull $ git pull <1>";
+        assert!(merge.asks_for_example(examples, late));
+        let upstream = Question::new("How do I clone from upstream?");
+        let item = "* Clone from upstream: $ git clone git://example.org/linux.git";
+        assert!(upstream.asks_for_example(Some("git-clone(1) › EXAMPLES"), item));
+        // Inflections meet after the tokenizer.
+        let compare = Question::new("How can I compare two branches?");
+        assert!(compare.asks_for_example(
+            Some("git-diff(1) › EXAMPLES"),
+            "Comparing branches $ git diff topic master <1>"
+        ));
+        // A title word the question does not say, a one-word title: no.
+        assert!(!q.asks_for_example(examples, "Undo a commit and redo $ git commit …"));
+        assert!(!Question::new("How do I undo it?").asks_for_example(examples, "Undo $ git reset"));
+        // Outside EXAMPLES, without a prompt, lower-case or long prose before a prompt: no.
+        assert!(!q.asks_for_example(Some("git-reset(1) › DESCRIPTION"), "Undo add $ edit"));
+        assert!(!q.asks_for_example(None, "Undo add $ edit"));
+        assert!(!q.asks_for_example(examples, "Undo add the changes."));
+        assert!(!q.asks_for_example(examples, "undo add $ edit"));
+        let prose = "Once you have run git add you may want to undo it and this shows how to undo \
+                     add $ git reset";
+        assert!(!q.asks_for_example(examples, prose));
+        // Through the passage's sentences, like an entry.
+        let split = split_passage(
+            "git-reset(1) › EXAMPLES\nSee the index. Undo add $ edit <1> $ git reset <2>",
+        );
+        assert_eq!(q.named_sentences(&split), [false, true]);
     }
 
     #[test]

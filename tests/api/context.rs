@@ -331,6 +331,47 @@ async fn a_question_naming_an_entry_gets_its_definition_first() {
 }
 
 #[tokio::test]
+async fn a_question_saying_an_example_title_gets_that_example_from_any_page() {
+    record_spans();
+    // The task's example sits on a page the question does not name; an FAQ that echoes the
+    // question is the nearest chunk.
+    let page = "# toaster(1)\n\n## DESCRIPTION\n\nThe toaster browns bread.\n\n## EXAMPLES\n\n\
+                Undo a burn\n$ toaster scrape --gently\nScrapes the black layer off.\n";
+    let faq = "# Kitchen FAQ\n\nHow do I undo a burn? Many people ask how to undo a burn, and \
+               how to undo a burn quickly.\n";
+    let app = spawn_app().await;
+    app.ingest(json!([
+        {"id": "toaster", "text": page, "format": "markdown"},
+        {"id": "faq", "text": faq, "format": "markdown"}
+    ]))
+    .await;
+    let (status, body) = app
+        .post(
+            "/v1/rag/query",
+            &json!({"query": "How do I undo a burn?", "max_tokens": 1, "top_k": 1}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let spans = last_trace(&app).await;
+    let retrieval = span(&spans, "retrieval");
+    assert_eq!(
+        int(retrieval, "rag.retrieval.lookup.added"),
+        1,
+        "{retrieval}"
+    );
+    let first = body["sources"][0]["text"].as_str().unwrap();
+    assert!(first.contains("Undo a burn $ toaster scrape"), "{body}");
+    assert_eq!(
+        int(span(&spans, "rerank"), "rag.rerank.entries_looked_up"),
+        1
+    );
+    assert_eq!(
+        int(span(&spans, "context"), "rag.context.entries_looked_up"),
+        1
+    );
+}
+
+#[tokio::test]
 async fn bad_context_fields_are_refused_by_name() {
     let app = spawn_app().await;
     for (body, field) in [
