@@ -355,8 +355,8 @@ pub struct PipelineArgs {
     /// entry's definition, and one that says every word of an EXAMPLES title ("How do I undo
     /// git add?": git-reset's `Undo add`) gets that example: retrieval adds the passages
     /// holding them that it missed, the rerank stage puts them first, and in `sentences`
-    /// context the defining sentence is the passage's best (docs/CONTEXT.md). The reordering
-    /// needs a reranker.
+    /// context the defining sentence (or the example's titled sentence and shell lines)
+    /// scores best (docs/CONTEXT.md). The reordering needs a reranker.
     #[arg(long, env = "RAGSCOPE_ENTRY_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
     pub entry_lookup: bool,
     /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says

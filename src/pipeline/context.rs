@@ -154,8 +154,8 @@ pub struct ContextSettings {
     pub order: ContextOrder,
     /// Headers name the entry term of their passage's best sentence (`sentences` mode).
     pub terms: bool,
-    /// A sentence that starts the entry the question names scores above every other
-    /// (`sentences` mode; [`super::lookup`]).
+    /// A sentence that starts the entry the question names, or belongs to the example it asks
+    /// for, scores above every other (`sentences` mode; [`super::lookup`]).
     pub lookup: bool,
 }
 
@@ -264,8 +264,8 @@ pub struct Selection {
     /// `tokens_out`, which the budget bounds).
     pub terms_named: usize,
     pub term_tokens: usize,
-    /// Sentences that start the entry the question names, scored above the rest
-    /// ([`ContextSettings::lookup`]).
+    /// Sentences that start the entry the question names or belong to the example it asks
+    /// for, scored above the rest ([`ContextSettings::lookup`]).
     pub entries_looked_up: usize,
 }
 

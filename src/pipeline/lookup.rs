@@ -33,9 +33,12 @@ const PAGE_TOP_K: usize = 64;
 /// example it asks for.
 const EXAMPLE_TOP_K: usize = 16;
 
-/// Words an example's title has at least (after the tokenizer), and at most as written: one
-/// word ("Examples") names no task, and a long run is prose that ran into a shell prompt.
+/// Words an example's title has at least, after the BM25 tokenizer: one word ("Examples")
+/// names no task.
 const TITLE_TERMS_MIN: usize = 2;
+
+/// Words an example's title has at most, as written: a longer run before a shell prompt is
+/// prose.
 const TITLE_WORDS_MAX: usize = 12;
 
 /// Words that follow a command in a question without being its subcommand ("Which git
@@ -152,19 +155,24 @@ fn heads(sentence: &str) -> Vec<String> {
     }
 }
 
-/// The task an EXAMPLES entry starting `sentence` is titled by: the words before its first
+/// Whether a passage whose header is `header` is in a page's EXAMPLES section (`git-reset(1)
+/// › EXAMPLES`), where [`example_title`] looks for titles.
+fn in_examples(header: Option<&str>) -> bool {
+    header
+        .and_then(|h| h.split(" › ").nth(1))
+        .is_some_and(|section| section.eq_ignore_ascii_case("examples"))
+}
+
+/// The task an example entry starting `sentence` is titled by: the words before its first
 /// shell prompt (`Undo add` of `Undo add $ edit <1> $ git add frotz.c …`; `Clone from
-/// upstream` of the list item `* Clone from upstream: $ git clone …`), in a passage of a
-/// page's EXAMPLES section, capitalised and at most [`TITLE_WORDS_MAX`] words.
-fn example_title<'a>(header: Option<&str>, sentence: &'a str) -> Option<&'a str> {
-    let section = header?.split(" › ").nth(1)?;
-    if !section.eq_ignore_ascii_case("examples") {
-        return None;
-    }
+/// upstream` of the list item `* Clone from upstream: $ git clone …`), capitalised and at most
+/// [`TITLE_WORDS_MAX`] words.
+fn example_title(sentence: &str) -> Option<&str> {
     let (before, _) = sentence.split_once(" $ ")?;
     let title = after_last_sentence(before).trim();
-    let title = title
-        .strip_prefix("* ")
+    let title = ["* ", "- "]
+        .iter()
+        .find_map(|item| title.strip_prefix(item))
         .unwrap_or(title)
         .trim_end_matches(':');
     let words = title.split_whitespace().count();
@@ -202,15 +210,19 @@ impl Question {
         }
     }
 
-    /// Whether `sentence`, in a passage whose header is `header`, starts an example whose
-    /// title's words (at least [`TITLE_TERMS_MIN`], after the BM25 tokenizer) the question
-    /// all says: "How do I undo git add?" asks for git-reset's `Undo add`.
-    fn asks_for_example(&self, header: Option<&str>, sentence: &str) -> bool {
-        let Some(title) = example_title(header, sentence) else {
+    /// Whether `sentence`, in an EXAMPLES passage ([`in_examples`]), starts an example the
+    /// question asks for: the question says every word of its title (at least
+    /// [`TITLE_TERMS_MIN`], after the BM25 tokenizer), and the title is at least half of what
+    /// the question says, so a long question does not ask for every short title it happens
+    /// to cover. "How do I undo git add?" asks for git-reset's `Undo add`.
+    fn asks_for_example(&self, sentence: &str) -> bool {
+        let Some(title) = example_title(sentence) else {
             return false;
         };
         let title = lexical::query(title).indices;
-        title.len() >= TITLE_TERMS_MIN && title.iter().all(|t| self.terms.indices.contains(t))
+        title.len() >= TITLE_TERMS_MIN
+            && 2 * title.len() >= self.terms.indices.len()
+            && title.iter().all(|t| self.terms.indices.contains(t))
     }
 
     /// Whether `sentence`, in a passage whose header is `header`, starts an entry the question
@@ -272,13 +284,14 @@ impl Question {
     /// commit ...` then `$ git reset --soft HEAD^ <1> …`).
     pub fn named_sentences(&self, passage: &SplitPassage) -> Vec<bool> {
         let header = passage.header.as_deref();
+        let examples = in_examples(header);
         let mut in_example = false;
         passage
             .sentences
             .iter()
             .map(|s| {
                 in_example =
-                    self.asks_for_example(header, s) || (in_example && s.starts_with("$ "));
+                    examples && (self.asks_for_example(s) || (in_example && s.starts_with("$ ")));
                 in_example || self.names(header, s)
             })
             .collect()
@@ -309,18 +322,20 @@ pub fn fetch(
         found = store.search(vector, PAGE_TOP_K, Some(&filter), stage)?;
     }
     if question.terms.indices.len() >= TITLE_TERMS_MIN {
-        let examples = store.search_lexical(&question.terms, vector, EXAMPLE_TOP_K, None, stage)?;
-        found.extend(examples);
+        // The page search's finds survive a failed example search.
+        match store.search_lexical(&question.terms, vector, EXAMPLE_TOP_K, None, stage) {
+            Ok(examples) => found.extend(examples),
+            Err(e) => tracing::warn!(error = %e, "example lookup's search failed"),
+        }
     }
     let mut seen: HashSet<String> = hits.iter().map(|h| h.chunk.id.clone()).collect();
     let before = hits.len();
     for hit in found {
-        let holds = || {
-            question
+        if !seen.contains(&hit.chunk.id)
+            && question
                 .named_sentences(&split_passage(&hit.chunk.text))
                 .contains(&true)
-        };
-        if !seen.contains(&hit.chunk.id) && holds() {
+        {
             seen.insert(hit.chunk.id.clone());
             hits.push(hit);
         }
@@ -329,7 +344,7 @@ pub fn fetch(
 }
 
 /// Raises the scores of the passages (`texts`, scored by `scores`) that hold a sentence starting
-/// the entry `question` names above every other passage's, their order among themselves kept;
+/// the entry `question` names, or the example it asks for, above every other passage's, their order among themselves kept;
 /// returns how many it raised. The rerank stage's step.
 pub fn promote(question: &str, texts: &[&str], scores: &mut [f32]) -> usize {
     let question = Question::new(question);
@@ -340,7 +355,8 @@ pub fn promote(question: &str, texts: &[&str], scores: &mut [f32]) -> usize {
 }
 
 /// Raises the scores of the sentences (of `split`, in its order, as `scores` is) that start
-/// the entry `question` names above every other sentence's, so one is kept first and its
+/// the entry `question` names, or belong to the example it asks for, above every other
+/// sentence's, so one is kept first and its
 /// passage counts as the best; returns how many it raised. The context stage's step.
 pub fn promote_sentences(question: &str, split: &[SplitPassage], scores: &mut [f32]) -> usize {
     let question = Question::new(question);
@@ -523,37 +539,48 @@ mod tests {
     #[test]
     fn a_question_saying_every_word_of_an_example_title_asks_for_it() {
         let q = Question::new("How do I undo git add?");
-        let examples = Some("git-reset(1) › EXAMPLES");
-        assert!(q.asks_for_example(examples, "Undo add $ edit <1> $ git add frotz.c <2>"));
-        // A title the splitter left behind the previous sentence's `.)`.
+        assert!(q.asks_for_example("Undo add $ edit <1> $ git add frotz.c <2>"));
+        // A title the splitter left behind the previous sentence's `.)` or a closing quote.
         let merge = Question::new("How do I undo a merge or pull?");
-        let late = "(See git-rebase(1) for why.) Undo a merge or pull $ git pull <1>";
-        assert!(merge.asks_for_example(examples, late));
+        assert!(
+            merge.asks_for_example("(See git-rebase(1) for why.) Undo a merge or pull $ git pull")
+        );
+        assert!(merge.asks_for_example("It’s “done.” Undo a merge or pull $ git pull"));
+        // A list item's marker and colon are not the title.
         let upstream = Question::new("How do I clone from upstream?");
-        let item = "* Clone from upstream: $ git clone git://example.org/linux.git";
-        assert!(upstream.asks_for_example(Some("git-clone(1) › EXAMPLES"), item));
+        assert!(upstream.asks_for_example("* Clone from upstream: $ git clone git://a.example/l"));
+        assert!(upstream.asks_for_example("- Clone from upstream: $ git clone git://a.example/l"));
         // Inflections meet after the tokenizer.
         let compare = Question::new("How can I compare two branches?");
-        assert!(compare.asks_for_example(
-            Some("git-diff(1) › EXAMPLES"),
-            "Comparing branches $ git diff topic master <1>"
-        ));
+        assert!(compare.asks_for_example("Comparing branches $ git diff topic master <1>"));
         // A title word the question does not say, a one-word title: no.
-        assert!(!q.asks_for_example(examples, "Undo a commit and redo $ git commit …"));
-        assert!(!Question::new("How do I undo it?").asks_for_example(examples, "Undo $ git reset"));
-        // Outside EXAMPLES, without a prompt, lower-case or long prose before a prompt: no.
-        assert!(!q.asks_for_example(Some("git-reset(1) › DESCRIPTION"), "Undo add $ edit"));
-        assert!(!q.asks_for_example(None, "Undo add $ edit"));
-        assert!(!q.asks_for_example(examples, "Undo add the changes."));
-        assert!(!q.asks_for_example(examples, "undo add $ edit"));
-        let prose = "Once you have run git add you may want to undo it and this shows how to undo \
-                     add $ git reset";
-        assert!(!q.asks_for_example(examples, prose));
-        // Through the passage's sentences, like an entry.
-        let split = split_passage(
-            "git-reset(1) › EXAMPLES\nSee the index. Undo add $ edit <1> $ git reset <2>",
+        assert!(!q.asks_for_example("Undo a commit and redo $ git commit …"));
+        assert!(!Question::new("How do I undo it?").asks_for_example("Undo $ git reset"));
+        // A long question does not ask for every short title it covers.
+        let long = Question::new(
+            "Which option makes git log list the commits that touched a file and show branches?",
         );
-        assert_eq!(q.named_sentences(&split), [false, true]);
+        assert!(!long.asks_for_example("Show branches $ git show-branch"));
+        // No prompt, lower case, or prose longer than a title before the prompt: no title.
+        assert_eq!(example_title("Undo add the changes."), None);
+        assert_eq!(example_title("undo add $ edit"), None);
+        let prose = "Undo add and then undo add again and again and again and again $ git reset";
+        assert_eq!(example_title(prose), None);
+    }
+
+    #[test]
+    fn an_example_is_its_titled_sentence_and_the_shell_lines_after_it_in_examples_only() {
+        let q = Question::new("How do I undo git add?");
+        let split = split_passage(
+            "git-reset(1) › EXAMPLES\nSee the index. Undo add $ git commit ... $ git reset <1> 1. \
+             Prose after it. $ git log ...",
+        );
+        assert_eq!(q.named_sentences(&split), [false, true, true, false, false]);
+        // The same sentences outside EXAMPLES, or without a header, are no example.
+        for header in ["git-reset(1) › DESCRIPTION\n", ""] {
+            let other = split_passage(&format!("{header}Undo add $ edit <1> $ git reset <2>"));
+            assert_eq!(q.named_sentences(&other), [false], "{header}");
+        }
     }
 
     #[test]

@@ -339,36 +339,55 @@ async fn a_question_saying_an_example_title_gets_that_example_from_any_page() {
                 Undo a burn\n$ toaster scrape --gently\nScrapes the black layer off.\n";
     let faq = "# Kitchen FAQ\n\nHow do I undo a burn? Many people ask how to undo a burn, and \
                how to undo a burn quickly.\n";
-    let app = spawn_app().await;
-    app.ingest(json!([
-        {"id": "toaster", "text": page, "format": "markdown"},
-        {"id": "faq", "text": faq, "format": "markdown"}
-    ]))
-    .await;
-    let (status, body) = app
-        .post(
-            "/v1/rag/query",
-            &json!({"query": "How do I undo a burn?", "max_tokens": 1, "top_k": 1}),
-        )
+    for lookup in ["true", "false"] {
+        let app = spawn_app_with(&["--entry-lookup", lookup]).await;
+        app.ingest(json!([
+            {"id": "toaster", "text": page, "format": "markdown"},
+            {"id": "faq", "text": faq, "format": "markdown"}
+        ]))
         .await;
-    assert_eq!(status, 200, "{body}");
-    let spans = last_trace(&app).await;
-    let retrieval = span(&spans, "retrieval");
-    assert_eq!(
-        int(retrieval, "rag.retrieval.lookup.added"),
-        1,
-        "{retrieval}"
-    );
-    let first = body["sources"][0]["text"].as_str().unwrap();
-    assert!(first.contains("Undo a burn $ toaster scrape"), "{body}");
-    assert_eq!(
-        int(span(&spans, "rerank"), "rag.rerank.entries_looked_up"),
-        1
-    );
-    assert_eq!(
-        int(span(&spans, "context"), "rag.context.entries_looked_up"),
-        1
-    );
+        let ask = |query: &'static str| {
+            let app = &app;
+            async move {
+                let body = json!({"query": query, "max_tokens": 1, "top_k": 1});
+                let (status, body) = app.post("/v1/rag/query", &body).await;
+                assert_eq!(status, 200, "{body}");
+                let first = body["sources"][0]["text"].as_str().unwrap().to_string();
+                (first, last_trace(app).await)
+            }
+        };
+        let (first, spans) = ask("How do I undo a burn?").await;
+        let retrieval = span(&spans, "retrieval");
+        if lookup == "true" {
+            assert_eq!(
+                int(retrieval, "rag.retrieval.lookup.added"),
+                1,
+                "{retrieval}"
+            );
+            assert!(first.contains("Undo a burn $ toaster scrape"), "{first}");
+            assert_eq!(
+                int(span(&spans, "rerank"), "rag.rerank.entries_looked_up"),
+                1
+            );
+            let context = span(&spans, "context");
+            assert_eq!(int(context, "rag.context.entries_looked_up"), 1);
+            // A question missing one of the title's words asks for no example.
+            let (_, spans) = ask("How do I undo a toast?").await;
+            let retrieval = span(&spans, "retrieval");
+            assert_eq!(
+                int(retrieval, "rag.retrieval.lookup.added"),
+                0,
+                "{retrieval}"
+            );
+            assert_eq!(
+                int(span(&spans, "rerank"), "rag.rerank.entries_looked_up"),
+                0
+            );
+        } else {
+            assert_eq!(attribute(retrieval, "rag.retrieval.lookup.added"), None);
+            assert!(first.contains("Kitchen FAQ"), "{first}");
+        }
+    }
 }
 
 #[tokio::test]
