@@ -196,6 +196,15 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             tally.add(&answer, ok);
             let in_context = answer.context.iter().any(|c| has_fact(c));
             tally.in_context += in_context as usize;
+            let sources = format!("{} {}", q.question, answer.context.join(" "));
+            let names = names(&answer.answer);
+            let invented: Vec<&str> = names
+                .iter()
+                .copied()
+                .filter(|n| !sources.contains(n))
+                .collect();
+            tally.names += names.len();
+            tally.invented += invented.len();
             if let Some(out) = &mut dump {
                 let line = json!({
                     "id": q.id,
@@ -205,6 +214,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                     "answer": answer.answer,
                     "ok": ok,
                     "fact_in_context": in_context,
+                    "invented_names": invented,
                     "prompt_tokens": answer.usage.prompt_tokens,
                     "completion_tokens": answer.usage.completion_tokens,
                     "finish_reason": answer.finish_reason.as_str(),
@@ -229,7 +239,8 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         println!(
             "\nanswer contains expected fact: {}/{n_answers} = {:.3}; mean prompt tokens {:.0}, \
              mean answer tokens {:.1}; ran to max_tokens {}, repeated a phrase {}; the fact was \
-             in the context for {}",
+             in the context for {}; names in the answers {}, of them not in the question or \
+             context (invented) {}",
             tally.correct,
             tally.correct as f64 / n,
             tally.prompt_tokens as f64 / n,
@@ -237,6 +248,8 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             tally.length,
             tally.repeats,
             tally.in_context,
+            tally.names,
+            tally.invented,
         );
         let mut readme = AnswerTally::default();
         println!("\nthe README's examples:");
@@ -259,6 +272,8 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             "ran_to_max_tokens": tally.length,
             "repeated_a_phrase": tally.repeats,
             "fact_in_context": tally.in_context,
+            "names_in_answers": tally.names,
+            "invented_names": tally.invented,
             "readme_examples": {"ran_to_max_tokens": readme.length, "repeated_a_phrase": readme.repeats},
         }));
     }
@@ -324,6 +339,10 @@ struct AnswerTally {
     repeats: usize,
     /// Questions whose context (what the prompt got) contained the expected fact.
     in_context: usize,
+    /// Names in the answers ([`names`]), and those found in neither the question nor the
+    /// context: an option or command the generator made up, or garbled while copying it.
+    names: usize,
+    invented: usize,
 }
 
 impl AnswerTally {
@@ -356,6 +375,29 @@ pub fn repeats_a_phrase(text: &str) -> bool {
     words.windows(LOOP_WORDS).any(|w| !seen.insert(w.join(" ")))
 }
 
+/// The names an answer uses, each once: options (`--depth`, `-p`), dashed names
+/// (`git-stash`, `remote-tracking`) and dotted configuration variables (`pull.rebase`, not
+/// `e.g`), with surrounding punctuation and a trailing `.` or `-` dropped.
+pub fn names(text: &str) -> Vec<&str> {
+    let mut out: Vec<&str> = Vec::new();
+    let parts = text.split(|c: char| !(c.is_alphanumeric() || matches!(c, '-' | '.' | '_')));
+    for word in parts {
+        let word = word.trim_start_matches('.').trim_end_matches(['.', '-']);
+        let bare = word.trim_start_matches('-');
+        let option = word.starts_with('-') && bare.starts_with(char::is_alphabetic);
+        let joined = |mark: char, shortest: usize| {
+            word.starts_with(char::is_alphabetic)
+                && word.contains(mark)
+                && word.split(mark).all(|p| p.chars().count() >= shortest)
+        };
+        let name = option || joined('-', 1) || joined('.', 2);
+        if name && !out.contains(&word) {
+            out.push(word);
+        }
+    }
+    out
+}
+
 /// The first `n` evaluation questions (the benchmark's fixed query set).
 pub fn first_questions(path: &Path, n: usize) -> Result<Vec<String>> {
     Ok(load_questions(path)?
@@ -367,7 +409,23 @@ pub fn first_questions(path: &Path, n: usize) -> Result<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
-    use super::repeats_a_phrase;
+    use super::{names, repeats_a_phrase};
+
+    #[test]
+    fn an_answers_names_are_its_options_dashed_names_and_variables() {
+        let answer = "Run `git-clone --depth=1` (see pull.rebase, -p and remote-tracking). \
+                      Then git-clone again; a - b, e.g. 1.5, --, x-.";
+        assert_eq!(
+            names(answer),
+            [
+                "git-clone",
+                "--depth",
+                "pull.rebase",
+                "-p",
+                "remote-tracking"
+            ]
+        );
+    }
 
     #[test]
     fn a_looping_answer_repeats_a_phrase_and_a_short_one_does_not() {
