@@ -158,16 +158,28 @@ impl Penalties {
     }
 
     /// Calls `f` with each token that would complete an n-gram already generated: the last
-    /// `ngram - 1` tokens appeared before, followed by it.
+    /// `ngram - 1` tokens appeared before, followed by it. An n-gram the context holds more
+    /// often than the answer so far is not blocked: a name the context repeats (`git stash`
+    /// of "git stash pop … the inverse of git stash push", three tokens) may be repeated, where
+    /// a loop over the answer's own words, or over one sentence it copied, may not.
     fn for_each_blocked(&self, mut f: impl FnMut(u32)) {
         let (n, h) = (self.ngram, &self.history);
         if n == 0 || h.len() + 1 < n {
             return;
         }
         let tail = &h[h.len() + 1 - n..];
+        let occurrences = |tokens: &[u32], token: u32| {
+            tokens
+                .windows(n)
+                .filter(|w| w[..n - 1] == *tail && w[n - 1] == token)
+                .count()
+        };
         for i in 0..h.len() + 1 - n {
             if h[i..i + n - 1] == *tail {
-                f(h[i + n - 1]);
+                let token = h[i + n - 1];
+                if occurrences(&self.context, token) <= occurrences(h, token) {
+                    f(token);
+                }
             }
         }
     }
@@ -233,7 +245,7 @@ impl Sampler {
                 p.favoured.sort_unstable();
                 p.favoured.dedup();
             }
-            if p.copy != 0.0 {
+            if p.copy != 0.0 || p.ngram > 0 {
                 p.context = context.to_vec();
             }
             p.answer_from = p.history.len();
@@ -546,6 +558,36 @@ mod tests {
             ..Sampling::default()
         };
         assert_eq!(greedy_after(unigram, &[3.0, 2.0, 1.0], &[0, 1]), 2);
+    }
+
+    #[test]
+    fn an_ngram_the_context_repeats_may_be_repeated_as_often_as_it_does() {
+        let s = Sampling {
+            no_repeat_ngram: 3,
+            ..Sampling::default()
+        };
+        let mut host = vec![0.0; 8];
+        host[7] = 5.0;
+        host[4] = 1.0;
+        let logits = Logits::Host(host);
+        let answer = [5, 6, 7, 1, 5, 6];
+        let pick = |context: &[u32]| {
+            let mut sampler = Sampler::for_request(&s, &[], context, &[]);
+            answer
+                .iter()
+                .for_each(|&t| sampler.penalties.as_mut().unwrap().accept(t));
+            sampler.sample(&logits).unwrap()
+        };
+        // "5 6 7" twice in the context: the answer may say it a second time, not a third.
+        assert_eq!(pick(&[5, 6, 7, 2, 5, 6, 7]), 7);
+        assert_eq!(pick(&[5, 6, 7, 2]), 4);
+        assert_eq!(pick(&[]), 4);
+        let thrice = [5, 6, 7, 1, 5, 6, 7, 1, 5, 6];
+        let mut sampler = Sampler::for_request(&s, &[], &[5, 6, 7, 2, 5, 6, 7], &[]);
+        thrice
+            .iter()
+            .for_each(|&t| sampler.penalties.as_mut().unwrap().accept(t));
+        assert_eq!(sampler.sample(&logits).unwrap(), 4);
     }
 
     #[test]
