@@ -197,11 +197,12 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             let in_context = answer.context.iter().any(|c| has_fact(c));
             tally.in_context += in_context as usize;
             let sources = format!("{} {}", q.question, answer.context.join(" "));
+            let known = names(&sources);
             let names = names(&answer.answer);
             let invented: Vec<&str> = names
                 .iter()
                 .copied()
-                .filter(|n| !sources.contains(n))
+                .filter(|n| !known.contains(n))
                 .collect();
             tally.names += names.len();
             tally.invented += invented.len();
@@ -377,7 +378,10 @@ pub fn repeats_a_phrase(text: &str) -> bool {
 
 /// The names an answer uses, each once: options (`--depth`, `-p`), dashed names
 /// (`git-stash`, `remote-tracking`) and dotted configuration variables (`pull.rebase`, not
-/// `e.g`), with surrounding punctuation and a trailing `.` or `-` dropped.
+/// `e.g`), with surrounding punctuation and a trailing `.` or `-` dropped. Compared whole
+/// against the sources' names, so `-p` is not found in `--prune`. English compounds
+/// (`up-to-date`) count too, and `--no-autostash` is not found in `--[no-]autostash`: both
+/// sides of a comparison carry the same noise.
 pub fn names(text: &str) -> Vec<&str> {
     let mut out: Vec<&str> = Vec::new();
     let parts = text.split(|c: char| !(c.is_alphanumeric() || matches!(c, '-' | '.' | '_')));

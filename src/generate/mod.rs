@@ -70,7 +70,9 @@ pub struct Sampling {
     /// HF / llama.cpp's `repetition_penalty` (1 = off): a generated token's positive logit is
     /// divided by it, a negative one multiplied.
     pub repetition_penalty: f32,
-    /// Never generate an n-gram of this many tokens twice (0 = off), as HF's `no_repeat_ngram_size`.
+    /// Never generate an n-gram of this many tokens twice (0 = off), as HF's
+    /// `no_repeat_ngram_size`, unless the context passages ([`Sampling::context_tokens`]) hold
+    /// it more often than the answer so far.
     pub no_repeat_ngram: usize,
     /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
     pub penalize_prompt: bool,
@@ -207,7 +209,8 @@ pub struct GenerateRequest<'a> {
     /// `Some(k)`: each generated token's log-probability and its `k` (at most
     /// [`MAX_TOP_LOGPROBS`]) most likely alternatives.
     pub logprobs: Option<usize>,
-    /// The tokens of the prompt's context passages, which [`Sampling::context_bias`] favours
+    /// The tokens of the prompt's context passages, which [`Sampling::context_bias`] favours,
+    /// the copy bias continues and the n-gram block allows as often as they hold an n-gram
     /// (empty: none).
     pub context_tokens: &'a [u32],
 }

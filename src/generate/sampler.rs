@@ -55,8 +55,8 @@ struct Penalties {
     /// The context's distinct tokens, and what is added to their logits.
     favoured: Vec<u32>,
     bias: f32,
-    /// The context's tokens in order, and what is added to the logits of the tokens that
-    /// continue there the answer's last tokens.
+    /// The context's tokens in order: what is added to the logits of the tokens that continue
+    /// there the answer's last tokens, and the n-grams the block allows as often as it holds them.
     context: Vec<u32>,
     copy: f32,
     /// Where the answer starts in `history` (after the prompt, when that was counted).
@@ -159,29 +159,36 @@ impl Penalties {
 
     /// Calls `f` with each token that would complete an n-gram already generated: the last
     /// `ngram - 1` tokens appeared before, followed by it. An n-gram the context holds more
-    /// often than the answer so far is not blocked: a name the context repeats (`git stash`
-    /// of "git stash pop … the inverse of git stash push", three tokens) may be repeated, where
-    /// a loop over the answer's own words, or over one sentence it copied, may not.
+    /// often than the history is not blocked: a name the context repeats (`git stash` of "git
+    /// stash pop … the inverse of git stash push", three tokens) may be repeated, where a loop
+    /// over the answer's own words, or over a sentence it copied, is stopped once it has said
+    /// it as often as the context does. With `penalize_prompt` the history holds the prompt,
+    /// context included, so nothing is allowed: the block is HF's. One pass over the history
+    /// and one over the context.
     fn for_each_blocked(&self, mut f: impl FnMut(u32)) {
         let (n, h) = (self.ngram, &self.history);
         if n == 0 || h.len() + 1 < n {
             return;
         }
         let tail = &h[h.len() + 1 - n..];
-        let occurrences = |tokens: &[u32], token: u32| {
-            tokens
-                .windows(n)
-                .filter(|w| w[..n - 1] == *tail && w[n - 1] == token)
-                .count()
-        };
-        for i in 0..h.len() + 1 - n {
-            if h[i..i + n - 1] == *tail {
-                let token = h[i + n - 1];
-                if occurrences(&self.context, token) <= occurrences(h, token) {
-                    f(token);
+        // Each token completing the n-gram in the history, with how many times the history
+        // holds that n-gram less how many times the context does.
+        let mut excess: HashMap<u32, i64> = HashMap::new();
+        for w in h.windows(n).filter(|w| w[..n - 1] == *tail) {
+            *excess.entry(w[n - 1]).or_default() += 1;
+        }
+        if !excess.is_empty() {
+            for w in self.context.windows(n).filter(|w| w[..n - 1] == *tail) {
+                if let Some(e) = excess.get_mut(&w[n - 1]) {
+                    *e -= 1;
                 }
             }
         }
+        // Allowed only where the context holds the n-gram more often than the history.
+        excess
+            .into_iter()
+            .filter(|&(_, e)| e >= 0)
+            .for_each(|(token, _)| f(token));
     }
 
     fn accept(&mut self, token: u32) {

@@ -169,7 +169,8 @@ impl Pipeline {
             warm.finish();
         }
         let gap = retrieved_at.elapsed();
-        let favoured = if req.sampling.context_bias != 0.0 || req.sampling.copy_bias != 0.0 {
+        let s = &req.sampling;
+        let favoured = if s.context_bias != 0.0 || s.copy_bias != 0.0 || s.no_repeat_ngram > 0 {
             self.generator.tokenize(&texts.join("\n"), false)?
         } else {
             Vec::new()
