@@ -83,6 +83,8 @@ pub struct Prompt {
     pub tokens: Vec<u32>,
     /// Passages (indices into the input) that made it into the prompt.
     pub kept: Vec<usize>,
+    /// Their text as the prompt holds it (the last one cut when `truncated`).
+    pub texts: Vec<String>,
     pub dropped: usize,
     /// Some passage text was cut to fit.
     pub truncated: bool,
@@ -226,10 +228,12 @@ pub fn build_listed(
             }
         }
     }
+    let (kept, texts): (Vec<usize>, Vec<String>) = kept.into_iter().unzip();
     Ok(Prompt {
         tokens,
         dropped: passages.len() - kept.len(),
-        kept: kept.into_iter().map(|(i, _)| i).collect(),
+        kept,
+        texts,
         truncated,
     })
 }
@@ -267,6 +271,33 @@ mod tests {
         assert!(in_order[0] < in_order[1] && in_order[1] < in_order[2]);
         let plain = build_with(&model, template, &[], "Which?", &passages, 16).unwrap();
         assert_eq!(model.detokenize(&plain.tokens).unwrap(), text(&[0, 1, 2]));
+    }
+
+    #[test]
+    fn a_prompt_says_which_passages_it_holds_and_how_much_of_each() {
+        let path = test_model_path();
+        if !path.exists() {
+            eprintln!("skipping: {} not found", path.display());
+            return;
+        }
+        let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
+        let long: String = (0..400).map(|i| format!("word{i} ")).collect();
+        let passages = ["Alpha is first.", long.trim_end(), "Gamma is third."];
+        let template = PromptTemplate::QuestionLast;
+        let whole = build_with(&model, template, &[], "Which?", &passages[..1], 16).unwrap();
+        // Room for the first passage and ~200 more tokens: the second is cut, the third dropped.
+        let max_tokens = 2048 - whole.tokens.len() - 200;
+        let built = build_with(&model, template, &[], "Which?", &passages, max_tokens).unwrap();
+        assert_eq!(built.kept, [0, 1]);
+        assert_eq!((built.dropped, built.truncated), (1, true));
+        assert_eq!(built.texts[0], passages[0]);
+        let cut = &built.texts[1];
+        assert!(passages[1].starts_with(cut.as_str()) && cut.len() < passages[1].len());
+        let prompt = model.detokenize(&built.tokens).unwrap();
+        assert!(
+            prompt.contains(cut.as_str()) && !prompt.contains("Gamma"),
+            "{prompt}"
+        );
     }
 
     #[test]

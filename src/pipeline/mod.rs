@@ -170,8 +170,10 @@ impl Pipeline {
         }
         let gap = retrieved_at.elapsed();
         let s = &req.sampling;
+        // What the prompt holds of the context: passages it dropped or cut to fit are not
+        // there for the answer to copy.
         let favoured = if s.context_bias != 0.0 || s.copy_bias != 0.0 || s.no_repeat_ngram > 0 {
-            self.generator.tokenize(&texts.join("\n"), false)?
+            self.generator.tokenize(&built.texts.join("\n"), false)?
         } else {
             Vec::new()
         };
@@ -196,7 +198,7 @@ impl Pipeline {
         record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
         let mut answer = self.finish(run, sources, generated);
         answer.cache = cache;
-        answer.context = texts.iter().map(|t| t.to_string()).collect();
+        answer.context = built.texts;
         Ok(answer)
     }
 
