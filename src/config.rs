@@ -780,7 +780,7 @@ pub struct BenchArgs {
     #[arg(long)]
     pub kernels: bool,
     /// Instead of the stage figures, time one CPU decode step of the generator's GGUF at 600-650
-    /// positions of context, and its layer matmuls alone.
+    /// positions of context (and at 10-60), and its layer matmuls and output head alone.
     #[arg(long)]
     pub decode_step: bool,
     /// Instead of the stage figures, run the embedder's forwards (candle's, the CPU one in F32

@@ -69,8 +69,9 @@ fn kernels() -> Result<()> {
     Ok(())
 }
 
-/// One sequence's decode step at 600-650 positions of context, and the layer matmuls alone
-/// (what the step would cost if it were only reading weights).
+/// One sequence's decode step at 10-60 and at 600-650 positions of context (the difference is
+/// mostly attention over the cache), and the layer matmuls and the output head alone (what the
+/// step would cost if it were only reading weights).
 fn decode_step(args: &BenchArgs) -> Result<()> {
     let m = &args.models;
     let dir = crate::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
@@ -93,14 +94,17 @@ fn decode_step(args: &BenchArgs) -> Result<()> {
         };
         d.step(&mut [seq], &mut logits)
     };
-    for pos in 0..600 {
-        step(pos)?;
-    }
-    let t = Instant::now();
-    for pos in 600..650 {
-        step(pos)?;
-    }
-    let per_step = t.elapsed().as_secs_f64() * 1e3 / 50.0;
+    let mut time_steps = |positions: std::ops::Range<usize>| -> Result<f64> {
+        let (n, t) = (positions.len(), Instant::now());
+        for pos in positions {
+            step(pos)?;
+        }
+        Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
+    };
+    time_steps(0..10)?;
+    let short = time_steps(10..60)?;
+    time_steps(60..600)?;
+    let per_step = time_steps(600..650)?;
     let mut acts = QActs::default();
     let x = vec![0.5f32; d.dims.ffn];
     let mut out = vec![0f32; 2 * d.dims.ffn];
@@ -117,7 +121,16 @@ fn decode_step(args: &BenchArgs) -> Result<()> {
         }
     }
     let layers = t.elapsed().as_secs_f64() * 1e3 / 20.0;
-    println!("step {per_step:.2} ms, layer matmuls {layers:.2} ms");
+    acts.quantize(&x[..hidden], 1, hidden);
+    let t = Instant::now();
+    for _ in 0..20 {
+        d.head_matmul(&acts, &mut logits);
+    }
+    let head = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+    println!(
+        "step {per_step:.2} ms (at 10-60 positions {short:.2} ms), layer matmuls {layers:.2} ms, \
+         output head {head:.2} ms"
+    );
     Ok(())
 }
 

@@ -132,6 +132,11 @@ impl CpuDecoder {
         self.head.as_ref().unwrap_or(&self.embed)
     }
 
+    /// The output head alone: `logits` from the final-normed, quantised activations.
+    pub fn head_matmul(&self, acts: &QActs, logits: &mut [f32]) {
+        matmul(self.head(), acts, logits);
+    }
+
     pub fn vocab(&self) -> usize {
         self.head().rows()
     }
@@ -268,7 +273,7 @@ impl CpuDecoder {
         }
         rms_norm_rows(&sc.x, &self.final_norm, rms_eps, &mut sc.h);
         sc.acts.quantize(&sc.h, b, hidden);
-        matmul(self.head(), &sc.acts, logits);
+        self.head_matmul(&sc.acts, logits);
         Ok(())
     }
 
