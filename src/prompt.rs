@@ -241,21 +241,16 @@ pub fn build_listed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::llama::{test_model_path, Llama};
+    use crate::generate::llama::test_model;
 
     #[test]
     fn listed_passages_keep_their_source_markers_in_any_order() {
-        let path = test_model_path();
-        if !path.exists() {
-            eprintln!("skipping: {} not found", path.display());
-            return;
-        }
-        let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
+        let Some(model) = test_model() else { return };
         let passages = ["Alpha is first.", "Beta is second.", "Gamma is third."];
         let template = PromptTemplate::QuestionLast;
         let text = |listing: &[usize]| {
             let built =
-                build_listed(&model, template, &[], "Which?", &passages, listing, 16).unwrap();
+                build_listed(model, template, &[], "Which?", &passages, listing, 16).unwrap();
             assert_eq!(built.kept, [0, 1, 2]);
             model.detokenize(&built.tokens).unwrap()
         };
@@ -269,25 +264,20 @@ mod tests {
         assert!(listed[2] < listed[0] && listed[0] < listed[1], "{listed:?}");
         let in_order = places(&text(&[0, 1, 2]));
         assert!(in_order[0] < in_order[1] && in_order[1] < in_order[2]);
-        let plain = build_with(&model, template, &[], "Which?", &passages, 16).unwrap();
+        let plain = build_with(model, template, &[], "Which?", &passages, 16).unwrap();
         assert_eq!(model.detokenize(&plain.tokens).unwrap(), text(&[0, 1, 2]));
     }
 
     #[test]
     fn a_prompt_says_which_passages_it_holds_and_how_much_of_each() {
-        let path = test_model_path();
-        if !path.exists() {
-            eprintln!("skipping: {} not found", path.display());
-            return;
-        }
-        let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
+        let Some(model) = test_model() else { return };
         let long: String = (0..400).map(|i| format!("word{i} ")).collect();
         let passages = ["Alpha is first.", long.trim_end(), "Gamma is third."];
         let template = PromptTemplate::QuestionLast;
-        let whole = build_with(&model, template, &[], "Which?", &passages[..1], 16).unwrap();
+        let whole = build_with(model, template, &[], "Which?", &passages[..1], 16).unwrap();
         // Room for the first passage and ~200 more tokens: the second is cut, the third dropped.
         let max_tokens = 2048 - whole.tokens.len() - 200;
-        let built = build_with(&model, template, &[], "Which?", &passages, max_tokens).unwrap();
+        let built = build_with(model, template, &[], "Which?", &passages, max_tokens).unwrap();
         assert_eq!(built.kept, [0, 1]);
         assert_eq!((built.dropped, built.truncated), (1, true));
         assert_eq!(built.texts[0], passages[0]);
@@ -302,12 +292,7 @@ mod tests {
 
     #[test]
     fn the_head_starts_every_prompt_of_its_question() {
-        let path = test_model_path();
-        if !path.exists() {
-            eprintln!("skipping: {} not found", path.display());
-            return;
-        }
-        let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
+        let Some(model) = test_model() else { return };
         let history = [
             ChatMessage::new("user", "What does git stash do?"),
             ChatMessage::new("assistant", "It shelves your changes."),
@@ -323,9 +308,9 @@ mod tests {
             PromptTemplate::QuestionLast,
             PromptTemplate::Inline,
         ] {
-            let head = head(&model, template, &history, question).unwrap();
+            let head = head(model, template, &history, question).unwrap();
             for kept in [&passages[..0], &passages[..1], &passages[..]] {
-                let built = build_with(&model, template, &history, question, kept, 16).unwrap();
+                let built = build_with(model, template, &history, question, kept, 16).unwrap();
                 assert_eq!(&built.tokens[..head.len()], &head[..], "{template:?}");
             }
             let text = model.detokenize(&head).unwrap();

@@ -40,7 +40,7 @@ use crate::telemetry::names::span;
 use crate::telemetry::span::Stage;
 
 #[cfg(test)]
-pub(crate) use super::testing::test_model_path;
+pub(crate) use super::testing::{model as test_model, test_model_path};
 pub use super::weights::{Bf16Kernel, Prefill, WeightFormat};
 
 /// The model name clients see.

@@ -25,7 +25,7 @@ pub(super) const MAX_CONTEXT: usize = 2048;
 
 /// The default-format model, loaded once for all tests, or `None` (with a note) when the
 /// GGUF is absent.
-pub(super) fn model() -> Option<&'static Llama> {
+pub(crate) fn model() -> Option<&'static Llama> {
     static MODEL: OnceLock<Option<Llama>> = OnceLock::new();
     MODEL
         .get_or_init(|| {
