@@ -13,10 +13,12 @@ use super::cpu_decode::{rms_norm_rows, CpuDecoder, Dims, HostKv};
 use super::host_kv::KvLayer;
 use super::schedule::Scheduler;
 use super::weights::Weights;
-use crate::embed::kernels::{attention_head, silu_mul, Head, HeadRows, Shared};
+use crate::embed::kernels::{
+    attention_head_over, silu_mul, transpose_keys, Head, HeadRows, KeysT, Shared,
+};
 
-/// Queries per attention work item: enough that transposing the item's keys is a small share
-/// of its work (1 / 2 × this), few enough that the causal triangle splits evenly over threads.
+/// Queries per attention work item: few enough that the causal triangle splits evenly over
+/// threads, enough that each key loaded serves several queries.
 const QUERY_BLOCK: usize = 32;
 
 thread_local! {
@@ -62,16 +64,20 @@ pub(super) fn hidden(
     // An F16 cache's keys and values up to the last query, as F32 `(n_kv_head, len, head_dim)`:
     // converted once per layer, so attention reads the same rounded values decode will.
     let (mut keys, mut values) = (Vec::new(), Vec::new());
+    // Each KV head's keys transposed once per layer, for all its query heads and blocks.
+    let mut keys_t = vec![Vec::new(); nkv];
     let (cap, len) = (kv.capacity, pos + t);
     for (li, (layer, norms)) in weights.layers.iter().zip(&decoder.layers).enumerate() {
         let _turn = schedule.compute_turn();
-        rms_norm_rows(&x, &norms.attn_norm, rms_eps, &mut h);
+        by_rows(&mut h, hidden, |r0, h| {
+            rms_norm_rows(&x[r0 * hidden..][..h.len()], &norms.attn_norm, rms_eps, h)
+        });
         layer.qkv.prefill_rows(&h, t, &mut qkv, None)?;
         for (i, row) in qkv.chunks_exact_mut(qkv_width).enumerate() {
             decoder.rope_and_cache(row, pos + i, kv, li);
         }
         match kv.layer(li) {
-            KvLayer::F32(k, v) => attend(&qkv, (k, v), dims, (pos, t, cap), &mut y),
+            KvLayer::F32(k, v) => attend(&qkv, (k, v), dims, (pos, t, cap), &mut keys_t, &mut y),
             KvLayer::F16(..) => {
                 keys.clear();
                 values.clear();
@@ -83,15 +89,26 @@ pub(super) fn hidden(
                         &mut values,
                     );
                 }
-                attend(&qkv, (&keys, &values), dims, (pos, t, len), &mut y);
+                attend(
+                    &qkv,
+                    (&keys, &values),
+                    dims,
+                    (pos, t, len),
+                    &mut keys_t,
+                    &mut y,
+                );
             }
         }
         layer.attn_out.prefill_rows(&y, t, &mut next, Some(&x))?;
         std::mem::swap(&mut x, &mut next);
 
-        rms_norm_rows(&x, &norms.ffn_norm, rms_eps, &mut h);
+        by_rows(&mut h, hidden, |r0, h| {
+            rms_norm_rows(&x[r0 * hidden..][..h.len()], &norms.ffn_norm, rms_eps, h)
+        });
         layer.gate_up.prefill_rows(&h, t, &mut gate_up, None)?;
-        silu_rows(&gate_up, ffn, &mut act);
+        by_rows(&mut act, ffn, |r0, act| {
+            silu_rows(&gate_up[2 * r0 * ffn..][..2 * act.len()], ffn, act)
+        });
         layer.down.prefill_rows(&act, t, &mut next, Some(&x))?;
         std::mem::swap(&mut x, &mut next);
     }
@@ -102,16 +119,32 @@ pub(super) fn hidden(
 /// the layer's keys and values `(n_kv_head, cap, head_dim)` up to each query's own position,
 /// into `y` `(t, n_head * head_dim)`. Work items are (query head, block of [`QUERY_BLOCK`]
 /// queries), taken by the pool's threads from a shared cursor; a query's result does not depend
-/// on the block it is in, so any chunking of the prompt gives the same rows.
+/// on the block it is in, so any chunking of the prompt gives the same rows. Each KV head's keys
+/// are first transposed into `keys_t` (one item per KV head), once for all its items.
 fn attend(
     qkv: &[f32],
     (k, v): (&[f32], &[f32]),
     dims: Dims,
     (pos, t, cap): (usize, usize, usize),
+    keys_t: &mut [Vec<f32>],
     y: &mut [f32],
 ) {
     let (nh, nkv, hd) = (dims.n_head, dims.n_kv_head, dims.head_dim);
     let (qkv_width, hidden, n_rep) = ((nh + 2 * nkv) * hd, nh * hd, nh / nkv);
+    let len = pos + t;
+    let padded = len.next_multiple_of(32);
+    let pool = candle_core::utils::barrier_pool();
+    {
+        let shared = Shared::new(keys_t);
+        pool.execute_chunked(nkv, |groups| {
+            for g in groups {
+                // SAFETY: each item takes its own KV head's buffer.
+                let out = &mut unsafe { shared.part(g..g + 1) }[0];
+                transpose_keys(group(k, g, cap, hd), len, hd, out);
+            }
+        });
+    }
+    let keys_t = &*keys_t;
     let blocks = t.div_ceil(QUERY_BLOCK);
     let scale = 1.0 / (hd as f32).sqrt();
     let out = Shared::new(y);
@@ -134,7 +167,12 @@ fn attend(
         SCRATCH.with(|s| {
             let (scratch, ctx) = &mut *s.borrow_mut();
             ctx.resize((r1 - r0) * hd, 0.0);
-            attention_head(&head, scale, ctx, scratch);
+            let kt = KeysT {
+                data: &keys_t[g],
+                keys: len,
+                padded,
+            };
+            attention_head_over(&head, kt, scale, ctx, scratch);
             for (r, row) in (r0..r1).zip(ctx.chunks_exact(hd)) {
                 let at = r * hidden + h * hd;
                 // SAFETY: rows r0..r1 of head h's columns are this item's alone.
@@ -142,7 +180,7 @@ fn attend(
             }
         });
     };
-    candle_core::utils::barrier_pool().execute_chunked(nh * blocks, |items| items.for_each(item));
+    pool.execute_chunked(nh * blocks, |items| items.for_each(item));
 }
 
 /// KV head `g`'s rows of a layer's cache `(n_kv_head, cap, head_dim)`.
@@ -152,6 +190,20 @@ fn group(cache: &[f32], g: usize, cap: usize, hd: usize) -> HeadRows<'_> {
         stride: hd,
         offset: 0,
     }
+}
+
+/// `f(first_row, rows)` for blocks of [`QUERY_BLOCK`] rows of `out` (rows `width` wide), over
+/// the pool: the row-wise steps between the projections would otherwise leave a core idle.
+fn by_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let rows = out.len() / width;
+    let shared = Shared::new(out);
+    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(QUERY_BLOCK), |blocks| {
+        for b in blocks {
+            let (r0, r1) = (b * QUERY_BLOCK, ((b + 1) * QUERY_BLOCK).min(rows));
+            // SAFETY: each block takes only its own rows.
+            f(r0, unsafe { shared.part(r0 * width..r1 * width) });
+        }
+    });
 }
 
 /// `act = silu(gate) * up` row by row, `gate_up` holding each row's gate then up halves.

@@ -232,16 +232,35 @@ impl Bf16Proj {
         if x.len() != m * k || out.len() != m * n || residual.is_some_and(|r| r.len() != m * n) {
             candle_core::bail!("[{m}, {k}] rows for a [{n}, {k}] projection: wrong sizes");
         }
-        let (emulated, bf16);
-        let rows = if self.emulate {
-            emulated = x.iter().map(|v| from_bf16(to_bf16(*v))).collect::<Vec<_>>();
-            Rows::F32(&emulated)
-        } else {
-            let mut b = vec![0u16; x.len()];
-            convert_to_bf16(x, &mut b);
-            bf16 = b;
-            Rows::Bf16(&bf16)
-        };
+        if self.emulate {
+            let emulated = x.iter().map(|v| from_bf16(to_bf16(*v))).collect::<Vec<_>>();
+            self.gemm(Rows::F32(&emulated), m, out, residual);
+            return Ok(());
+        }
+        // The rows in BF16, converted block by block over the pool into a buffer this thread
+        // keeps: a fresh one was zeroed and then filled on one core, for every projection.
+        BF16_ROWS.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            if buf.len() < x.len() {
+                buf.resize(x.len(), 0);
+            }
+            let rows = &mut buf[..x.len()];
+            let dst = Shared::new(rows);
+            candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(ROW_BLOCK), |blocks| {
+                for b in blocks {
+                    let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
+                    // SAFETY: each block converts only its own rows.
+                    convert_to_bf16(&x[r0 * k..r1 * k], unsafe { dst.part(r0 * k..r1 * k) });
+                }
+            });
+            self.gemm(Rows::Bf16(&buf[..x.len()]), m, out, residual);
+        });
+        Ok(())
+    }
+
+    /// `out = rows Wᵀ (+ residual)` over the pool, by (column panel, block of rows) items.
+    fn gemm(&self, rows: Rows<'_>, m: usize, out: &mut [f32], residual: Option<&[f32]>) {
+        let (n, k) = (self.linear.out_features(), self.k);
         let panels = n.div_ceil(PANEL);
         let blocks = m.div_ceil(ROW_BLOCK);
         let dst = Shared::new(out);
@@ -264,8 +283,12 @@ impl Bf16Proj {
         };
         candle_core::utils::barrier_pool()
             .execute_chunked(panels * blocks, |items| items.for_each(item));
-        Ok(())
     }
+}
+
+thread_local! {
+    /// Prefill rows in BF16 ([`Bf16Proj::forward_rows`]), kept at the largest size seen.
+    static BF16_ROWS: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Rows per work item of [`Bf16Proj::forward_rows`] (a multiple of the kernel's 6-row tile).

@@ -67,22 +67,82 @@ impl Head<'_> {
     }
 }
 
+/// One head's keys transposed to `[d, padded]`, the layout the kernels score against: row `e`
+/// holds dimension `e` of every key, `padded` (a whole number of 32-key pairs) columns, the
+/// padding zero. Built once by [`transpose_keys`], it serves every query head that shares these
+/// keys (grouped-query attention) and every block of queries, where [`attention_head`]
+/// transposes the keys it sees on every call.
+#[derive(Clone, Copy)]
+pub struct KeysT<'a> {
+    pub data: &'a [f32],
+    pub keys: usize,
+    pub padded: usize,
+}
+
+/// Transposes the first `keys` rows of `k` (each `d` wide) into `out` as [`KeysT`] expects;
+/// returns `padded`. Goes 16 keys at a time, so each output row is written a cache line at once.
+pub fn transpose_keys(k: HeadRows<'_>, keys: usize, d: usize, out: &mut Vec<f32>) -> usize {
+    assert!(k.covers(keys, d), "key rows out of bounds");
+    let padded = keys.next_multiple_of(32);
+    out.clear();
+    out.resize(d * padded, 0.0);
+    for j0 in (0..keys).step_by(LANES) {
+        let rows: Vec<&[f32]> = (j0..keys.min(j0 + LANES)).map(|j| k.row(j, d)).collect();
+        for e in 0..d {
+            let line = &mut out[e * padded + j0..][..rows.len()];
+            for (x, row) in line.iter_mut().zip(&rows) {
+                *x = row[e];
+            }
+        }
+    }
+    padded
+}
+
 /// Attention of one head: writes the context rows, `[queries, d]`, to `out` (`d` is
 /// `out.len() / queries`); `scratch` is reused between calls. A query's result depends only on
 /// its own row and the keys it sees, never on which other queries share the call.
 pub fn attention_head(head: &Head<'_>, scale: f32, out: &mut [f32], scratch: &mut Vec<f32>) {
+    dispatch(head, None, scale, out, scratch)
+}
+
+/// [`attention_head`] against keys already transposed (`keys_t` holds `head.k`'s rows, at
+/// least `head.keys` of them); `head.k` is not read. The same results, bit for bit.
+pub fn attention_head_over(
+    head: &Head<'_>,
+    keys_t: KeysT<'_>,
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
+    assert!(
+        keys_t.keys >= head.keys
+            && keys_t.padded >= keys_t.keys.next_multiple_of(32)
+            && keys_t.padded.is_multiple_of(32)
+            && keys_t.data.len() >= keys_t.padded * (out.len() / head.queries.max(1)),
+        "transposed keys do not cover the head"
+    );
+    dispatch(head, Some(keys_t), scale, out, scratch)
+}
+
+fn dispatch(
+    head: &Head<'_>,
+    keys_t: Option<KeysT<'_>>,
+    scale: f32,
+    out: &mut [f32],
+    scratch: &mut Vec<f32>,
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if avx512_bf16() {
             // SAFETY: the CPU has the features the wrapper is compiled for.
-            return unsafe { x86::attention_head(head, scale, out, scratch) };
+            return unsafe { x86::attention_head(head, keys_t, scale, out, scratch) };
         }
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: as above.
-            return unsafe { attention_head_avx2(head, scale, out, scratch) };
+            return unsafe { attention_head_avx2(head, keys_t, scale, out, scratch) };
         }
     }
-    attention_head_body(head, scale, out, scratch)
+    attention_head_body(head, keys_t, scale, out, scratch)
 }
 
 /// The portable body compiled for AVX2: eight lanes per instruction, the same arithmetic in the
@@ -91,16 +151,18 @@ pub fn attention_head(head: &Head<'_>, scale: f32, out: &mut [f32], scratch: &mu
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attention_head_avx2(
     head: &Head<'_>,
+    keys_t: Option<KeysT<'_>>,
     scale: f32,
     out: &mut [f32],
     scratch: &mut Vec<f32>,
 ) {
-    attention_head_body(head, scale, out, scratch)
+    attention_head_body(head, keys_t, scale, out, scratch)
 }
 
 #[inline(always)]
 pub(super) fn attention_head_body(
     head: &Head<'_>,
+    keys_t: Option<KeysT<'_>>,
     scale: f32,
     out: &mut [f32],
     scratch: &mut Vec<f32>,
@@ -109,15 +171,25 @@ pub(super) fn attention_head_body(
     // Keys transposed to [d, padded], so a query's scores are d multiply-adds over whole
     // 16-lane rows (the padding is zero and its scores are dropped): a sequence of 30 tokens
     // would otherwise spend most of its time in scalar remainder loops.
-    let padded = head.keys.next_multiple_of(LANES);
-    scratch.clear();
-    scratch.resize(d * padded + padded, 0.0);
-    let (kt, scores) = scratch.split_at_mut(d * padded);
-    for j in 0..head.keys {
-        for (e, x) in head.k.row(j, d).iter().enumerate() {
-            kt[e * padded + j] = *x;
+    let (kt, padded, scores): (&[f32], usize, &mut [f32]) = match keys_t {
+        Some(t) => {
+            scratch.clear();
+            scratch.resize(t.padded, 0.0);
+            (t.data, t.padded, scratch)
         }
-    }
+        None => {
+            let padded = head.keys.next_multiple_of(LANES);
+            scratch.clear();
+            scratch.resize(d * padded + padded, 0.0);
+            let (kt, scores) = scratch.split_at_mut(d * padded);
+            for j in 0..head.keys {
+                for (e, x) in head.k.row(j, d).iter().enumerate() {
+                    kt[e * padded + j] = *x;
+                }
+            }
+            (kt, padded, scores)
+        }
+    };
     for i in 0..head.queries {
         let len = head.visible(i);
         let width = len.next_multiple_of(LANES);
@@ -181,13 +253,14 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::Head;
+    use super::{Head, KeysT};
     use crate::embed::kernels::activation::x86::exp_ps;
 
     /// Head widths that are whole registers (16 to 64) take [`head`]; others the portable body.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
     pub unsafe fn attention_head(
         head: &Head<'_>,
+        keys_t: Option<KeysT<'_>>,
         scale: f32,
         out: &mut [f32],
         scratch: &mut Vec<f32>,
@@ -196,11 +269,11 @@ mod x86 {
         // SAFETY: `width` checked that every row `head` reads is in bounds.
         unsafe {
             match d {
-                16 => head_body::<1>(head, scale, out, scratch),
-                32 => head_body::<2>(head, scale, out, scratch),
-                48 => head_body::<3>(head, scale, out, scratch),
-                64 => head_body::<4>(head, scale, out, scratch),
-                _ => super::attention_head_body(head, scale, out, scratch),
+                16 => head_body::<1>(head, keys_t, scale, out, scratch),
+                32 => head_body::<2>(head, keys_t, scale, out, scratch),
+                48 => head_body::<3>(head, keys_t, scale, out, scratch),
+                64 => head_body::<4>(head, keys_t, scale, out, scratch),
+                _ => super::attention_head_body(head, keys_t, scale, out, scratch),
             }
         }
     }
@@ -218,21 +291,32 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
     unsafe fn head_body<const V: usize>(
         head: &Head<'_>,
+        keys_t: Option<KeysT<'_>>,
         scale: f32,
         out: &mut [f32],
         scratch: &mut Vec<f32>,
     ) {
         let d = 16 * V;
         // Keys transposed to [d, padded]; whole pairs of 16-key blocks, the padding zero.
-        let padded = head.keys.next_multiple_of(32);
-        scratch.clear();
-        scratch.resize(d * padded + TILE * padded, 0.0);
-        let (kt, scores) = scratch.split_at_mut(d * padded);
-        for j in 0..head.keys {
-            for (e, x) in head.k.row(j, d).iter().enumerate() {
-                kt[e * padded + j] = *x;
+        let (kt, padded, scores): (&[f32], usize, &mut [f32]) = match keys_t {
+            Some(t) => {
+                scratch.clear();
+                scratch.resize(TILE * t.padded, 0.0);
+                (t.data, t.padded, scratch)
             }
-        }
+            None => {
+                let padded = head.keys.next_multiple_of(32);
+                scratch.clear();
+                scratch.resize(d * padded + TILE * padded, 0.0);
+                let (kt, scores) = scratch.split_at_mut(d * padded);
+                for j in 0..head.keys {
+                    for (e, x) in head.k.row(j, d).iter().enumerate() {
+                        kt[e * padded + j] = *x;
+                    }
+                }
+                (kt, padded, scores)
+            }
+        };
         let mut i = 0;
         while i < head.queries {
             let n = (head.queries - i).min(TILE);

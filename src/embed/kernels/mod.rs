@@ -21,7 +21,7 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use activation::x86::exp_ps;
 pub use activation::{exp, gelu, silu_mul};
-pub use attention::{attention_head, Head, HeadRows};
+pub use attention::{attention_head, attention_head_over, transpose_keys, Head, HeadRows, KeysT};
 pub use bf16::{convert_to_bf16, from_bf16, to_bf16};
 pub use linear::{column_share, Epilogue, Linear, Rows};
 pub use norm::layer_norm;

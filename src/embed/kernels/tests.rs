@@ -272,7 +272,9 @@ fn attention_head_matches_the_definition() {
         let len: usize = len;
         for queries in [len, len.div_ceil(3)] {
             check_attention(len, queries, d, attention_head);
-            check_attention(len, queries, d, attention_head_body);
+            check_attention(len, queries, d, |head, scale, out, scratch| {
+                attention_head_body(head, None, scale, out, scratch)
+            });
         }
     }
 }
@@ -337,29 +339,62 @@ fn check_attention(keys: usize, queries: usize, d: usize, attention: Attention) 
     }
 }
 
+/// Queries `from..to` of rows `[q | k | v]` (each `d` wide) in `data`, causal over keys `..to`.
+fn causal_head(data: &[f32], d: usize, from: usize, to: usize) -> Head<'_> {
+    let at = |data, offset| HeadRows {
+        data,
+        stride: 3 * d,
+        offset,
+    };
+    Head {
+        q: at(&data[from * 3 * d..], 0),
+        k: at(data, d),
+        v: at(data, 2 * d),
+        queries: to - from,
+        keys: to,
+        causal: true,
+    }
+}
+
+#[test]
+fn attention_over_shared_transposed_keys_is_the_same_bit_for_bit() {
+    // As a prefill uses it: one transposition of all of a KV head's keys, read by causal blocks
+    // of queries that each see fewer keys; on the dispatched kernel and the portable body.
+    for (keys, d) in [(70, 64), (33, 32), (5, 24), (100, 16)] {
+        let data = values(keys * 3 * d, 13);
+        let mut kt = Vec::new();
+        let padded = transpose_keys(causal_head(&data, d, 0, keys).k, keys, d, &mut kt);
+        let keys_t = KeysT {
+            data: &kt,
+            keys,
+            padded,
+        };
+        for (from, to) in [(0, keys), (keys / 3, keys / 2 + 1), (keys - 1, keys)] {
+            let head = causal_head(&data, d, from, to);
+            let mut want = vec![0f32; (to - from) * d];
+            attention_head(&head, 0.125, &mut want, &mut Vec::new());
+            let mut got = vec![1f32; want.len()];
+            attention_head_over(&head, keys_t, 0.125, &mut got, &mut Vec::new());
+            assert_eq!(got, want, "keys {keys} d {d} queries {from}..{to}");
+            let mut want = vec![0f32; want.len()];
+            attention_head_body(&head, None, 0.125, &mut want, &mut Vec::new());
+            let mut got = vec![1f32; want.len()];
+            attention_head_body(&head, Some(keys_t), 0.125, &mut got, &mut Vec::new());
+            assert_eq!(
+                got, want,
+                "portable: keys {keys} d {d} queries {from}..{to}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_causal_query_gives_the_same_result_whatever_shares_its_call() {
     // What chunked prefill relies on: query 20 of 40 alone, or among queries 8..40.
     let (keys, d) = (40, 64);
     let data = values(keys * 3 * d, 12);
-    let at = |offset| HeadRows {
-        data: &data,
-        stride: 3 * d,
-        offset,
-    };
     let run = |from: usize, to: usize| {
-        let head = Head {
-            q: HeadRows {
-                data: &data[from * 3 * d..],
-                stride: 3 * d,
-                offset: 0,
-            },
-            k: at(d),
-            v: at(2 * d),
-            queries: to - from,
-            keys: to,
-            causal: true,
-        };
+        let head = causal_head(&data, d, from, to);
         let mut out = vec![0f32; (to - from) * d];
         attention_head(&head, 0.125, &mut out, &mut Vec::new());
         out
