@@ -87,10 +87,12 @@ pub fn transpose_keys(k: HeadRows<'_>, keys: usize, d: usize, out: &mut Vec<f32>
     out.clear();
     out.resize(d * padded, 0.0);
     for j0 in (0..keys).step_by(LANES) {
-        let rows: Vec<&[f32]> = (j0..keys.min(j0 + LANES)).map(|j| k.row(j, d)).collect();
+        let n = LANES.min(keys - j0);
+        let rows: [&[f32]; LANES] =
+            std::array::from_fn(|i| if i < n { k.row(j0 + i, d) } else { &[] });
         for e in 0..d {
-            let line = &mut out[e * padded + j0..][..rows.len()];
-            for (x, row) in line.iter_mut().zip(&rows) {
+            let line = &mut out[e * padded + j0..][..n];
+            for (x, row) in line.iter_mut().zip(&rows[..n]) {
                 *x = row[e];
             }
         }
@@ -178,15 +180,9 @@ pub(super) fn attention_head_body(
             (t.data, t.padded, scratch)
         }
         None => {
-            let padded = head.keys.next_multiple_of(LANES);
-            scratch.clear();
+            let padded = transpose_keys(head.k, head.keys, d, scratch);
             scratch.resize(d * padded + padded, 0.0);
             let (kt, scores) = scratch.split_at_mut(d * padded);
-            for j in 0..head.keys {
-                for (e, x) in head.k.row(j, d).iter().enumerate() {
-                    kt[e * padded + j] = *x;
-                }
-            }
             (kt, padded, scores)
         }
     };
@@ -305,15 +301,9 @@ mod x86 {
                 (t.data, t.padded, scratch)
             }
             None => {
-                let padded = head.keys.next_multiple_of(32);
-                scratch.clear();
+                let padded = super::transpose_keys(head.k, head.keys, d, scratch);
                 scratch.resize(d * padded + TILE * padded, 0.0);
                 let (kt, scores) = scratch.split_at_mut(d * padded);
-                for j in 0..head.keys {
-                    for (e, x) in head.k.row(j, d).iter().enumerate() {
-                        kt[e * padded + j] = *x;
-                    }
-                }
                 (kt, padded, scores)
             }
         };
