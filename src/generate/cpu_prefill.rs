@@ -69,7 +69,7 @@ pub(super) fn hidden(
     let (cap, len) = (kv.capacity, pos + t);
     for (li, (layer, norms)) in weights.layers.iter().zip(&decoder.layers).enumerate() {
         let _turn = schedule.compute_turn();
-        by_rows(&mut h, hidden, |r0, h| {
+        by_rows(&mut h, hidden, QUERY_BLOCK, |r0, h| {
             rms_norm_rows(&x[r0 * hidden..][..h.len()], &norms.attn_norm, rms_eps, h)
         });
         layer.qkv.prefill_rows(&h, t, &mut qkv, None)?;
@@ -102,11 +102,11 @@ pub(super) fn hidden(
         layer.attn_out.prefill_rows(&y, t, &mut next, Some(&x))?;
         std::mem::swap(&mut x, &mut next);
 
-        by_rows(&mut h, hidden, |r0, h| {
+        by_rows(&mut h, hidden, QUERY_BLOCK, |r0, h| {
             rms_norm_rows(&x[r0 * hidden..][..h.len()], &norms.ffn_norm, rms_eps, h)
         });
         layer.gate_up.prefill_rows(&h, t, &mut gate_up, None)?;
-        by_rows(&mut act, ffn, |r0, act| {
+        by_rows(&mut act, ffn, QUERY_BLOCK, |r0, act| {
             silu_rows(&gate_up[2 * r0 * ffn..][..2 * act.len()], ffn, act)
         });
         layer.down.prefill_rows(&act, t, &mut next, Some(&x))?;
@@ -192,14 +192,19 @@ fn group(cache: &[f32], g: usize, cap: usize, hd: usize) -> HeadRows<'_> {
     }
 }
 
-/// `f(first_row, rows)` for blocks of [`QUERY_BLOCK`] rows of `out` (rows `width` wide), over
-/// the pool: the row-wise steps between the projections would otherwise leave a core idle.
-fn by_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+/// `f(first_row, rows)` for blocks of `block` rows of `out` (rows `width` wide), over the pool:
+/// the row-wise steps between the projections would otherwise leave a core idle.
+pub(super) fn by_rows<T: Send>(
+    out: &mut [T],
+    width: usize,
+    block: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
     let rows = out.len() / width;
     let shared = Shared::new(out);
-    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(QUERY_BLOCK), |blocks| {
+    candle_core::utils::barrier_pool().execute_chunked(rows.div_ceil(block), |blocks| {
         for b in blocks {
-            let (r0, r1) = (b * QUERY_BLOCK, ((b + 1) * QUERY_BLOCK).min(rows));
+            let (r0, r1) = (b * block, ((b + 1) * block).min(rows));
             // SAFETY: each block takes only its own rows.
             f(r0, unsafe { shared.part(r0 * width..r1 * width) });
         }

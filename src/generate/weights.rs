@@ -11,6 +11,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 
 use super::cpu_decode::{self, CpuDecoder, RawLayer};
+use super::cpu_prefill::by_rows;
 use super::template::ChatTemplate;
 use super::GenerateError;
 use crate::embed::kernels::{
@@ -244,14 +245,8 @@ impl Bf16Proj {
             if buf.len() < x.len() {
                 buf.resize(x.len(), 0);
             }
-            let rows = &mut buf[..x.len()];
-            let dst = Shared::new(rows);
-            candle_core::utils::barrier_pool().execute_chunked(m.div_ceil(ROW_BLOCK), |blocks| {
-                for b in blocks {
-                    let (r0, r1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(m));
-                    // SAFETY: each block converts only its own rows.
-                    convert_to_bf16(&x[r0 * k..r1 * k], unsafe { dst.part(r0 * k..r1 * k) });
-                }
+            by_rows(&mut buf[..x.len()], k, ROW_BLOCK, |r0, rows| {
+                convert_to_bf16(&x[r0 * k..][..rows.len()], rows)
             });
             self.gemm(Rows::Bf16(&buf[..x.len()]), m, out, residual);
         });
