@@ -39,10 +39,10 @@ ENV CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP}
 WORKDIR /src
 COPY . .
 # Every binary of the workspace: the server (`ragscope`) and the load generator
-# (`ragscope-loadgen`, workspace member loadgen/).
+# (`ragscope-loadgen`, workspace member crates/loadgen/).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target,id=ragscope-target-${VARIANT} \
-    features=""; if [ "$VARIANT" = cuda ]; then features="--features cuda"; fi; \
+    features=""; if [ "$VARIANT" = cuda ]; then features="--features ragscope/cuda"; fi; \
     cargo build --release --locked --workspace --bins $features \
  && mkdir -p /out \
  && install -m 0755 target/release/ragscope target/release/ragscope-loadgen /out/ \

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-const MANIFEST: &str = include_str!("../models/manifest.json");
+const MANIFEST: &str = include_str!("../../../models/manifest.json");
 
 #[derive(Debug, Deserialize)]
 pub struct Manifest {
@@ -217,7 +217,7 @@ pub fn test_model_dir(name: &str) -> PathBuf {
             // At run time first: the cached target dir is shared between checkouts.
             std::env::var_os("CARGO_MANIFEST_DIR")
                 .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
-                .join("models")
+                .join("../../models")
         });
     let dir = root.join(name);
     assert!(

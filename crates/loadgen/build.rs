@@ -9,8 +9,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let well_known = protoc_bin_vendored::include_path()?;
     // Read by prost-build when it runs protoc; only this build script's process sees it.
     std::env::set_var("PROTOC", protoc);
-    let proto = PathBuf::from("../proto");
-    println!("cargo:rerun-if-changed=../proto/ragscope.proto");
+    let proto = PathBuf::from("../../proto");
+    println!("cargo:rerun-if-changed=../../proto/ragscope.proto");
     tonic_prost_build::configure()
         .build_server(false)
         .compile_protos(&[proto.join("ragscope.proto")], &[proto, well_known])?;

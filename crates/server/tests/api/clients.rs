@@ -1,5 +1,5 @@
 //! Third-party clients against the real server: the `openai` Python client and LangChain's
-//! OpenAI integration run the scripts in `tests/clients/` (every check an assert; a non-zero
+//! OpenAI integration run the scripts in `crates/server/tests/clients/` (every check an assert; a non-zero
 //! exit fails the test). The Python comes from the venv scripts/test makes
 //! (`~/.cache/ragscope/venv-clients`, or `RAGSCOPE_CLIENTS_PYTHON`); without it the test is
 //! skipped with a message, unless `RAGSCOPE_REQUIRE_CLIENTS` is set (scripts/test sets it).
@@ -27,7 +27,7 @@ fn clients_python() -> Option<PathBuf> {
     imports.success().then_some(python)
 }
 
-/// Runs `tests/clients/{script}` against a fresh real server; fails on a non-zero exit.
+/// Runs `crates/server/tests/clients/{script}` against a fresh real server; fails on a non-zero exit.
 async fn run_client(script: &str) {
     let Some(python) = clients_python() else {
         assert!(
@@ -41,7 +41,7 @@ async fn run_client(script: &str) {
     };
     let app = spawn_app().await;
     let run = tokio::process::Command::new(python)
-        .arg(repo_dir().join("tests/clients").join(script))
+        .arg(repo_dir().join("crates/server/tests/clients").join(script))
         .env("RAGSCOPE_BASE_URL", app.url("/v1"))
         // Nothing may be fetched from outside: a client that tries fails here, not later.
         .env("HF_HUB_OFFLINE", "1")

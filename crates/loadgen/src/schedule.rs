@@ -406,7 +406,7 @@ mod tests {
             || env!("CARGO_MANIFEST_DIR").into(),
             std::path::PathBuf::from,
         );
-        let path = dir.join("../eval/questions.jsonl");
+        let path = dir.join("../../eval/questions.jsonl");
         let q = load_queries(&path).unwrap();
         assert!(q.len() >= 10);
         assert!(q[0].contains("stash"));

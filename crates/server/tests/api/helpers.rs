@@ -20,12 +20,13 @@ pub struct TestApp {
     server: Option<JoinHandle<std::io::Result<()>>>,
 }
 
-/// The repository this test runs in: cargo and nextest set `CARGO_MANIFEST_DIR` when they run
+/// The repository this test runs in (the crate is `crates/server` in it): cargo and nextest set `CARGO_MANIFEST_DIR` when they run
 /// a test, while `env!` would give the checkout the binary was built in (the cached target dir
 /// is shared between checkouts).
 pub fn repo_dir() -> PathBuf {
     std::env::var_os("CARGO_MANIFEST_DIR")
         .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+        .join("../..")
 }
 
 pub fn models_dir() -> PathBuf {

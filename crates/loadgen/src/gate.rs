@@ -460,7 +460,7 @@ mod tests {
             || env!("CARGO_MANIFEST_DIR").into(),
             std::path::PathBuf::from,
         );
-        let path = dir.join("../perf/baseline.json");
+        let path = dir.join("../../perf/baseline.json");
         let b = Baseline::read(&path).unwrap();
         assert!(!b.comment.is_empty());
         assert!(b.expected.p95_ttft_ms > 0.0 && b.expected.rps > 0.0);

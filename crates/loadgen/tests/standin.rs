@@ -174,7 +174,7 @@ fn queries_path() -> String {
             || env!("CARGO_MANIFEST_DIR").into(),
             std::path::PathBuf::from,
         )
-        .join("../eval/questions.jsonl")
+        .join("../../eval/questions.jsonl")
         .to_string_lossy()
         .into_owned()
 }
