@@ -5,6 +5,7 @@ mod auth;
 mod catalogue;
 mod clients;
 mod completions;
+mod configuration;
 mod connections;
 mod context;
 mod coverage;

@@ -1,7 +1,7 @@
 //! `/openapi.json` checked against reality: the document's 3.1 structure, the router's routes
-//! (as written in `src/api/`) and the README's API table against its paths, and real answers of
-//! a real server (real models and store) against its response schemas, with a small JSON
-//! Schema check written here (the subset utoipa emits).
+//! (as written in `src/api/`) and the API reference's table (docs/API.md) against its paths,
+//! and real answers of a real server (real models and store) against its response schemas,
+//! with a small JSON Schema check written here (the subset utoipa emits).
 
 use std::collections::BTreeSet;
 
@@ -485,10 +485,10 @@ async fn every_route_is_documented_and_every_documented_route_is_served() {
     app.stop().await;
 }
 
-/// `METHOD /path` pairs in the first column of the README's HTTP API table.
-fn readme_operations() -> BTreeSet<(String, String)> {
-    let readme = std::fs::read_to_string(repo_dir().join("README.md")).unwrap();
-    let section = readme
+/// `METHOD /path` pairs in the first column of the HTTP API table of docs/API.md.
+fn reference_operations() -> BTreeSet<(String, String)> {
+    let reference = std::fs::read_to_string(repo_dir().join("docs/API.md")).unwrap();
+    let section = reference
         .split("\n## HTTP API\n")
         .nth(1)
         .expect("an HTTP API section");
@@ -512,19 +512,19 @@ fn readme_operations() -> BTreeSet<(String, String)> {
 }
 
 #[tokio::test]
-async fn the_readme_api_table_lists_exactly_the_documented_operations() {
+async fn the_api_reference_table_lists_exactly_the_documented_operations() {
     let app = spawn_fake_app(crate::fakes::FakeGenerator::new(2)).await;
     let documented = operations(&fetch_document(&app).await);
-    let listed = readme_operations();
+    let listed = reference_operations();
     let missing: Vec<_> = documented.difference(&listed).collect();
     let extra: Vec<_> = listed.difference(&documented).collect();
     assert!(
         missing.is_empty(),
-        "README's HTTP API table lacks {missing:?}"
+        "docs/API.md's HTTP API table lacks {missing:?}"
     );
     assert!(
         extra.is_empty(),
-        "README's HTTP API table lists {extra:?}, which /openapi.json has not"
+        "docs/API.md's HTTP API table lists {extra:?}, which /openapi.json has not"
     );
     app.stop().await;
 }
