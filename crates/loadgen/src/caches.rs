@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::record::{QueryKind, RequestRecord};
-use crate::stats::{percentile, Percentiles};
+use measure::stats::{percentile, Percentiles};
 
 /// The two caches a request can hit.
 pub const QUERY_EMBEDDING: &str = "query_embedding";

@@ -12,7 +12,7 @@ use rand::Rng;
 use serde_json::{json, Value};
 
 use crate::cli::Endpoint;
-use crate::sse::{SseEvent, SseParser};
+use measure::sse::{SseEvent, SseParser};
 
 /// What one request asks.
 #[derive(Debug, Clone)]
@@ -374,7 +374,6 @@ fn error_message(data: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sse::tests::ev;
 
     #[test]
     fn traceparent_is_w3c_and_sampled() {
@@ -396,15 +395,21 @@ mod tests {
     #[test]
     fn rag_done_carries_usage_and_server_timings() {
         let mut out = Outcome::default();
-        assert_eq!(rag_event(&ev("sources", "[]"), &mut out), Step::Other);
         assert_eq!(
-            rag_event(&ev("token", "{\"text\":\"a\"}"), &mut out),
+            rag_event(&SseEvent::new("sources", "[]"), &mut out),
+            Step::Other
+        );
+        assert_eq!(
+            rag_event(&SseEvent::new("token", "{\"text\":\"a\"}"), &mut out),
             Step::Token
         );
         let done = r#"{"usage":{"prompt_tokens":300,"completion_tokens":7,"total_tokens":307,
             "prompt_tokens_details":{"cached_tokens":288}},"cache":{"query_embedding":true},
             "timings":{"queue_ms":1.5,"embed_ms":9.0,"decode_ms":120.0},"finish_reason":"stop"}"#;
-        assert_eq!(rag_event(&ev("done", done), &mut out), Step::Done);
+        assert_eq!(
+            rag_event(&SseEvent::new("done", done), &mut out),
+            Step::Done
+        );
         assert_eq!(out.tokens, 7);
         assert_eq!(out.cached_tokens, Some(288));
         assert_eq!(out.embedding_cached, Some(true));
@@ -419,7 +424,7 @@ mod tests {
     fn rag_error_event_is_a_stream_error() {
         let mut out = Outcome::default();
         let step = rag_event(
-            &ev(
+            &SseEvent::new(
                 "error",
                 r#"{"error":{"message":"the request timed out after 5 ms"}}"#,
             ),
@@ -436,14 +441,29 @@ mod tests {
         let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
         let tok = r#"{"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#;
         let last = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2}}"#;
-        assert_eq!(chat_event(&ev("message", role), &mut out), Step::Other);
-        assert_eq!(chat_event(&ev("message", tok), &mut out), Step::Token);
-        assert_eq!(chat_event(&ev("message", last), &mut out), Step::Other);
-        assert_eq!(chat_event(&ev("message", "[DONE]"), &mut out), Step::Done);
+        assert_eq!(
+            chat_event(&SseEvent::new("message", role), &mut out),
+            Step::Other
+        );
+        assert_eq!(
+            chat_event(&SseEvent::new("message", tok), &mut out),
+            Step::Token
+        );
+        assert_eq!(
+            chat_event(&SseEvent::new("message", last), &mut out),
+            Step::Other
+        );
+        assert_eq!(
+            chat_event(&SseEvent::new("message", "[DONE]"), &mut out),
+            Step::Done
+        );
         assert_eq!(out.tokens, 2);
         let mut bad = Outcome::default();
         let err = r#"{"error":{"message":"boom"}}"#;
-        assert_eq!(chat_event(&ev("message", err), &mut bad), Step::Failed);
+        assert_eq!(
+            chat_event(&SseEvent::new("message", err), &mut bad),
+            Step::Failed
+        );
         assert_eq!(bad.error.as_deref(), Some("stream"));
     }
 

@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 use crate::caches::CacheReport;
 use crate::cli::{ColdArgs, Mode, ReconnectArgs, RunArgs, Shape};
 use crate::record::RequestRecord;
-use crate::stats::Percentiles;
 use crate::summary::Summary;
+use measure::stats::Percentiles;
 
 /// One arm of `experiment cold`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -366,7 +366,7 @@ pub async fn run_load_mirrored(
 }
 
 fn print_steady(s: &PhaseStats) {
-    let p = |p: Option<crate::stats::Percentiles>| {
+    let p = |p: Option<measure::stats::Percentiles>| {
         p.map_or("–".into(), |p| {
             let c = &p.ci;
             let mut line = format!(

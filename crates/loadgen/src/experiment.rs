@@ -8,10 +8,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::cli::{Mode, RunArgs, Shape, TailsArgs};
-use crate::confidence::{self, Interval};
 use crate::record::RequestRecord;
 use crate::schedule::Phase;
-use crate::stats::percentile;
+use measure::confidence::{self, Interval};
+use measure::stats::percentile;
 
 /// The P99 one assumption predicts from a sample's mean, spread and minimum.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -9,9 +9,10 @@ use std::path::Path;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::confidence::{self, Interval};
 use crate::record::RequestRecord;
-use crate::stats::{percentile, PhaseStats};
+use crate::stats::PhaseStats;
+use measure::confidence::{self, Interval};
+use measure::stats::percentile;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

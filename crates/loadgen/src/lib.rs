@@ -3,10 +3,11 @@
 //! Map of the crate, from a command line to a report:
 //! - [`cli`]: the `run`, `knee`, `gate` and `report` subcommands and their flags.
 //! - [`schedule`]: seeded arrivals (Poisson plus bursts), Zipf query popularity, the context gradient.
-//! - [`sse`] and [`client`]: one streaming request, timed (TTFT, time per output token, end to end).
+//! - [`client`]: one streaming request, timed (TTFT, time per output token, end to end), read with
+//!   `measure::sse`.
 //! - [`runner`]: open- and closed-loop load with warm-up, steady and cool-down phases, and progress.
-//! - [`record`] and [`stats`]: the per-request JSON lines and the percentiles summarising them.
-//! - [`confidence`]: bootstrap intervals, the Beta posterior of an error rate: how sure a figure is.
+//! - [`record`] and [`stats`]: the per-request JSON lines and the phase summaries over them
+//!   (percentiles and their intervals come from `measure`).
 //! - [`isolation`]: who else used the CPU during a run (the client, the server, neighbours, steal).
 //! - [`knee`]: stepping the offered rate up until latency or errors pass a threshold.
 //! - [`gate`]: comparing a small fixed load against a checked-in baseline.
@@ -29,7 +30,6 @@ pub mod cli;
 pub mod client;
 pub mod cold;
 pub mod commands;
-pub mod confidence;
 pub mod experiment;
 pub mod gate;
 pub mod grpc;
@@ -44,7 +44,6 @@ pub mod report;
 pub mod runner;
 pub mod schedule;
 pub mod shadow;
-pub mod sse;
 pub mod stats;
 pub mod summary;
 pub mod svg;

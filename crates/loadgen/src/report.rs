@@ -12,9 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::record::RequestRecord;
 use crate::schedule::Phase;
-use crate::stats::Percentiles;
 use crate::summary::Summary;
 use crate::svg::{self, escape, Band, BarGroup, Chart, Series, Style, PALETTE};
+use measure::stats::Percentiles;
 
 /// p50/p95/p99 in milliseconds.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, Default, PartialEq)]
@@ -207,8 +207,8 @@ fn headline(h: &mut String, s: &crate::stats::PhaseStats) {
                 "<p class=\"bad\">{} {tail} rests on {beyond:.1} samples beyond it (of {}): fewer than {:.0}, so it is close to the largest few values, not a percentile. Run at least {:.0} requests.</p>",
                 escape(name),
                 p.count,
-                crate::confidence::MIN_TAIL_SAMPLES,
-                crate::confidence::MIN_TAIL_SAMPLES / (1.0 - if tail == "p99" { 0.99 } else { 0.999 })
+                measure::confidence::MIN_TAIL_SAMPLES,
+                measure::confidence::MIN_TAIL_SAMPLES / (1.0 - if tail == "p99" { 0.99 } else { 0.999 })
             );
         }
     }
@@ -224,7 +224,7 @@ fn headline(h: &mut String, s: &crate::stats::PhaseStats) {
 fn percentile_row(h: &mut String, name: &str, p: Option<Percentiles>) {
     match p {
         Some(p) => {
-            let c = |v: f64, i: crate::confidence::Interval| {
+            let c = |v: f64, i: measure::confidence::Interval| {
                 format!("{v:.1}<br><small>[{:.1}, {:.1}]</small>", i.lo, i.hi)
             };
             let _ = write!(

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use crate::record::RequestRecord;
-use crate::stats::{percentile, Percentiles};
+use measure::stats::{percentile, Percentiles};
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ShadowRow {

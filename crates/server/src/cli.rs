@@ -5,7 +5,7 @@ use std::io::Write;
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
-use ragscope_loadgen::sse::{SseEvent, SseParser};
+use measure::sse::{SseEvent, SseParser};
 use serde_json::{json, Value};
 
 use crate::app;

@@ -20,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::AttributeArgs;
-use ragscope_loadgen::confidence::{self, Interval};
+use measure::confidence::{self, Interval};
 
 /// One finished span, whatever format it came from. Times in nanoseconds since the epoch.
 #[derive(Debug, Clone, PartialEq)]
@@ -69,7 +69,7 @@ impl Percentiles {
 /// The p-th percentile (0..=100) of sorted values, interpolating between the nearest ranks;
 /// NaN for none. The load generator's statistics, on this module's percent scale.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    ragscope_loadgen::stats::percentile(sorted, p / 100.0)
+    measure::stats::percentile(sorted, p / 100.0)
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

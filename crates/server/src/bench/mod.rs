@@ -32,7 +32,7 @@ fn stage() -> Stage {
 pub fn percentile(samples: &mut [Duration], p: f64) -> f64 {
     samples.sort();
     let ms: Vec<f64> = samples.iter().map(|d| clock::millis(*d)).collect();
-    ragscope_loadgen::stats::percentile(&ms, p / 100.0)
+    measure::stats::percentile(&ms, p / 100.0)
 }
 
 fn median(xs: &mut [f64]) -> f64 {

@@ -9,6 +9,15 @@ pub struct SseEvent {
     pub data: String,
 }
 
+impl SseEvent {
+    pub fn new(event: &str, data: &str) -> SseEvent {
+        SseEvent {
+            event: event.into(),
+            data: data.into(),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct SseParser {
     pending: Vec<u8>,
@@ -64,15 +73,11 @@ impl SseParser {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
 
-    /// An event as the parser hands it out; the client's tests build theirs with it too.
-    pub(crate) fn ev(event: &str, data: &str) -> SseEvent {
-        SseEvent {
-            event: event.into(),
-            data: data.into(),
-        }
+    fn ev(event: &str, data: &str) -> SseEvent {
+        SseEvent::new(event, data)
     }
 
     #[test]
