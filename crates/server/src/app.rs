@@ -29,9 +29,9 @@ use crate::rerank::Reranker;
 use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::remote::RemoteStore;
 use crate::retrieve::VectorStore;
-use crate::telemetry::names::StageKind;
-use crate::telemetry::span::Stage;
 use crate::worker::Workers;
+use telemetry::names::StageKind;
+use telemetry::span::Stage;
 
 /// The three model stages, loaded.
 pub struct Models {
@@ -52,7 +52,7 @@ pub fn load_models_with(
     snapshots: Option<Arc<crate::snapshot::SnapshotStore>>,
 ) -> Result<Models> {
     let device = crate::device::device(&args.device)?;
-    crate::telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
+    telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
     crate::generate::schedule::set_step_trace(crate::generate::schedule::StepTrace {
         spans: args.decode_step_spans,
         links: args.decode_step_links,

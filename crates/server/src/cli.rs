@@ -13,8 +13,8 @@ use crate::config::{IngestArgs, ModelArgs, QueryArgs, ReplayArgs};
 use crate::generate::tokenizer;
 use crate::ingest::{ingest_document, read_paths};
 use crate::models::{self, Manifest};
-use crate::telemetry::names::StageKind;
-use crate::telemetry::span::Stage;
+use telemetry::names::StageKind;
+use telemetry::span::Stage;
 
 pub fn fetch_models(args: &ModelArgs) -> Result<()> {
     for entry in &Manifest::bundled().models {

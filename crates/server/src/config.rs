@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+pub use telemetry::TelemetryArgs;
 
 use crate::generate::TokenTrace;
 use crate::pipeline::context::{ContextMethod, ContextMode, ContextOrder};
@@ -22,88 +23,6 @@ pub struct Cli {
     /// subcommand, and listed in every subcommand's help.
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
-}
-
-/// Telemetry settings of our own (see `telemetry`); the exporters read the standard `OTEL_*`
-/// variables themselves.
-#[derive(Debug, Clone, Args)]
-#[command(next_help_heading = "Telemetry")]
-pub struct TelemetryArgs {
-    /// Pyroscope server to send CPU profiles to (e.g. http://pyroscope:4040); unset = no
-    /// profiling.
-    #[arg(long, global = true, env = "RAGSCOPE_PYROSCOPE_URL")]
-    pub pyroscope_url: Option<String>,
-    /// The Pyroscope agents' own variable for the server, used when --pyroscope-url is unset.
-    #[arg(long, global = true, env = "PYROSCOPE_SERVER_ADDRESS")]
-    pub pyroscope_server_address: Option<String>,
-    /// CPU samples per second per thread while profiling.
-    #[arg(
-        long,
-        global = true,
-        env = "RAGSCOPE_PYROSCOPE_SAMPLE_RATE",
-        default_value_t = 100,
-        value_parser = blank_or::<u32>(100)
-    )]
-    pub pyroscope_sample_rate: u32,
-    /// How often the profiler uploads what it sampled (seconds).
-    #[arg(
-        long,
-        global = true,
-        env = "RAGSCOPE_PYROSCOPE_UPLOAD_INTERVAL",
-        default_value = "10",
-        value_parser = parse_seconds_or(Duration::from_secs(10))
-    )]
-    pub pyroscope_upload_interval: Duration,
-    /// Baggage members copied onto every span of a request as `baggage.<key>` attributes
-    /// (comma-separated, e.g. tenant,colour).
-    #[arg(
-        long,
-        global = true,
-        env = "RAGSCOPE_BAGGAGE_ATTRIBUTES",
-        value_delimiter = ','
-    )]
-    pub baggage_attributes: Vec<String>,
-    /// Export each pipeline stage under its own `service.name` (`ragscope-embed`, …) so trace
-    /// views colour stages apart: `true` or `1` turns it on.
-    #[arg(
-        long,
-        global = true,
-        env = "RAGSCOPE_STAGE_SERVICES",
-        default_value = "false",
-        value_parser = parse_switch,
-        action = clap::ArgAction::Set
-    )]
-    pub stage_services: bool,
-    /// Finished spans kept for `GET /debug/traces` (0 turns the buffer off).
-    #[arg(
-        long,
-        global = true,
-        env = "RAGSCOPE_TRACE_BUFFER",
-        default_value_t = crate::telemetry::buffer::DEFAULT_CAPACITY,
-        value_parser = blank_or::<usize>(crate::telemetry::buffer::DEFAULT_CAPACITY)
-    )]
-    pub trace_buffer: usize,
-}
-
-impl TelemetryArgs {
-    /// The Pyroscope server to profile to, if any.
-    pub fn pyroscope_server(&self) -> Option<&str> {
-        [&self.pyroscope_url, &self.pyroscope_server_address]
-            .into_iter()
-            .flatten()
-            .find(|url| !url.trim().is_empty())
-            .map(String::as_str)
-    }
-
-    /// The baggage members to copy onto spans, trimmed, blanks dropped.
-    pub fn baggage_keys(&self) -> Vec<String> {
-        self.baggage_attributes
-            .iter()
-            .map(|key| key.trim())
-            .filter(|key| !key.is_empty())
-            .map(str::to_string)
-            .collect()
-    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -868,46 +787,7 @@ impl std::str::FromStr for OptionalAddr {
     }
 }
 
-fn parse_seconds(s: &str) -> Result<Duration, String> {
-    s.parse::<f64>()
-        .ok()
-        .filter(|v| v.is_finite() && *v > 0.0)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| format!("{s:?} is not a positive number of seconds"))
-}
-
-// A variable set to blanks counts as unset (compose files pass empty values through), so the
-// telemetry settings take their default from a blank value instead of refusing it.
-
-/// [`parse_seconds`], with `default` for a blank value.
-fn parse_seconds_or(default: Duration) -> impl Fn(&str) -> Result<Duration, String> + Clone {
-    move |s| match s.trim() {
-        "" => Ok(default),
-        s => parse_seconds(s),
-    }
-}
-
-/// A number, with `default` for a blank value.
-fn blank_or<T>(default: T) -> impl Fn(&str) -> Result<T, String> + Clone
-where
-    T: std::str::FromStr + Clone,
-    T::Err: std::fmt::Display,
-{
-    move |s| match s.trim() {
-        "" => Ok(default.clone()),
-        s => s.parse().map_err(|e| format!("{s:?}: {e}")),
-    }
-}
-
-/// On for `true` or `1`, off for `false`, `0` or blank.
-fn parse_switch(s: &str) -> Result<bool, String> {
-    match s {
-        "true" | "1" => Ok(true),
-        "false" | "0" => Ok(false),
-        s if s.trim().is_empty() => Ok(false),
-        s => Err(format!("{s:?}: give true, 1, false or 0")),
-    }
-}
+pub use telemetry::settings::parse_seconds;
 
 #[cfg(test)]
 mod tests {
@@ -1049,21 +929,29 @@ mod tests {
     }
 
     /// Every `RAGSCOPE_*` variable the code names outside tests is a flag: `serve --help`
-    /// lists the ones named outside this module (read or set elsewhere, so easy to miss) and
+    /// lists the ones named outside the settings modules (read or set elsewhere, so easy to miss) and
     /// the telemetry ones; the others are in the help of the subcommand they belong to.
     #[test]
     fn serve_help_lists_every_setting_the_code_names() {
         // At run time first: the cached target dir is shared between checkouts.
-        let root = std::env::var_os("CARGO_MANIFEST_DIR")
-            .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
-        let src = root.join("src");
+        let crates = std::env::var_os("CARGO_MANIFEST_DIR")
+            .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+            .join("..");
+        // The crates the server links: each defines its settings in `settings.rs` (the
+        // server's own and the flattening of the others' in `config.rs`).
         let mut files = Vec::new();
-        rust_files(&src, &mut files);
+        for name in ["telemetry", "llm", "rag", "server"] {
+            let src = crates.join(name).join("src");
+            if src.is_dir() {
+                rust_files(&src, &mut files);
+            }
+        }
         let (mut here, mut elsewhere) = (BTreeSet::new(), BTreeSet::new());
         for file in &files {
             let source = std::fs::read_to_string(file).expect("source file");
             let names = settings_named_in(&source);
-            if file == &src.join("config.rs") {
+            let name = file.file_name().and_then(|n| n.to_str());
+            if matches!(name, Some("config.rs" | "settings.rs")) {
                 here.extend(names);
             } else {
                 elsewhere.extend(names);
@@ -1177,18 +1065,6 @@ mod tests {
         assert_eq!(both.pyroscope_server(), Some("http://ours:4040"));
         let err = telemetry(&["ragscope", "serve", "--stage-services", "yes"]).unwrap_err();
         assert!(err.to_string().contains("give true, 1"), "{err}");
-    }
-
-    #[test]
-    fn blank_telemetry_values_mean_the_default() {
-        assert_eq!(blank_or(4096usize)(" ").unwrap(), 4096);
-        assert_eq!(blank_or(4096usize)(" 0 ").unwrap(), 0);
-        assert!(blank_or(4096usize)("many").is_err());
-        let interval = parse_seconds_or(Duration::from_secs(10));
-        assert_eq!(interval("").unwrap(), Duration::from_secs(10));
-        assert!(interval("0").is_err());
-        assert!(!parse_switch("").unwrap());
-        assert!(!parse_switch("0").unwrap());
     }
 
     #[test]

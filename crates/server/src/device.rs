@@ -8,7 +8,7 @@ use candle_core::Device;
 /// A CUDA device is also handed to the GPU memory gauges.
 pub fn device(spec: &str) -> Result<Device> {
     let device = parse(spec)?;
-    crate::telemetry::gpu::memory::watch(&device);
+    telemetry::gpu::memory::watch(&device);
     Ok(device)
 }
 

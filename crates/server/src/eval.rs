@@ -17,8 +17,8 @@ use crate::pipeline::{RagAnswer, RagRequest};
 use crate::rerank::fusion::FusionReranker;
 use crate::rerank::{ranking, Candidate, Reranker};
 use crate::retrieve::ScoredChunk;
-use crate::telemetry::names::span;
-use crate::telemetry::span::Stage;
+use telemetry::names::span;
+use telemetry::span::Stage;
 
 #[derive(Debug, Deserialize)]
 pub struct Question {

@@ -17,8 +17,8 @@ use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use crate::config::FaultArgs;
-use crate::telemetry::names::{attr, StageKind};
-use crate::telemetry::span::Stage;
+use telemetry::names::{attr, StageKind};
+use telemetry::span::Stage;
 
 /// The request header carrying a per-request plan (JSON, same shape as `PUT /admin/faults`).
 pub const HEADER: &str = "x-ragscope-fault";
@@ -363,7 +363,7 @@ impl FaultPlan {
 }
 
 pub(crate) fn count(stage: FaultStage, kind: &'static str) {
-    crate::telemetry::metrics::metrics().faults_injected.add(
+    telemetry::metrics::metrics().faults_injected.add(
         1,
         &[
             KeyValue::new(attr::STAGE, stage.as_str()),

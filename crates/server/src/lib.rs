@@ -12,8 +12,6 @@
 //! - [`embed`], [`retrieve`], [`rerank`], [`prompt`], [`generate`]: the stages.
 //! - [`ingest`]: documents → text → chunks → vectors in the store; the bundled corpus.
 //! - [`models`]: the model manifest, fetching and verifying weights.
-//! - [`telemetry`]: the shared clock, the registry of stage, span, attribute and metric names,
-//!   stage spans, the stage-event stream, exporters.
 //! - [`fault`]: fault and latency injection (off unless configured), for experiments.
 //! - [`snapshot`]: the bounded directory of failure snapshots that `ragscope replay` re-runs.
 //! - [`attribute`]: where the latency went, per stage, from recorded traces.
@@ -38,6 +36,5 @@ pub mod prompt;
 pub mod rerank;
 pub mod retrieve;
 pub mod snapshot;
-pub mod telemetry;
 pub mod tenant;
 pub mod worker;

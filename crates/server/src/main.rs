@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::Parser;
 use ragscope::config::{Cli, Command, ModelsAction, StoreAction};
-use ragscope::{app, cli, device, telemetry};
+use ragscope::{app, cli, device};
 
 fn main() -> Result<()> {
     // Before any thread exists, so every thread allocates from the one tuned heap.

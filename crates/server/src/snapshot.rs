@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SnapshotArgs;
 use crate::generate::Sampling;
-use crate::telemetry::names::attr;
+use telemetry::names::attr;
 
 /// The snapshot file format this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -356,7 +356,7 @@ impl Writer {
 }
 
 fn count(result: &'static str) {
-    crate::telemetry::metrics::metrics()
+    telemetry::metrics::metrics()
         .snapshots
         .add(1, &[KeyValue::new(attr::RESULT, result)]);
 }

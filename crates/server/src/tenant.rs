@@ -38,8 +38,8 @@ use tower::{Layer, Service};
 
 use crate::api::auth::ApiKeys;
 use crate::config::TenantArgs;
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::attr;
+use telemetry::metrics::metrics;
+use telemetry::names::attr;
 
 /// Charged when nothing names the caller.
 pub const DEFAULT: &str = "default";
@@ -325,7 +325,7 @@ impl Tenants {
         let Some(key) = &self.baggage_key else {
             return self.get(DEFAULT);
         };
-        let cx = crate::telemetry::extract_context(req.headers());
+        let cx = telemetry::extract_context(req.headers());
         match cx.baggage().get(key.as_str()) {
             Some(v) => self.get(v.as_str().as_ref()),
             None => self.get(DEFAULT),

@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 
-use crate::telemetry::clock::{self, millis};
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::{attr, metric, StageKind};
-use crate::telemetry::span::Stage;
 use crate::tenant::{OverQuota, Tenant};
+use telemetry::clock::{self, millis};
+use telemetry::metrics::metrics;
+use telemetry::names::{attr, metric, StageKind};
+use telemetry::span::Stage;
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -429,7 +429,7 @@ impl Workers {
         let depth = Arc::new(AtomicUsize::new(0));
         let ledger = Arc::new(Mutex::new(Ledger::new()));
         let observed = depth.clone();
-        let meter = opentelemetry::global::meter(crate::telemetry::span::SCOPE);
+        let meter = opentelemetry::global::meter(telemetry::span::SCOPE);
         let _gauge = meter
             .u64_observable_gauge(metric::QUEUE_DEPTH)
             .with_unit("{request}")

@@ -17,8 +17,8 @@ use super::auth::{Caller, Scope};
 use super::error::ApiError;
 use super::AppState;
 use crate::fault::{FaultPlan, HEADER};
-use crate::telemetry::names::attr;
-use crate::telemetry::span::Stage;
+use telemetry::names::attr;
+use telemetry::span::Stage;
 
 /// The plan a request runs: its own from the header when the server allows that, else the
 /// server's. Records which one on the request span when it injects anything.
@@ -168,7 +168,7 @@ pub async fn recent_traces(
         Ok(Query(q)) => q.limit,
         Err(e) => return ApiError::field("limit", e.body_text()).into_response(),
     };
-    match crate::telemetry::buffer::recent() {
+    match telemetry::buffer::recent() {
         Some(buffer) => Json(buffer.otlp_json(limit)).into_response(),
         None => ApiError::new(
             StatusCode::NOT_FOUND,
@@ -184,7 +184,7 @@ pub async fn recent_traces(
 #[utoipa::path(delete, path = "/debug/traces", tag = "debug",
     responses((status = 200, description = "Emptied", body = super::openapi::Cleared)))]
 pub async fn clear_traces() -> Response {
-    if let Some(buffer) = crate::telemetry::buffer::recent() {
+    if let Some(buffer) = telemetry::buffer::recent() {
         buffer.clear();
     }
     (StatusCode::OK, Json(json!({"cleared": true}))).into_response()

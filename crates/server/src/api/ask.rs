@@ -21,9 +21,9 @@ use crate::pipeline::{
     Event, EventReceiver, Pipeline, PipelineError, RagAnswer, RagRequest, Source, Streamed,
 };
 use crate::retrieve::Filter;
-use crate::telemetry::clock;
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::{attr, StageKind};
+use telemetry::clock;
+use telemetry::metrics::metrics;
+use telemetry::names::{attr, StageKind};
 
 const MAX_EMBED_INPUTS: usize = 256;
 const MAX_DOCUMENTS: usize = 256;

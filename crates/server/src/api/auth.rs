@@ -19,8 +19,8 @@ use sha2::{Digest, Sha256};
 use super::error::ApiError;
 use super::{AppState, Readiness};
 use crate::config::AuthArgs;
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::attr;
+use telemetry::metrics::metrics;
+use telemetry::names::attr;
 
 /// What a key allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -397,7 +397,7 @@ pub async fn completions(
     });
     Ok(super::respond_json(
         &stage,
-        finished_at.unwrap_or_else(crate::telemetry::clock::now),
+        finished_at.unwrap_or_else(telemetry::clock::now),
         &body,
     ))
 }

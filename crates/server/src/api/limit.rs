@@ -14,8 +14,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::Connected;
 
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::attr;
+use telemetry::metrics::metrics;
+use telemetry::names::attr;
 
 /// One listener's cap.
 #[derive(Debug, Clone)]

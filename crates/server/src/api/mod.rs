@@ -37,9 +37,9 @@ use opentelemetry::KeyValue;
 use serde_json::json;
 
 use crate::pipeline::Pipeline;
-use crate::telemetry::names::{attr, StageKind};
-use crate::telemetry::span::Stage;
 use error::ApiError;
+use telemetry::names::{attr, StageKind};
+use telemetry::span::Stage;
 
 /// Shared by all handlers.
 #[derive(Clone)]
@@ -194,7 +194,7 @@ async fn refuse_while_draining(
 ) -> Response {
     let open = auth::scope_for(req.method(), req.uri().path()).is_none();
     if state.readiness.is_draining() && !open {
-        crate::telemetry::metrics::metrics()
+        telemetry::metrics::metrics()
             .admission_rejected
             .add(1, &[KeyValue::new(attr::REASON, "draining")]);
         return ApiError::draining().into_response();
@@ -258,7 +258,7 @@ async fn prometheus_metrics() -> Response {
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        crate::telemetry::metrics::render_prometheus(),
+        telemetry::metrics::render_prometheus(),
     )
         .into_response()
 }
@@ -325,7 +325,7 @@ pub fn respond_json<T: serde::Serialize>(
 }
 
 async fn trace_request(State(state): State<AppState>, mut req: Request, next: Next) -> Response {
-    let parent = crate::telemetry::extract_context(req.headers());
+    let parent = telemetry::extract_context(req.headers());
     let route = req
         .extensions()
         .get::<MatchedPath>()
@@ -334,7 +334,7 @@ async fn trace_request(State(state): State<AppState>, mut req: Request, next: Ne
     let method = req.method().as_str().to_string();
     let request_id = uuid::Uuid::new_v4().to_string();
     let mut inherited = vec![KeyValue::new(attr::REQUEST_ID, request_id.clone())];
-    inherited.extend(crate::telemetry::baggage_attributes(&parent));
+    inherited.extend(telemetry::baggage_attributes(&parent));
     let stage = Arc::new(Stage::start(
         format!("{method} {route}"),
         SpanKind::Server,
@@ -387,9 +387,7 @@ pub(crate) struct InFlight(Arc<Readiness>);
 
 impl InFlight {
     pub(crate) fn start(readiness: Arc<Readiness>) -> InFlight {
-        crate::telemetry::metrics::metrics()
-            .requests_in_flight
-            .add(1, &[]);
+        telemetry::metrics::metrics().requests_in_flight.add(1, &[]);
         readiness
             .in_flight
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -399,7 +397,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        crate::telemetry::metrics::metrics()
+        telemetry::metrics::metrics()
             .requests_in_flight
             .add(-1, &[]);
         let before = self
@@ -426,10 +424,10 @@ impl<S> Drop for Guarded<S> {
     fn drop(&mut self) {
         // The child ends before its parent; both end now, whoever still holds them.
         if let Some(respond) = self.respond.take() {
-            crate::telemetry::metrics::metrics().stage(StageKind::Respond, respond.0.finish_now());
+            telemetry::metrics::metrics().stage(StageKind::Respond, respond.0.finish_now());
         }
         let took = self.stage.finish_now();
-        crate::telemetry::metrics::metrics()
+        telemetry::metrics::metrics()
             .request_duration
             .record(took.as_secs_f64(), &self.attributes);
     }

@@ -26,9 +26,9 @@ use super::error::ApiError;
 use super::AppState;
 use crate::attribute::{self, SpanRecord};
 use crate::config::UiArgs;
-use crate::telemetry::names::{stage_services, StageKind};
-use crate::telemetry::stage_events::{self, StageEvent};
-use crate::telemetry::{buffer, clock};
+use telemetry::names::{stage_services, StageKind};
+use telemetry::stage_events::{self, StageEvent};
+use telemetry::{buffer, clock};
 
 const INDEX: &str = include_str!("page/index.html");
 const SCRIPT: &str = include_str!("page/app.js");
@@ -119,7 +119,7 @@ async fn config(State(state): State<AppState>) -> Json<Value> {
         .map(|k| json!({"stage": k.span_prefix(), "service": k.service()}))
         .collect();
     Json(json!({
-        "service_name": crate::telemetry::service_name(),
+        "service_name": telemetry::service_name(),
         "services": stage_services(),
         "colours": colours(),
         "other_colour": OTHER_COLOUR,

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::SpanRecord;
-use crate::telemetry::names::attr;
+use telemetry::names::attr;
 
 /// What the output says about how a step's time is split.
 pub const SPLIT: &str =

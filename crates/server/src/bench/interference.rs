@@ -20,7 +20,7 @@ use serde::Serialize;
 use super::{median, percentile, stage};
 use crate::generate::llama::Llama;
 use crate::generate::{Flow, GenerateRequest, Generator};
-use crate::telemetry::clock;
+use telemetry::clock;
 
 /// Most tokens stream A decodes (it stops earlier, once B's prefill is over).
 const A_MAX_TOKENS: usize = 1024;

@@ -20,8 +20,8 @@ use crate::generate::{ChatMessage, Flow, GenerateRequest, Sampling};
 use crate::pipeline::RagRequest;
 use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::{Chunk, VectorStore};
-use crate::telemetry::names::span;
-use crate::telemetry::{clock, span::Stage};
+use telemetry::names::span;
+use telemetry::{clock, span::Stage};
 
 fn stage() -> Stage {
     Stage::root(span::BENCH)

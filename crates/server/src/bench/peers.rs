@@ -25,7 +25,7 @@ use crate::generate::{
     TokenLogprob,
 };
 use crate::ingest::{self, chunk};
-use crate::telemetry::{clock, span::Stage};
+use telemetry::{clock, span::Stage};
 
 /// Prompt budget, in generator tokens: a typical RAG prompt of about 600 tokens.
 const PROMPT_TOKENS: usize = 600;

@@ -16,7 +16,7 @@ use serde::Serialize;
 use super::{percentile, stage};
 use crate::generate::llama::Llama;
 use crate::generate::{Flow, GenerateRequest, Generator};
-use crate::telemetry::clock;
+use telemetry::clock;
 
 #[derive(Debug, Serialize)]
 pub struct StreamsPoint {

@@ -18,9 +18,9 @@ use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 use super::cpu_bert::{self, CpuBert};
 use super::kernels::Precision;
 use super::{EmbedError, Embedder};
-use crate::telemetry::gpu::GpuTimer;
-use crate::telemetry::names::{attr, span};
-use crate::telemetry::span::Stage;
+use telemetry::gpu::GpuTimer;
+use telemetry::names::{attr, span};
+use telemetry::span::Stage;
 
 /// The model's `max_seq_length` in sentence-transformers; the shipped tokenizer.json says 128.
 pub const MAX_TOKENS: usize = 256;
@@ -292,7 +292,7 @@ impl Embedder for BertEmbedder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::telemetry::span::Stage;
+    use telemetry::span::Stage;
 
     fn embedder() -> BertEmbedder {
         let dir = crate::models::test_model_dir("all-MiniLM-L6-v2");

@@ -9,8 +9,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 
-use crate::telemetry::names::attr;
 use opentelemetry::KeyValue;
+use telemetry::names::attr;
 
 /// Text → value, least recently used first out, at most `capacity` entries.
 pub struct TextCache<V = Vec<f32>> {
@@ -120,7 +120,7 @@ impl<V: Clone> TextCache<V> {
         let Some(name) = self.name.filter(|_| n > 0) else {
             return;
         };
-        crate::telemetry::metrics::metrics().cache_requests.add(
+        telemetry::metrics::metrics().cache_requests.add(
             n,
             &[
                 KeyValue::new(attr::CACHE, name),

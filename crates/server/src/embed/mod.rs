@@ -9,7 +9,7 @@ pub mod cache;
 pub mod cpu_bert;
 pub mod kernels;
 
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EmbedError {

@@ -17,9 +17,9 @@ use super::kv_cache::{read_host, write_host, KvCache, KvStore};
 use super::sampler::Logits;
 use super::schedule::{Scheduler, Session};
 use super::weights::{Config, Weights};
-use crate::telemetry::clock;
-use crate::telemetry::names::{attr, event};
-use crate::telemetry::span::Stage;
+use telemetry::clock;
+use telemetry::names::{attr, event};
+use telemetry::span::Stage;
 
 /// Prompts are prefilled in chunks of at most this many tokens, which bounds the attention
 /// scores of one chunk to `heads × PREFILL_CHUNK × context` floats (≈ 150 MB at 8192 positions)

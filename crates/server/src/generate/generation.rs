@@ -18,10 +18,10 @@ use super::{
     FinishReason, Flow, GenerateError, GenerateRequest, Generated, Piece, TokenLogprob, TokenTrace,
     TopLogprob, MAX_TOP_LOGPROBS,
 };
-use crate::telemetry::clock;
-use crate::telemetry::gpu::{self, GpuTimer};
-use crate::telemetry::names::{attr, event, span, StageKind};
-use crate::telemetry::span::Stage;
+use telemetry::clock;
+use telemetry::gpu::{self, GpuTimer};
+use telemetry::names::{attr, event, span, StageKind};
+use telemetry::span::Stage;
 
 /// One request's generation over a loaded model.
 pub(super) struct TextGeneration<'a> {
@@ -385,7 +385,7 @@ mod tests {
     use crate::generate::{
         ChatMessage, FinishReason, Flow, GenerateError, Generator, Sampling, TokenTrace,
     };
-    use crate::telemetry::clock;
+    use telemetry::clock;
 
     #[test]
     fn answers_from_the_passage() {

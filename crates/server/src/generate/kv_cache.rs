@@ -195,8 +195,8 @@ impl KvCache {
 
     fn account(bytes: u64, tokens: u64, on_gpu: bool, add: bool) {
         use std::sync::atomic::Ordering::Relaxed;
-        let usage = &crate::telemetry::metrics::KV_CACHE;
-        let gpu = &crate::telemetry::gpu::memory::KV_CACHE_BYTES;
+        let usage = &telemetry::metrics::KV_CACHE;
+        let gpu = &telemetry::gpu::memory::KV_CACHE_BYTES;
         if add {
             usage.bytes.fetch_add(bytes, Relaxed);
             usage.tokens.fetch_add(tokens, Relaxed);

@@ -13,7 +13,7 @@
 //! (prompt prefixes whose keys and values a new prefill starts from). On a GPU the same forward runs on candle's
 //! CUDA ops, with weights in [`WeightFormat::F16PrefillQ8Decode`] and the KV cache allocated on
 //! the device; CUDA events time prefill and sampled decode steps
-//! ([`gpu`](crate::telemetry::gpu)).
+//! ([`gpu`](telemetry::gpu)).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -36,8 +36,8 @@ use super::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
     Sampling, TokenLogprob,
 };
-use crate::telemetry::names::span;
-use crate::telemetry::span::Stage;
+use telemetry::names::span;
+use telemetry::span::Stage;
 
 #[cfg(test)]
 pub(crate) use super::testing::{model as test_model, test_model_path};
@@ -320,7 +320,7 @@ impl Llama {
         &self,
         prompt: &[u32],
         cache: &mut KvCache,
-        stage: Option<&crate::telemetry::span::Stage>,
+        stage: Option<&telemetry::span::Stage>,
         whole: bool,
     ) -> candle_core::Result<(candle_core::Tensor, usize)> {
         let hit = self.prefix.lookup(prompt, whole);

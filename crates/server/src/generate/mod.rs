@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 pub use host_kv::KvDtype;
 pub use prefix_cache::DEFAULT_MB as PREFIX_CACHE_DEFAULT_MB;

@@ -38,7 +38,7 @@ use half::slice::HalfFloatSliceExt;
 use super::host_kv::KvDtype;
 use super::kv_cache::KvCache;
 use super::weights::Config;
-use crate::telemetry::metrics::PREFIX_CACHE;
+use telemetry::metrics::PREFIX_CACHE;
 
 /// Tokens per block: the granularity of a hit. Small enough that a repeated prompt recomputes
 /// at most 16 positions; large enough that a 600-token prompt is ~40 map entries.

@@ -42,10 +42,10 @@ use opentelemetry::trace::SpanContext;
 use opentelemetry::{Array, KeyValue, StringValue, Value};
 
 use super::cpu_decode::{CpuDecoder, HostKv, SeqStep};
-use crate::telemetry::clock;
-use crate::telemetry::names::{attr, span, StageKind};
-use crate::telemetry::profile;
-use crate::telemetry::span::Stage;
+use telemetry::clock;
+use telemetry::names::{attr, span, StageKind};
+use telemetry::profile;
+use telemetry::span::Stage;
 
 /// Most sequences in one step.
 pub const MAX_BATCH: usize = 16;
@@ -572,7 +572,7 @@ fn run<E: StepEngine>(
         }
         let b = jobs.len();
         index += 1;
-        let batches = &crate::telemetry::metrics::DECODE_BATCH;
+        let batches = &telemetry::metrics::DECODE_BATCH;
         batches.last.store(b as u64, Ordering::Relaxed);
         batches.largest.fetch_max(b as u64, Ordering::Relaxed);
         let traced = match spans {
@@ -716,7 +716,7 @@ mod tests {
         });
         assert_eq!(together, alone);
         assert!(model.schedule.batcher.is_some(), "the CPU default batches");
-        let largest = &crate::telemetry::metrics::DECODE_BATCH.largest;
+        let largest = &telemetry::metrics::DECODE_BATCH.largest;
         assert!(
             largest.load(std::sync::atomic::Ordering::Relaxed) > 1,
             "the steps never ran batched"

@@ -11,9 +11,9 @@ use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::sampler::logprobs;
 use super::{GenerateError, Generator, TokenLogprob, TopLogprob, MAX_TOP_LOGPROBS};
-use crate::telemetry::clock;
-use crate::telemetry::names::{attr, StageKind};
-use crate::telemetry::span::Stage;
+use telemetry::clock;
+use telemetry::names::{attr, StageKind};
+use telemetry::span::Stage;
 
 /// `token`'s entry from one row of logits. Bytes as [`Generator::token_bytes`] gives them (a
 /// control token's own text), so an echoed prompt's tokens spell its text.

@@ -31,9 +31,9 @@ use crate::snapshot::{
     self as store, ModelFacts, PromptFacts, SamplingFacts, Snapshot, SnapshotStore, StageTiming,
     Timings,
 };
-use crate::telemetry::clock::{self, millis};
-use crate::telemetry::names::{attr, event, span};
-use crate::telemetry::span::Stage;
+use telemetry::clock::{self, millis};
+use telemetry::names::{attr, event, span};
+use telemetry::span::Stage;
 
 /// What a generation records as it runs for a snapshot it may need: each decode step's batch
 /// size.
@@ -214,7 +214,7 @@ fn model_facts(llama: &Llama, weights_sha256: Option<String>) -> ModelFacts {
 fn trace_timings(trace_id: Option<&str>) -> Vec<StageTiming> {
     let (Some(id), Some(buffer)) = (
         trace_id.and_then(|t| TraceId::from_hex(t).ok()),
-        crate::telemetry::buffer::recent(),
+        telemetry::buffer::recent(),
     ) else {
         return Vec::new();
     };

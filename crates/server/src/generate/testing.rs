@@ -10,7 +10,7 @@ use super::kv_cache::KvCache;
 use super::llama::{Llama, MODEL_ID};
 use super::sampler::Logits;
 use super::{ChatMessage, Flow, GenerateRequest, Generated, Generator, Sampling, TokenTrace};
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// Where tests find the model: `$RAGSCOPE_MODELS_DIR` (default `models`), then
 /// `SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf`.

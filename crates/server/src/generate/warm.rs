@@ -11,8 +11,8 @@ use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::prefix_cache::BLOCK_TOKENS;
 use super::{GenerateError, Warmed};
-use crate::telemetry::names::attr;
-use crate::telemetry::span::Stage;
+use telemetry::names::attr;
+use telemetry::span::Stage;
 
 /// Prefills the whole blocks of `head` into the prefix cache (see [`super::Generator::warm`]).
 pub(super) fn warm(

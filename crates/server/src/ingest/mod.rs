@@ -15,9 +15,9 @@ use serde_json::{Map, Value};
 
 use crate::embed::{EmbedError, Embedder};
 use crate::retrieve::{Chunk, StoreError, VectorStore};
-use crate::telemetry::names::{attr, StageKind};
-use crate::telemetry::span::{model_attributes, Stage};
 use chunk::{ChunkerConfig, Section};
+use telemetry::names::{attr, StageKind};
+use telemetry::span::{model_attributes, Stage};
 
 /// Namespace for chunk ids (a fixed random UUID: ids stay stable across versions).
 const CHUNK_NAMESPACE: uuid::Uuid = uuid::uuid!("6f1c3e52-9a0b-4d7e-8c21-5b3a9e4f0d17");

@@ -35,7 +35,7 @@ use crate::embed::cache::VectorCache;
 use crate::embed::Embedder;
 use crate::generate::{GenerateError, Generator};
 use crate::ingest::chunk::sentences;
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// What the context stage does with the reranked passages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]

@@ -24,7 +24,7 @@ use super::context::{entry_term, split_passage, SplitPassage};
 use crate::retrieve::lexical;
 use crate::retrieve::VectorStore;
 use crate::retrieve::{Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError};
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// Chunks searched within the pages a question may name, for entries retrieval missed.
 const PAGE_TOP_K: usize = 64;

@@ -36,12 +36,12 @@ use crate::ingest::{Document, IngestOutcome};
 use crate::prompt::{self, Prompt};
 use crate::rerank::{Candidate, Reranker};
 use crate::retrieve::{ScoredChunk, VectorStore};
-use crate::telemetry::clock::{self, millis};
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::{attr, StageKind};
-use crate::telemetry::span::Stage;
 use crate::worker::{Admission, JobKind, Warmth, Workers};
 use context::{ContextMode, ContextPassage};
+use telemetry::clock::{self, millis};
+use telemetry::metrics::metrics;
+use telemetry::names::{attr, StageKind};
+use telemetry::span::Stage;
 
 /// Everything a request needs, shared by all requests.
 pub struct Pipeline {

@@ -22,8 +22,8 @@ use std::time::Instant;
 use opentelemetry::KeyValue;
 
 use crate::generate::Generator;
-use crate::telemetry::names::{attr, span};
-use crate::telemetry::span::Stage;
+use telemetry::names::{attr, span};
+use telemetry::span::Stage;
 
 /// Whether RAG requests overlap their prompt head's prefill with retrieval (`--overlap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -130,7 +130,7 @@ impl Drop for Warm {
         self.call_off();
         let left = self
             .deadline
-            .saturating_duration_since(crate::telemetry::clock::now());
+            .saturating_duration_since(telemetry::clock::now());
         let _ = self.done.recv_timeout(left);
     }
 }

@@ -11,10 +11,10 @@ use super::{check_deadline, EventSender, Pipeline, PipelineError, RagAnswer, Rag
 use super::{StageRunner, StageSpec};
 use crate::fault::FaultPlan;
 use crate::generate::TokenLogprob;
-use crate::telemetry::clock::millis;
-use crate::telemetry::names::StageKind;
-use crate::telemetry::span::Stage;
 use crate::worker::JobKind;
+use telemetry::clock::millis;
+use telemetry::names::StageKind;
+use telemetry::span::Stage;
 
 impl Pipeline {
     /// Generates from `prompt` as given, with `req`'s generation settings (its query and

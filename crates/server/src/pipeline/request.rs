@@ -16,9 +16,9 @@ use crate::generate::{ChatMessage, FinishReason, GenerateError, Sampling, TokenL
 use crate::ingest::IngestError;
 use crate::rerank::RerankError;
 use crate::retrieve::{Filter, ScoredChunk, StoreError};
-use crate::telemetry::clock;
-use crate::telemetry::names::StageKind;
 use crate::worker::Refused;
+use telemetry::clock;
+use telemetry::names::StageKind;
 
 #[derive(Debug, Clone)]
 pub struct RagRequest {

@@ -10,11 +10,11 @@ use opentelemetry::KeyValue;
 
 use super::{PipelineError, Timings};
 use crate::fault::{FaultPlan, FaultStage};
-use crate::telemetry::clock::millis;
-use crate::telemetry::metrics::metrics;
-use crate::telemetry::names::StageKind;
-use crate::telemetry::profile;
-use crate::telemetry::span::{model_attributes, Stage};
+use telemetry::clock::millis;
+use telemetry::metrics::metrics;
+use telemetry::names::StageKind;
+use telemetry::profile;
+use telemetry::span::{model_attributes, Stage};
 
 /// A stage about to run: what it is, what it works on, and the attributes known before it runs.
 pub struct StageSpec {

@@ -14,9 +14,9 @@ use opentelemetry::KeyValue;
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 use super::{Candidate, RerankError, Reranker};
-use crate::telemetry::gpu::GpuTimer;
-use crate::telemetry::names::{attr, span};
-use crate::telemetry::span::Stage;
+use telemetry::gpu::GpuTimer;
+use telemetry::names::{attr, span};
+use telemetry::span::Stage;
 
 /// Pairs per forward pass.
 const SUB_BATCH: usize = 16;

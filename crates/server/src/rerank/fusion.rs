@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use opentelemetry::KeyValue;
 
 use super::{Candidate, RerankError, Reranker};
-use crate::telemetry::names::attr;
-use crate::telemetry::span::Stage;
+use telemetry::names::attr;
+use telemetry::span::Stage;
 
 /// Words too common to count as evidence.
 const STOPWORDS: &[&str] = &[

@@ -7,7 +7,7 @@
 pub mod cross_encoder;
 pub mod fusion;
 
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RerankError {

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::edge::{DiskUsage, EdgeStore};
 use super::{payload, Chunk, StoreError, VectorStore};
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// A stored vector searched for itself scores this or more (cosine of unit vectors).
 const SELF_SCORE: f32 = 0.999;

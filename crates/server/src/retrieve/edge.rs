@@ -25,7 +25,7 @@ use serde_json::Value;
 use super::lexical::{self, Terms, LEXICAL_VECTOR};
 use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
 use super::{Chunk, Filter, MatchValue, ScoredChunk, StoreError, StoreInfo, VectorStore};
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// A collection stored in an embedded Qdrant Edge shard at `<dir>/<collection>`.
 ///

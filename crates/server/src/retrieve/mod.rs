@@ -19,8 +19,8 @@ use std::collections::HashSet;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::telemetry::span::Stage;
 use lexical::Terms;
+use telemetry::span::Stage;
 
 /// One chunk of an ingested document, as stored with its vector.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -35,7 +35,7 @@ use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYW
 use super::{
     Chunk, Filter, MatchValue, ScoredChunk, ServerAddress, StoreError, StoreInfo, VectorStore,
 };
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// Longest wait for a TCP/TLS connection to the server.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -247,7 +247,7 @@ impl RemoteStore {
             client
                 .config
                 .custom_headers
-                .extend(crate::telemetry::inject_context(stage.context()));
+                .extend(telemetry::inject_context(stage.context()));
         }
         self.runtime
             .as_ref()

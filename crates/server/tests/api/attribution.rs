@@ -61,7 +61,7 @@ async fn run(app: &TestApp, n: usize) -> Report {
 
 async fn app() -> TestApp {
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
-    let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
+    let provider = telemetry::tracer_provider(exporter, telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider);
     let app = spawn_fake_app_with(
         FakeGenerator::new(8),
@@ -148,7 +148,7 @@ const BATCHED_TOKENS: usize = 24;
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batched_decode_time_splits_among_the_requests_that_shared_the_steps() {
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
-    let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
+    let provider = telemetry::tracer_provider(exporter, telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider);
     for trace in [
         StepTrace {

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeSet;
 
-use ragscope::telemetry::names::{attr, metric, span, StageKind};
+use telemetry::names::{attr, metric, span, StageKind};
 
 fn read(rel: &str) -> String {
     let path = crate::helpers::repo_dir().join(rel);

@@ -302,7 +302,7 @@ async fn echo_logprobs_score_the_prompt_as_lm_eval_asks() {
     )
     .unwrap();
     let ids32: Vec<u32> = likely.iter().map(|&t| t as u32).collect();
-    let stage = ragscope::telemetry::span::Stage::root("test");
+    let stage = telemetry::span::Stage::root("test");
     let direct: f64 = ragscope::generate::Generator::score(&llama, &ids32, 1, &stage).unwrap()
         [ctx - 1..]
         .iter()
@@ -632,9 +632,9 @@ async fn completions_refuse_what_they_do_not_honour_by_name() {
 
 /// Spans go to the server's recent-trace buffer (`/debug/traces`), as when it serves.
 fn record_spans() {
-    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
         opentelemetry_sdk::trace::InMemorySpanExporter::default(),
-        ragscope::telemetry::resource(),
+        telemetry::resource(),
     ));
 }
 

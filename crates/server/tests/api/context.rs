@@ -8,9 +8,9 @@ use crate::helpers::{models_dir, spawn_app, spawn_app_with, TestApp};
 
 /// Spans go to the server's recent-trace buffer (`/debug/traces`), as when it serves.
 fn record_spans() {
-    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
         opentelemetry_sdk::trace::InMemorySpanExporter::default(),
-        ragscope::telemetry::resource(),
+        telemetry::resource(),
     ));
 }
 

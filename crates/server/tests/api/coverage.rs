@@ -35,8 +35,7 @@ fn coverage(root: &SpanData, children: &[&SpanData]) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_requests_nest_exactly_and_the_stages_cover_each_request() {
     let exporter = InMemorySpanExporter::default();
-    let provider =
-        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
+    let provider = telemetry::tracer_provider(exporter.clone(), telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
     let app = spawn_fake_app(FakeGenerator::new(24)).await;
     app.ingest_fixtures().await;

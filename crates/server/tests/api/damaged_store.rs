@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use ragscope::retrieve::edge::EdgeStore;
 use ragscope::retrieve::{Chunk, VectorStore};
-use ragscope::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 use crate::helpers::models_dir;
 

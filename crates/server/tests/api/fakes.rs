@@ -15,7 +15,7 @@ use ragscope::generate::{
 };
 use ragscope::retrieve::lexical::Terms;
 use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
-use ragscope::telemetry::{clock, span::Stage};
+use telemetry::{clock, span::Stage};
 
 /// Busy-waits: sleeping would hand the core to other tests and blur the timings.
 fn spin(d: Duration) {

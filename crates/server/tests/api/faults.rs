@@ -98,9 +98,9 @@ async fn the_admin_endpoint_needs_the_token_and_a_valid_plan() {
 #[tokio::test]
 async fn a_header_plan_is_recorded_on_the_spans_it_hit() {
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
-    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
         exporter,
-        ragscope::telemetry::resource(),
+        telemetry::resource(),
     ));
     let app = spawn_fake_app_with(
         FakeGenerator::new(4),

@@ -76,7 +76,7 @@ pub async fn spawn_app_in(data_dir: &Path, extra: &[&str]) -> TestApp {
 /// `tmp`, if given, moves into the server task, so the directory outlives the store in it.
 async fn start(data_dir: &Path, extra: &[&str], tmp: Option<tempfile::TempDir>) -> TestApp {
     // `/metrics` needs a meter provider; tests that export telemetry install their own first.
-    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+    if let Some(provider) = telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
     let args = serve_args(data_dir, extra);
@@ -132,7 +132,7 @@ async fn fake_app(
     store: Arc<dyn ragscope::retrieve::VectorStore>,
     extra: &[&str],
 ) -> TestApp {
-    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+    if let Some(provider) = telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
     let args = serve_args(Path::new("unused"), extra);

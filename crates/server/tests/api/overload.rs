@@ -52,7 +52,7 @@ async fn ask(client: &reqwest::Client, url: &str) -> Outcome {
 #[tokio::test]
 async fn a_burst_far_above_capacity_is_refused_fast_and_the_admitted_wait_within_the_limit() {
     // `/metrics` needs a meter provider (the helpers' apps install one the same way).
-    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+    if let Some(provider) = telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
     let mut pipeline = fake_pipeline(FakeGenerator {

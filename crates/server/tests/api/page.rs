@@ -27,9 +27,9 @@ const PAGE_FLAGS: [&str; 6] = [
 
 /// Spans go to the server's recent-trace buffer, as when it serves.
 fn record_spans() {
-    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
         opentelemetry_sdk::trace::InMemorySpanExporter::default(),
-        ragscope::telemetry::resource(),
+        telemetry::resource(),
     ));
 }
 
@@ -314,7 +314,7 @@ async fn the_page_its_assets_and_its_colours_are_served() {
     assert!(total < 1 << 20, "the page is {total} bytes");
     let (status, config) = app.get("/ui/config").await;
     assert_eq!(status, 200);
-    for service in ragscope::telemetry::names::stage_services() {
+    for service in telemetry::names::stage_services() {
         assert!(
             config["colours"][service].is_string(),
             "{service}: {config}"

@@ -13,8 +13,8 @@ use opentelemetry_sdk::trace::InMemorySpanExporter;
 use prost::Message;
 use pyroscope::encode::gen::google::Profile;
 use pyroscope::encode::gen::push::PushRequest;
-use ragscope::telemetry::profile::{self, ProfileSettings};
 use serde_json::json;
+use telemetry::profile::{self, ProfileSettings};
 use tokio::net::TcpListener;
 
 use crate::helpers::{spawn_app, spawn_app_with};
@@ -52,8 +52,7 @@ async fn profiling() -> (
 ) {
     let (url, pushes) = receiver().await;
     let exporter = InMemorySpanExporter::default();
-    let tracer =
-        ragscope::telemetry::tracer_provider(exporter.clone(), ragscope::telemetry::resource());
+    let tracer = telemetry::tracer_provider(exporter.clone(), telemetry::resource());
     opentelemetry::global::set_tracer_provider(tracer.clone());
     let guard = profile::start(&ProfileSettings {
         url,

@@ -39,7 +39,7 @@ fn root_attributes(traces: &Value, name: &str) -> Vec<(String, f64)> {
 async fn each_answer_records_what_it_was_made_of() {
     // Spans reach the /debug/traces buffer through the tracer provider, as in the attribution test.
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
-    let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
+    let provider = telemetry::tracer_provider(exporter, telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider);
     let app = spawn_fake_app(FakeGenerator::new(8)).await;
     app.ingest_fixtures().await;

@@ -97,9 +97,9 @@ fn replay(files: &[&Path], extra: &[String]) -> (i32, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_generation_is_snapshotted_replayed_and_bounded() {
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
-    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
         exporter,
-        ragscope::telemetry::resource(),
+        telemetry::resource(),
     ));
     let app = spawn_app_with(&[
         "--faults",

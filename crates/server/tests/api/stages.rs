@@ -10,9 +10,9 @@ use crate::helpers::{spawn_fake_app_with, spawn_fake_app_with_store, TestApp};
 
 /// Spans go to the server's recent-trace buffer (`/debug/traces`), as when it serves.
 pub fn record_spans() {
-    opentelemetry::global::set_tracer_provider(ragscope::telemetry::tracer_provider(
+    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
         opentelemetry_sdk::trace::InMemorySpanExporter::default(),
-        ragscope::telemetry::resource(),
+        telemetry::resource(),
     ));
 }
 

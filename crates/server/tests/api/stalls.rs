@@ -13,7 +13,7 @@ use crate::helpers::{fake_pipeline, serve_state};
 
 #[tokio::test]
 async fn a_stream_nobody_reads_is_cancelled() {
-    if let Some(provider) = ragscope::telemetry::metrics::ensure_provider() {
+    if let Some(provider) = telemetry::metrics::ensure_provider() {
         std::mem::forget(provider);
     }
     // 8 choices x 3,000 tokens of ~200-byte OpenAI chunks: ~5 MB, far more than the sockets

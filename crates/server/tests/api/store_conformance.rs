@@ -15,8 +15,8 @@ use ragscope::retrieve::remote::RemoteStore;
 use ragscope::retrieve::{
     Chunk, Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError, VectorStore,
 };
-use ragscope::telemetry::span::Stage;
 use serde_json::{json, Value};
+use telemetry::span::Stage;
 use tempfile::TempDir;
 
 const DIM: usize = 8;

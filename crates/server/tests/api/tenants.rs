@@ -48,7 +48,7 @@ async fn a_tenant_past_its_rate_is_refused_while_another_is_served() {
     );
     // Spans go to the trace buffer that /debug/traces reads.
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
-    let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
+    let provider = telemetry::tracer_provider(exporter, telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider);
     let app = spawn_fake_app_with(
         FakeGenerator::new(4),

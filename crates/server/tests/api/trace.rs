@@ -17,7 +17,7 @@ pub const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 pub const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
 pub fn providers(protocol: Protocol, endpoint: &str) -> (SdkTracerProvider, SdkMeterProvider) {
-    let resource = ragscope::telemetry::resource();
+    let resource = telemetry::resource();
     let (spans, metrics) = match protocol {
         Protocol::Grpc => (
             opentelemetry_otlp::SpanExporter::builder()
@@ -46,10 +46,10 @@ pub fn providers(protocol: Protocol, endpoint: &str) -> (SdkTracerProvider, SdkM
                 .unwrap(),
         ),
     };
-    let tracer = ragscope::telemetry::tracer_provider(spans, resource.clone());
+    let tracer = telemetry::tracer_provider(spans, resource.clone());
     let meter = SdkMeterProvider::builder()
         .with_resource(resource)
-        .with_reader(ragscope::telemetry::metrics::scrape_reader())
+        .with_reader(telemetry::metrics::scrape_reader())
         .with_periodic_exporter(metrics)
         .build();
     opentelemetry::global::set_tracer_provider(tracer.clone());
@@ -270,7 +270,7 @@ async fn a_dead_collector_costs_counted_spans_not_requests() {
         .with_timeout(std::time::Duration::from_millis(500))
         .build()
         .unwrap();
-    let provider = ragscope::telemetry::tracer_provider(exporter, ragscope::telemetry::resource());
+    let provider = telemetry::tracer_provider(exporter, telemetry::resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
     let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator::new(4)).await;
     app.ingest_fixtures().await;
@@ -286,7 +286,7 @@ async fn a_dead_collector_costs_counted_spans_not_requests() {
     let _ = tokio::task::spawn_blocking(move || provider.force_flush())
         .await
         .unwrap();
-    let stats = ragscope::telemetry::export_stats();
+    let stats = telemetry::export_stats();
     assert!(stats.dropped() >= 50 * 10, "dropped {}", stats.dropped());
     let scrape = app.metrics_text().await;
     let line = scrape
@@ -308,7 +308,7 @@ async fn stages_can_be_exported_as_services_of_their_own_with_parentage_intact()
             .build()?)
     };
     let (tracer, _meter) = providers(Protocol::Grpc, &endpoint);
-    let stage_providers = ragscope::telemetry::install_stage_services(exporter).unwrap();
+    let stage_providers = telemetry::install_stage_services(exporter).unwrap();
     let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator::new(3)).await;
     app.ingest_fixtures().await;
     let r = app

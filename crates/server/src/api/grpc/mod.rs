@@ -24,7 +24,7 @@ use super::{AppState, Readiness, RequestStage};
 use crate::ingest::Format;
 use crate::pipeline::context::ContextAsked;
 use crate::pipeline::RagAnswer;
-use crate::telemetry::span::Stage;
+use telemetry::span::Stage;
 
 /// The code generated from `proto/ragscope.proto` at build time (see `build.rs`).
 pub mod proto {
@@ -181,7 +181,7 @@ fn request_stage<T>(request: &Request<T>) -> RequestStage {
         .get::<RequestStage>()
         .cloned()
         // Only without the layer (never as served): an untraced root keeps the pipeline going.
-        .unwrap_or_else(|| Arc::new(Stage::root(crate::telemetry::names::span::GRPC)))
+        .unwrap_or_else(|| Arc::new(Stage::root(telemetry::names::span::GRPC)))
 }
 
 type QueryStream = Pin<Box<dyn Stream<Item = Result<QueryEvent, Status>> + Send>>;

@@ -17,8 +17,8 @@ use opentelemetry::KeyValue;
 use tower::{Layer, Service};
 
 use crate::api::{InFlight, Readiness, RequestStage};
-use crate::telemetry::names::attr;
-use crate::telemetry::span::Stage;
+use telemetry::names::attr;
+use telemetry::span::Stage;
 
 /// Services whose calls get no span: probes and tooling.
 const UNTRACED: [&str; 2] = ["grpc.health.", "grpc.reflection."];
@@ -108,10 +108,10 @@ impl Call {
             return None;
         }
         let (service, method) = (service.to_string(), method.to_string());
-        let parent = crate::telemetry::extract_context(req.headers());
+        let parent = telemetry::extract_context(req.headers());
         let request_id = uuid::Uuid::new_v4().to_string();
         let mut inherited = vec![KeyValue::new(attr::REQUEST_ID, request_id.clone())];
-        inherited.extend(crate::telemetry::baggage_attributes(&parent));
+        inherited.extend(telemetry::baggage_attributes(&parent));
         let stage = Arc::new(Stage::start(
             format!("{service}/{method}"),
             SpanKind::Server,
@@ -164,7 +164,7 @@ impl Drop for Call {
         }
         let took = self.stage.finish_now();
         self.attributes.push(code_attribute);
-        crate::telemetry::metrics::metrics()
+        telemetry::metrics::metrics()
             .request_duration
             .record(took.as_secs_f64(), &self.attributes);
     }

@@ -22,8 +22,8 @@ use pyroscope::pyroscope::{PyroscopeAgentBuilder, PyroscopeAgentRunning};
 use pyroscope::{PyroscopeAgent, ThreadId};
 
 use super::span::Stage;
-use crate::config::TelemetryArgs;
-use crate::telemetry::names::attr;
+use super::TelemetryArgs;
+use crate::names::attr;
 
 /// Where and how to profile.
 #[derive(Debug, Clone)]

@@ -176,7 +176,7 @@ mod cuda {
     use candle_core::cuda::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream};
 
     use super::{anchor, device_duration, GpuInterval, HostMarks};
-    use crate::telemetry::clock;
+    use crate::clock;
 
     pub(super) struct Running {
         stream: Arc<CudaStream>,
@@ -226,7 +226,7 @@ mod cuda {
 pub mod memory {
     use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-    use crate::telemetry::names::metric;
+    use crate::names::metric;
 
     /// KV-cache bytes on the GPU; the generator adds and subtracts.
     pub static KV_CACHE_BYTES: AtomicU64 = AtomicU64::new(0);

@@ -7,8 +7,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use crate::telemetry::clock::unix_nanos;
-use crate::telemetry::names::{attr, span};
+use crate::clock::unix_nanos;
+use crate::names::{attr, span};
 use opentelemetry::trace::{SpanId, SpanKind, Status, TraceId};
 use opentelemetry::{Context, KeyValue, Value};
 use opentelemetry_sdk::error::OTelSdkResult;

@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod metrics;
 pub mod names;
 pub mod profile;
+pub mod settings;
 pub mod span;
 pub mod stage_events;
 
@@ -32,9 +33,9 @@ use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, SpanExporter};
 use opentelemetry_sdk::Resource;
 use tracing_subscriber::EnvFilter;
 
-use crate::config::TelemetryArgs;
-use crate::telemetry::names::{attr, metric};
+use crate::names::{attr, metric};
 use export::{ExportQueue, ExportStats, QueueSettings};
+pub use settings::TelemetryArgs;
 
 /// The default `service.name` when `OTEL_SERVICE_NAME` is unset.
 pub const SERVICE_NAME: &str = "ragscope";
@@ -427,7 +428,7 @@ pub(crate) fn register_process_gauges() {
         .build();
 }
 
-struct HeaderExtractor<'a>(&'a axum::http::HeaderMap);
+struct HeaderExtractor<'a>(&'a http::HeaderMap);
 
 impl Extractor for HeaderExtractor<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -448,7 +449,7 @@ fn w3c_propagator() -> TextMapCompositePropagator {
 }
 
 /// The caller's trace context and baggage from W3C `traceparent`/`tracestate`/`baggage`.
-pub fn extract_context(headers: &axum::http::HeaderMap) -> Context {
+pub fn extract_context(headers: &http::HeaderMap) -> Context {
     static PROPAGATOR: std::sync::OnceLock<TextMapCompositePropagator> = std::sync::OnceLock::new();
     PROPAGATOR
         .get_or_init(w3c_propagator)
