@@ -712,11 +712,6 @@ pub struct BenchArgs {
     /// With --embed-ab: only the forwards whose name contains this (e.g. `Bf16`), for profiling.
     #[arg(long, requires = "embed_ab", value_name = "NAME")]
     pub ab_only: Option<String>,
-    /// Instead of the stage figures, measure the generator's prefill and decode speed on the CPU
-    /// in each weight format (a ~600-token prompt, then 128 greedy tokens, medians of 3), or
-    /// only in those listed, e.g. `Q8_0,F32PrefillQ8Decode`. Run it on an idle machine.
-    #[arg(long, value_name = "FORMATS", value_delimiter = ',', num_args = 0..)]
-    pub weight_formats: Option<Vec<String>>,
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]

@@ -1,7 +1,6 @@
 //! `ragscope bench`: speed of every stage on this machine, printed as a table. Measurements,
 //! not assertions: the README quotes its output with the command that produced it.
 
-pub(crate) mod formats;
 mod interference;
 mod micro;
 mod overhead;
@@ -46,9 +45,6 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     }
     if args.telemetry_overhead {
         return overhead::run(&args).await;
-    }
-    if let Some(formats) = args.weight_formats.clone() {
-        return tokio::task::spawn_blocking(move || formats::run(&args, &formats)).await?;
     }
     if let Some(dir) = args.peer_inputs.clone() {
         return tokio::task::spawn_blocking(move || peers::run(&args, &dir)).await?;

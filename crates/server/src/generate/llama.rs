@@ -17,7 +17,6 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use candle_core::Device;
 use tokenizers::Tokenizer;
@@ -27,16 +26,14 @@ use super::forward::{self, Transformer};
 use super::generation::TextGeneration;
 use super::kv_cache::KvCache;
 use super::prefix_cache::PrefixCache;
-use super::sampler::{Logits, Sampler};
 use super::schedule::Scheduler;
 use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
 use super::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
-    Sampling, TokenLogprob,
+    TokenLogprob,
 };
-use telemetry::names::span;
 use telemetry::span::Stage;
 
 #[cfg(test)]
@@ -362,32 +359,6 @@ impl Llama {
     /// memory bandwidth divided by this bounds decode tokens/s.
     pub fn decode_weight_bytes(&self) -> usize {
         self.transformer.weights.decode_bytes()
-    }
-
-    /// One run of `ragscope bench --weight-formats`: prefills `prompt` into a fresh cache, then
-    /// runs `tokens` greedy decode steps, each feeding back the token sampled (end tokens too,
-    /// so every run decodes the same count), outside any request's stages. Returns the prefill
-    /// and the decode time.
-    pub fn time_prefill_and_decode(
-        &self,
-        prompt: &[u32],
-        tokens: usize,
-    ) -> Result<(Duration, Duration), GenerateError> {
-        let (net, schedule) = (&self.transformer, &self.schedule);
-        let host = net.host_kv();
-        let mut cache = KvCache::new(&net.cfg, prompt.len() + tokens, &net.device, host)?;
-        let t0 = Instant::now();
-        let mut logits = Logits::Device(net.prefill(prompt, &mut cache, schedule)?);
-        let t1 = Instant::now();
-        let mut greedy = Sampler::new(&Sampling::default());
-        let decode = Stage::root(span::BENCH);
-        let mut session = schedule.session(&decode);
-        for _ in 0..tokens {
-            let next = greedy.sample(&logits)?;
-            net.decode_one(session.as_mut(), &mut cache, next, &mut logits, schedule)?;
-        }
-        let t2 = Instant::now();
-        Ok((t1 - t0, t2 - t1))
     }
 }
 

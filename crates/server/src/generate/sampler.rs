@@ -274,7 +274,8 @@ impl Sampler {
         self
     }
 
-    /// The next token from `logits`.
+    /// The next token from `logits` (the tests' shorthand for [`Sampler::pick`]).
+    #[cfg(test)]
     pub fn sample(&mut self, logits: &Logits) -> candle_core::Result<u32> {
         Ok(self.pick(logits, None)?.token)
     }

@@ -155,7 +155,25 @@ pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .unwrap()
 }
 
-/// The weight-format benchmark's ~600-token RAG prompt (longer than one prefill chunk).
+/// A RAG prompt of about 600 tokens (longer than one prefill chunk): the same passage repeated
+/// until the rendered chat prompt reaches 580 tokens.
 pub(super) fn long_prompt(model: &Llama) -> Vec<u32> {
-    crate::bench::formats::long_prompt(model).unwrap()
+    let passage = "The Great Barrier Reef is the world's largest coral reef system, composed \
+                   of over 2,900 individual reefs and 900 islands stretching for over 2,300 \
+                   kilometres over an area of approximately 344,400 square kilometres. The \
+                   reef is located in the Coral Sea, off the coast of Queensland, Australia. ";
+    let mut text = String::new();
+    let mut i = 1;
+    loop {
+        text.push_str(&format!("Passage {i}: {passage}\n"));
+        let msgs = [ChatMessage::new(
+            "user",
+            format!("{text}\nQuestion: How long is the reef?"),
+        )];
+        let ids = model.chat_prompt(&msgs).unwrap();
+        if ids.len() >= 580 {
+            return ids;
+        }
+        i += 1;
+    }
 }
