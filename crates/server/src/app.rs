@@ -16,12 +16,8 @@ use crate::api::{self, AppState, Readiness};
 use crate::config::{ModelArgs, PipelineArgs, ServeArgs, ServerArgs, StoreArgs};
 use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
-use crate::generate::llama::{Llama, WeightFormat};
-use crate::generate::tokenizer;
-use crate::generate::Generator;
 use crate::ingest::chunk::ChunkerConfig;
 use crate::ingest::{corpus, ingest_document};
-use crate::models;
 use crate::pipeline::Pipeline;
 use crate::rerank::cross_encoder::CrossEncoder;
 use crate::rerank::fusion::FusionReranker;
@@ -30,6 +26,10 @@ use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::remote::RemoteStore;
 use crate::retrieve::VectorStore;
 use crate::worker::Workers;
+use llm::llama::{Llama, WeightFormat};
+use llm::models;
+use llm::tokenizer;
+use llm::Generator;
 use telemetry::names::StageKind;
 use telemetry::span::Stage;
 
@@ -49,11 +49,11 @@ pub fn load_models(args: &ModelArgs) -> Result<Models> {
 /// [`load_models`], with a generator that leaves failure snapshots in `snapshots`.
 pub fn load_models_with(
     args: &ModelArgs,
-    snapshots: Option<Arc<crate::snapshot::SnapshotStore>>,
+    snapshots: Option<Arc<llm::snapshot::SnapshotStore>>,
 ) -> Result<Models> {
-    let device = crate::device::device(&args.device)?;
+    let device = llm::device::device(&args.device)?;
     telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
-    crate::generate::schedule::set_step_trace(crate::generate::schedule::StepTrace {
+    llm::schedule::set_step_trace(llm::schedule::StepTrace {
         spans: args.decode_step_spans,
         links: args.decode_step_links,
     });
@@ -186,7 +186,7 @@ pub fn load_pipeline(
     server: &ServerArgs,
     pipeline: &PipelineArgs,
 ) -> Result<Pipeline> {
-    let snapshots = crate::snapshot::SnapshotStore::open(&server.snapshots, &store.data_dir)?;
+    let snapshots = llm::snapshot::SnapshotStore::open(&server.snapshots, &store.data_dir)?;
     let Models {
         embedder,
         generator,

@@ -10,9 +10,9 @@ use serde_json::{json, Value};
 
 use crate::app;
 use crate::config::{IngestArgs, ModelArgs, QueryArgs, ReplayArgs};
-use crate::generate::tokenizer;
 use crate::ingest::{ingest_document, read_paths};
-use crate::models::{self, Manifest};
+use llm::models::{self, Manifest};
+use llm::tokenizer;
 use telemetry::names::StageKind;
 use telemetry::span::Stage;
 
@@ -176,8 +176,8 @@ pub fn replay(args: &ReplayArgs) -> i32 {
 }
 
 fn replay_all(args: &ReplayArgs) -> Result<bool> {
-    use crate::generate::snapshot::{self, Divergence, Perturbation};
-    use crate::snapshot::{Snapshot, FORMAT_VERSION};
+    use llm::snapshot::replay::{self as snapshot, Divergence, Perturbation};
+    use llm::snapshot::{Snapshot, FORMAT_VERSION};
     let mut snaps = Vec::new();
     for path in &args.snapshots {
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
@@ -212,7 +212,7 @@ fn replay_all(args: &ReplayArgs) -> Result<bool> {
     }
     let dir = models::resolve(&args.gen_model, &args.models_dir, &[], false)?;
     let gguf = app::gguf_in(&dir)?;
-    let sha = crate::snapshot::file_sha256(&gguf)?;
+    let sha = llm::snapshot::file_sha256(&gguf)?;
     let tokenizer_json = dir.join("tokenizer.json");
     let tokenizer = if tokenizer_json.exists() {
         tokenizer::load(&tokenizer_json)?

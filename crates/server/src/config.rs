@@ -7,12 +7,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+pub use llm::snapshot::SnapshotArgs;
 pub use telemetry::TelemetryArgs;
 
-use crate::generate::TokenTrace;
 use crate::pipeline::context::{ContextMethod, ContextMode, ContextOrder};
 use crate::pipeline::Overlap;
 use crate::prompt::PromptTemplate;
+use llm::TokenTrace;
 
 #[derive(Debug, Parser)]
 #[command(name = "ragscope", version, about)]
@@ -135,34 +136,34 @@ pub struct ModelArgs {
     /// Batched decode steps (CPU) as spans of their own, each the root of its own trace and
     /// linked from its members' `decode` spans: `all`, `sampled:N` (one step in N, carrying the
     /// totals of the steps since the previous one) or `off`.
-    #[arg(long, env = "RAGSCOPE_DECODE_STEP_SPANS", default_value_t = crate::generate::schedule::StepTrace::DEFAULT.spans)]
-    pub decode_step_spans: crate::generate::schedule::StepSpans,
+    #[arg(long, env = "RAGSCOPE_DECODE_STEP_SPANS", default_value_t = llm::schedule::StepTrace::DEFAULT.spans)]
+    pub decode_step_spans: llm::schedule::StepSpans,
     /// Links a request's `decode` span keeps to the step spans it took part in (the first
     /// ones; the rest are counted in `rag.decode.step_links.dropped`).
-    #[arg(long, env = "RAGSCOPE_DECODE_STEP_LINKS", default_value_t = crate::generate::schedule::StepTrace::DEFAULT.links, value_parser = step_links)]
+    #[arg(long, env = "RAGSCOPE_DECODE_STEP_LINKS", default_value_t = llm::schedule::StepTrace::DEFAULT.links, value_parser = step_links)]
     pub decode_step_links: usize,
     /// Upper bound on prompt + generated tokens per request.
     #[arg(long, env = "RAGSCOPE_MAX_CONTEXT", default_value_t = 2048)]
     pub max_context: usize,
     /// MiB of prompt-prefix keys and values kept for later prompts to start from (LRU; 0: off).
-    #[arg(long, env = "RAGSCOPE_PREFIX_CACHE_MB", default_value_t = crate::generate::PREFIX_CACHE_DEFAULT_MB)]
+    #[arg(long, env = "RAGSCOPE_PREFIX_CACHE_MB", default_value_t = llm::PREFIX_CACHE_DEFAULT_MB)]
     pub prefix_cache_mb: usize,
     /// Tokens per prefill chunk (a multiple of 32, 32-512). Between chunks, as between layers,
     /// other requests' batched decode steps run, so a smaller chunk bounds their time per
     /// output token while a long prompt prefills, at some cost to that prefill.
-    #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = crate::generate::llama::Llama::MAX_PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
+    #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = llm::llama::Llama::MAX_PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
     pub prefill_chunk_tokens: usize,
     /// The generator's weight format (`WeightFormat`'s names, e.g. `Bf16PrefillQ4Decode`);
     /// unset: the device's default (`Bf16PrefillQ4Decode` on the CPU: BF16 prefill where the
     /// CPU has AVX-512 BF16, F32 elsewhere).
     #[arg(long, env = "RAGSCOPE_WEIGHT_FORMAT", value_parser = weight_format)]
-    pub weight_format: Option<crate::generate::llama::WeightFormat>,
+    pub weight_format: Option<llm::llama::WeightFormat>,
     /// How the CPU decoder's KV cache stores keys and values: `f16` (what unset means there:
     /// half the bytes a decode step reads from the cache, as llama.cpp's default cache) or
     /// `f32` (the values exactly as computed). On a GPU the cache is F32 tensors, and `f16` is
     /// refused at start.
     #[arg(long, env = "RAGSCOPE_KV_CACHE_DTYPE", value_enum)]
-    pub kv_cache_dtype: Option<crate::generate::KvDtype>,
+    pub kv_cache_dtype: Option<llm::KvDtype>,
     /// Fetch missing models on start.
     #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
     pub fetch_models: bool,
@@ -170,7 +171,7 @@ pub struct ModelArgs {
 
 /// `--prefill-chunk-tokens`: whole multiples of 32 (the split the prefill is invariant to).
 fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
-    let max = crate::generate::llama::Llama::MAX_PREFILL_CHUNK;
+    let max = llm::llama::Llama::MAX_PREFILL_CHUNK;
     v.trim()
         .parse::<usize>()
         .ok()
@@ -188,8 +189,8 @@ fn headroom(v: &str) -> Result<f64, String> {
 }
 
 /// `--weight-format`: one of `WeightFormat::ALL` by name.
-fn weight_format(v: &str) -> Result<crate::generate::llama::WeightFormat, String> {
-    use crate::generate::llama::WeightFormat;
+fn weight_format(v: &str) -> Result<llm::llama::WeightFormat, String> {
+    use llm::llama::WeightFormat;
     WeightFormat::named(v.trim()).ok_or_else(|| {
         let names: Vec<String> = WeightFormat::ALL.iter().map(|f| format!("{f:?}")).collect();
         format!("{v:?}: expected one of {}", names.join(", "))
@@ -343,13 +344,13 @@ pub struct PipelineArgs {
 impl PipelineArgs {
     /// The sampling a RAG request gets for what it does not set: greedy, with the server's
     /// repetition controls.
-    pub fn sampling(&self) -> crate::generate::Sampling {
-        crate::generate::Sampling {
+    pub fn sampling(&self) -> llm::Sampling {
+        llm::Sampling {
             repetition_penalty: self.repetition_penalty,
             no_repeat_ngram: self.no_repeat_ngram,
             context_bias: self.context_bias,
             copy_bias: self.copy_bias,
-            ..crate::generate::Sampling::default()
+            ..llm::Sampling::default()
         }
     }
 }
@@ -452,24 +453,6 @@ impl Default for ConnectionArgs {
             max_connections: MAX_CONNECTIONS,
         }
     }
-}
-
-/// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).
-#[derive(Debug, Clone, Args)]
-pub struct SnapshotArgs {
-    /// Write a snapshot of every failed generation (error, timeout, injected fault, panic):
-    /// on or off.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOTS", default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
-    pub snapshots: bool,
-    /// Most snapshots kept; the oldest are removed first.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_COUNT", default_value_t = 32)]
-    pub snapshot_max_count: usize,
-    /// Most MiB the snapshot files may take together; the oldest are removed first.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_MB", default_value_t = 64)]
-    pub snapshot_max_mb: u64,
-    /// Also snapshot a generation stopped because its client went away.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOT_ON_CANCEL", default_value_t = false, value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
-    pub snapshot_on_cancel: bool,
 }
 
 impl ServerArgs {
@@ -943,9 +926,12 @@ mod tests {
         }
         let (mut here, mut elsewhere) = (BTreeSet::new(), BTreeSet::new());
         for file in &files {
+            let name = file.file_name().and_then(|n| n.to_str());
+            if name == Some("testing.rs") {
+                continue; // test support, compiled only for tests
+            }
             let source = std::fs::read_to_string(file).expect("source file");
             let names = settings_named_in(&source);
-            let name = file.file_name().and_then(|n| n.to_str());
             if matches!(name, Some("config.rs" | "settings.rs")) {
                 here.extend(names);
             } else {

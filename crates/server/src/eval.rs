@@ -12,11 +12,11 @@ use serde_json::json;
 
 use crate::app;
 use crate::config::{EvalArgs, PipelineArgs};
-use crate::generate::FinishReason;
 use crate::pipeline::{RagAnswer, RagRequest};
 use crate::rerank::fusion::FusionReranker;
 use crate::rerank::{ranking, Candidate, Reranker};
 use crate::retrieve::ScoredChunk;
+use llm::FinishReason;
 use telemetry::names::span;
 use telemetry::span::Stage;
 

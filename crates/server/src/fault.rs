@@ -118,7 +118,7 @@ pub struct MidAnswer {
 impl MidAnswer {
     /// Injects it into the running `chat` stage: marks the span and counts it, then tells the
     /// generator to fail, or panics.
-    pub fn fire(&self, span: &Stage) -> crate::generate::Flow {
+    pub fn fire(&self, span: &Stage) -> llm::Flow {
         span.set(KeyValue::new(attr::FAULT_ERROR, true));
         span.fail("injected_fault", Injected(FaultStage::Chat).to_string());
         if self.panic {
@@ -126,7 +126,7 @@ impl MidAnswer {
             panic!("fault injected into the chat stage (a panic)");
         }
         count(FaultStage::Chat, "error");
-        crate::generate::Flow::Fail
+        llm::Flow::Fail
     }
 }
 

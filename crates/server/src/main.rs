@@ -2,8 +2,9 @@
 
 use anyhow::Result;
 use clap::Parser;
+use llm::device;
 use ragscope::config::{Cli, Command, ModelsAction, StoreAction};
-use ragscope::{app, cli, device};
+use ragscope::{app, cli};
 
 fn main() -> Result<()> {
     // Before any thread exists, so every thread allocates from the one tuned heap.

@@ -5,7 +5,7 @@
 //! The wording is a [`PromptTemplate`]; docs/CONTEXT.md has the evaluation each was measured
 //! on and why the default is the default.
 
-use crate::generate::{ChatMessage, GenerateError, Generator};
+use llm::{ChatMessage, GenerateError, Generator};
 
 /// The system text of the `numbered` template (the stage bench's fixed prompt uses it too).
 pub const SYSTEM: &str = "You are a helpful assistant. Answer the question using only the numbered passages. \
@@ -241,7 +241,7 @@ pub fn build_listed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::llama::test_model;
+    use llm::testing::model as test_model;
 
     #[test]
     fn listed_passages_keep_their_source_markers_in_any_order() {

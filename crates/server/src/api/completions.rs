@@ -28,9 +28,9 @@ use super::openai::{
 };
 use super::tokenize::{check_token_ids, model_error};
 use super::{AppState, RequestStage};
-use crate::generate::tokenizer::Utf8Stream;
-use crate::generate::{Generator, Sampling, TokenLogprob};
 use crate::pipeline::{Pipeline, PipelineError, RagAnswer, RagRequest, Usage};
+use llm::tokenizer::Utf8Stream;
+use llm::{Generator, Sampling, TokenLogprob};
 
 /// Suffix of the plain model id (`SmolLM2-135M-Instruct-plain`): the generator alone, listed in
 /// `/v1/models` so that clients which can only choose a model (benchmarks, lm-eval) can ask
@@ -60,7 +60,7 @@ pub struct CompletionBody {
     /// A string or a list of up to 4 strings: a choice ends before the first.
     #[schema(value_type = Option<super::openapi::Stop>)]
     pub stop: Option<Value>,
-    /// How many alternatives per position, 0 to [`crate::generate::MAX_TOP_LOGPROBS`].
+    /// How many alternatives per position, 0 to [`llm::MAX_TOP_LOGPROBS`].
     pub logprobs: Option<usize>,
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,

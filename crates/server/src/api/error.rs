@@ -10,10 +10,10 @@ use axum::Json;
 use serde_json::json;
 
 use crate::embed::EmbedError;
-use crate::generate::GenerateError;
 use crate::ingest::IngestError;
 use crate::pipeline::PipelineError;
 use crate::retrieve::StoreError;
+use llm::GenerateError;
 
 /// gRPC metadata key carrying [`ApiError::code`] (e.g. `queue_full`, `context_length_exceeded`).
 pub const GRPC_ERROR_CODE_KEY: &str = "ragscope-error-code";

@@ -21,9 +21,9 @@ use super::ask::{self, AnswerEvent, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
-use crate::generate::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS};
 use crate::pipeline::context::ContextAsked;
 use crate::pipeline::Pipeline;
+use llm::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS};
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
 pub(super) const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];
@@ -390,7 +390,7 @@ pub async fn chat_completions(
     if plain {
         // The generator alone compares with other servers on the same prompt: the RAG
         // decoding defaults do not apply, only what the request asks for.
-        let neutral = crate::generate::Sampling::default();
+        let neutral = llm::Sampling::default();
         req.sampling.repetition_penalty = body
             .repetition_penalty
             .map_or(neutral.repetition_penalty, |v| v as f32);

@@ -18,8 +18,8 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
 use super::{median, percentile, stage};
-use crate::generate::llama::Llama;
-use crate::generate::{Flow, GenerateRequest, Generator};
+use llm::llama::Llama;
+use llm::{Flow, GenerateRequest, Generator};
 use telemetry::clock;
 
 /// Most tokens stream A decodes (it stops earlier, once B's prefill is over).

@@ -7,17 +7,14 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 
 use super::peers::PeerInputs;
 use super::stage;
 use crate::config::BenchArgs;
 use crate::embed::bert::{Backend, BertEmbedder};
-use crate::embed::kernels::Precision;
 use crate::embed::Embedder;
-use crate::generate::cpu_decode::{HostKv, SeqStep};
-use crate::generate::kernels::{matmul, QActs, QMatrix};
+use llm::kernels::Precision;
 
 /// Where `--embed-ab` looks for `inputs.json` without `--peer-inputs`.
 const DEFAULT_PEER_INPUTS: &str = "data/bench-peers/inputs";
@@ -36,100 +33,26 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The decode kernels on one 3072·30 × 576 matrix (the rows of the default generator's gate
-/// and up projections over its 30 layers), in Q4_1 and Q8_0, for 1 to 16 activation rows.
+/// The decode kernels' timings, one line each.
 fn kernels() -> Result<()> {
-    let (rows, cols) = (3072 * 30, 576);
-    let dense: Vec<f32> = (0..rows * cols)
-        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
-        .collect();
-    let t = Tensor::from_vec(dense.clone(), (rows, cols), &Device::Cpu)?;
-    let q4 = QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1)?])?;
-    let q8 = QMatrix::quantize_q8(&dense, rows, cols);
-    for w in [&q4, &q8] {
-        for n in [1, 2, 4, 8, 16] {
-            let mut acts = QActs::default();
-            acts.quantize(&dense[..n * cols], n, cols);
-            let mut out = vec![0f32; n * rows];
-            matmul(w, &acts, &mut out);
-            let t0 = Instant::now();
-            let reps = 10;
-            for _ in 0..reps {
-                matmul(w, &acts, &mut out);
-            }
-            let s = t0.elapsed().as_secs_f64() / reps as f64;
-            println!(
-                "{:?} n={n}: {:.2} ms, {:.1} GB/s",
-                w.format(),
-                s * 1e3,
-                w.size_in_bytes() as f64 / s / 1e9,
-            );
-        }
+    for k in llm::probe::kernels()? {
+        println!(
+            "{} n={}: {:.2} ms, {:.1} GB/s",
+            k.format, k.rows, k.ms, k.gb_per_s
+        );
     }
     Ok(())
 }
 
-/// One sequence's decode step at 10-60 and at 600-650 positions of context (the difference is
-/// mostly attention over the cache), and the layer matmuls and the output head alone (what the
-/// step would cost if it were only reading weights).
+/// One CPU decode step of the generator and its parts.
 fn decode_step(args: &BenchArgs) -> Result<()> {
     let m = &args.models;
-    let dir = crate::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let dir = llm::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
     let path = crate::app::gguf_in(&dir)?;
-    let (d, _) = crate::generate::llama::decoder_for_bench(&path);
-    let dtype = m.kv_cache_dtype.unwrap_or_default();
-    let mut kv = HostKv::new(
-        d.layers.len(),
-        d.dims.n_kv_head,
-        d.dims.head_dim,
-        1024,
-        dtype,
-    );
-    let mut logits = vec![0f32; d.vocab()];
-    let mut step = |pos: usize| {
-        let seq = SeqStep {
-            kv: &mut kv,
-            pos,
-            token: 100 + pos as u32,
-        };
-        d.step(&mut [seq], &mut logits)
-    };
-    let mut time_steps = |positions: std::ops::Range<usize>| -> Result<f64> {
-        let (n, t) = (positions.len(), Instant::now());
-        for pos in positions {
-            step(pos)?;
-        }
-        Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
-    };
-    time_steps(0..10)?;
-    let short = time_steps(10..60)?;
-    time_steps(60..600)?;
-    let per_step = time_steps(600..650)?;
-    let mut acts = QActs::default();
-    let x = vec![0.5f32; d.dims.ffn];
-    let mut out = vec![0f32; 2 * d.dims.ffn];
-    let hidden = d.dims.n_head * d.dims.head_dim;
-    let t = Instant::now();
-    for _ in 0..20 {
-        for l in &d.layers {
-            acts.quantize(&x[..hidden], 1, hidden);
-            matmul(&l.qkv, &acts, &mut out[..l.qkv.rows()]);
-            matmul(&l.attn_out, &acts, &mut out[..hidden]);
-            matmul(&l.gate_up, &acts, &mut out[..2 * d.dims.ffn]);
-            acts.quantize(&x, 1, d.dims.ffn);
-            matmul(&l.down, &acts, &mut out[..hidden]);
-        }
-    }
-    let layers = t.elapsed().as_secs_f64() * 1e3 / 20.0;
-    acts.quantize(&x[..hidden], 1, hidden);
-    let t = Instant::now();
-    for _ in 0..20 {
-        d.head_matmul(&acts, &mut logits);
-    }
-    let head = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+    let s = llm::probe::decode_step(&path, m.kv_cache_dtype.unwrap_or_default())?;
     println!(
-        "step {per_step:.2} ms (at 10-60 positions {short:.2} ms), layer matmuls {layers:.2} ms, \
-         output head {head:.2} ms"
+        "step {:.2} ms (at 10-60 positions {:.2} ms), layer matmuls {:.2} ms, output head {:.2} ms",
+        s.step_ms, s.short_step_ms, s.layer_matmuls_ms, s.output_head_ms
     );
     Ok(())
 }
@@ -156,7 +79,7 @@ fn embed_ab(args: &BenchArgs) -> Result<()> {
     let queries = &inputs.queries;
 
     let m = &args.models;
-    let dir = crate::models::resolve(
+    let dir = llm::models::resolve(
         &m.embed_model,
         &m.models_dir,
         &["config.json", "tokenizer.json", "model.safetensors"],

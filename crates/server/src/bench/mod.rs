@@ -15,10 +15,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::app;
 use crate::config::BenchArgs;
-use crate::generate::{ChatMessage, Flow, GenerateRequest, Sampling};
 use crate::pipeline::RagRequest;
 use crate::retrieve::edge::EdgeStore;
 use crate::retrieve::{Chunk, VectorStore};
+use llm::{ChatMessage, Flow, GenerateRequest, Sampling};
 use telemetry::names::span;
 use telemetry::{clock, span::Stage};
 
@@ -222,7 +222,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 prompt: &prompt,
                 max_tokens: 128,
                 sampling: Sampling::default(),
-                token_trace: crate::generate::TokenTrace::Off,
+                token_trace: llm::TokenTrace::Off,
                 deadline: None,
                 ignore_eos: false,
                 stop: &[],

@@ -19,12 +19,12 @@ use crate::app;
 use crate::config::BenchArgs;
 use crate::embed::bert::BertEmbedder;
 use crate::embed::Embedder;
-use crate::generate::llama::{Llama, WeightFormat};
-use crate::generate::{
+use crate::ingest::{self, chunk};
+use llm::llama::{Llama, WeightFormat};
+use llm::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
     TokenLogprob,
 };
-use crate::ingest::{self, chunk};
 use telemetry::{clock, span::Stage};
 
 /// Prompt budget, in generator tokens: a typical RAG prompt of about 600 tokens.
@@ -143,12 +143,12 @@ impl Generator for Budget<'_> {
 
 pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
     let m = &args.models;
-    let device = crate::device::device(&m.device)?;
+    let device = llm::device::device(&m.device)?;
     let embed_dir =
-        crate::models::resolve(&m.embed_model, &m.models_dir, &EMBED_FILES, m.fetch_models)?;
+        llm::models::resolve(&m.embed_model, &m.models_dir, &EMBED_FILES, m.fetch_models)?;
     let embedder = BertEmbedder::load(&embed_dir, &m.embed_model, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
-    let gen_dir = crate::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let gen_dir = llm::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
     let format = m
         .weight_format
         .unwrap_or_else(|| WeightFormat::for_device(&device));
@@ -440,7 +440,6 @@ fn measure(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::llama::test_model_path;
 
     #[test]
     fn sentences_are_distinct_in_range_and_spread_over_the_texts() {
@@ -467,11 +466,9 @@ mod tests {
 
     #[test]
     fn rag_prompt_fills_the_budget_without_passing_it() {
-        let path = test_model_path();
-        if !path.exists() {
-            eprintln!("skipping: {} not found", path.display());
+        let Some(path) = llm::testing::model_path() else {
             return;
-        }
+        };
         let model = Llama::from_gguf(&path, &candle_core::Device::Cpu, 2048).unwrap();
         let passage = "git stash saves your local modifications away and reverts the working \
                        directory to match the HEAD commit, so that you can switch branches. "

@@ -14,8 +14,8 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use super::{percentile, stage};
-use crate::generate::llama::Llama;
-use crate::generate::{Flow, GenerateRequest, Generator};
+use llm::llama::Llama;
+use llm::{Flow, GenerateRequest, Generator};
 use telemetry::clock;
 
 #[derive(Debug, Serialize)]

@@ -7,7 +7,6 @@
 pub mod bert;
 pub mod cache;
 pub mod cpu_bert;
-pub mod kernels;
 
 use telemetry::span::Stage;
 

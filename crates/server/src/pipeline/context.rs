@@ -33,8 +33,8 @@ use super::PipelineError;
 use crate::config::PipelineArgs;
 use crate::embed::cache::VectorCache;
 use crate::embed::Embedder;
-use crate::generate::{GenerateError, Generator};
 use crate::ingest::chunk::sentences;
+use llm::{GenerateError, Generator};
 use telemetry::span::Stage;
 
 /// What the context stage does with the reranked passages.

@@ -30,7 +30,6 @@ use crate::config::PipelineArgs;
 use crate::embed::cache::{PromptMemory, QueryCache, VectorCache};
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};
-use crate::generate::{self, Flow, GenerateRequest, Generated, Generator, Piece};
 use crate::ingest::chunk::ChunkerConfig;
 use crate::ingest::{Document, IngestOutcome};
 use crate::prompt::{self, Prompt};
@@ -38,6 +37,7 @@ use crate::rerank::{Candidate, Reranker};
 use crate::retrieve::{ScoredChunk, VectorStore};
 use crate::worker::{Admission, JobKind, Warmth, Workers};
 use context::{ContextMode, ContextPassage};
+use llm::{Flow, GenerateRequest, Generated, Generator, Piece};
 use telemetry::clock::{self, millis};
 use telemetry::metrics::metrics;
 use telemetry::names::{attr, StageKind};
@@ -520,7 +520,7 @@ impl Pipeline {
                 .map(|i| GenerateRequest {
                     prompt,
                     max_tokens: req.max_tokens,
-                    sampling: generate::Sampling {
+                    sampling: llm::Sampling {
                         seed: s.seed.wrapping_add(i as u64),
                         ..*s
                     },
@@ -534,9 +534,9 @@ impl Pipeline {
                 })
                 .collect();
             let generated =
-                generate::generate_choices(self.generator.as_ref(), requests, stage, &on_token)
+                llm::generate_choices(self.generator.as_ref(), requests, stage, &on_token)
                     .map_err(|e| match e {
-                        generate::GenerateError::Aborted => {
+                        llm::GenerateError::Aborted => {
                             PipelineError::Injected(crate::fault::Injected(FaultStage::Chat))
                         }
                         e => e.into(),

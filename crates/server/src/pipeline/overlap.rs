@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use opentelemetry::KeyValue;
 
-use crate::generate::Generator;
+use llm::Generator;
 use telemetry::names::{attr, span};
 use telemetry::span::Stage;
 

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use super::{check_deadline, EventSender, Pipeline, PipelineError, RagAnswer, RagRequest};
 use super::{StageRunner, StageSpec};
 use crate::fault::FaultPlan;
-use crate::generate::TokenLogprob;
 use crate::worker::JobKind;
+use llm::TokenLogprob;
 use telemetry::clock::millis;
 use telemetry::names::StageKind;
 use telemetry::span::Stage;
@@ -65,7 +65,7 @@ impl Pipeline {
         Ok(answer)
     }
 
-    /// Scores `prompt` (the generator's [`score`](crate::generate::Generator::score)) in a
+    /// Scores `prompt` (the generator's [`score`](llm::Generator::score)) in a
     /// `chat {model}` stage on a model worker: the logprobs of an echoed prompt.
     pub async fn score_prompt(
         self: &Arc<Self>,

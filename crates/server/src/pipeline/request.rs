@@ -12,11 +12,11 @@ use super::context::ContextSettings;
 use crate::config::PipelineArgs;
 use crate::embed::EmbedError;
 use crate::fault::{FaultPlan, Injected};
-use crate::generate::{ChatMessage, FinishReason, GenerateError, Sampling, TokenLogprob};
 use crate::ingest::IngestError;
 use crate::rerank::RerankError;
 use crate::retrieve::{Filter, ScoredChunk, StoreError};
 use crate::worker::Refused;
+use llm::{ChatMessage, FinishReason, GenerateError, Sampling, TokenLogprob};
 use telemetry::clock;
 use telemetry::names::StageKind;
 

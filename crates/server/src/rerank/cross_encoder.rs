@@ -152,8 +152,8 @@ mod tests {
 
     /// The MiniLM backbone with a head built here: weights drawn from a fixed seed, written to a
     /// checkpoint directory in the Hugging Face layout and loaded back through `load`.
-    fn encoder_with_head(sign: f32) -> (CrossEncoder, tempfile::TempDir) {
-        let src = crate::models::test_model_dir("all-MiniLM-L6-v2");
+    fn encoder_with_head(sign: f32) -> Option<(CrossEncoder, tempfile::TempDir)> {
+        let src = llm::testing::model_dir("all-MiniLM-L6-v2")?;
         let dir = tempfile::tempdir().unwrap();
         for f in ["config.json", "tokenizer.json"] {
             std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
@@ -180,12 +180,14 @@ mod tests {
         );
         candle_core::safetensors::save(&tensors, dir.path().join("model.safetensors")).unwrap();
         let ce = CrossEncoder::load(dir.path(), "test-ce", &dev).unwrap();
-        (ce, dir)
+        Some((ce, dir))
     }
 
     #[test]
     fn loads_a_checkpoint_and_scores_pairs_consistently() {
-        let (ce, _dir) = encoder_with_head(1.0);
+        let Some((ce, _dir)) = encoder_with_head(1.0) else {
+            return;
+        };
         let stage = Stage::root("t");
         let passages = [
             "git stash pop restores the most recent stash",
@@ -214,7 +216,7 @@ mod tests {
         );
 
         // Negating the head reverses the order: the scores really come from the head.
-        let (neg, _dir2) = encoder_with_head(-1.0);
+        let (neg, _dir2) = encoder_with_head(-1.0).unwrap();
         let flipped = neg.score("how do I restore a stash?", &c, &stage).unwrap();
         for (a, b) in batch.iter().zip(&flipped) {
             assert!((a + b).abs() < 1e-4);

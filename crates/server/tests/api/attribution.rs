@@ -9,8 +9,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use llm::schedule::{StepSpans, StepTrace};
 use ragscope::attribute::{analyse, batch, compare, source, Report};
-use ragscope::generate::schedule::{StepSpans, StepTrace};
 use serde_json::{json, Value};
 
 use crate::fakes::{BatchedFakeGenerator, FakeGenerator};

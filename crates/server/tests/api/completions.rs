@@ -293,7 +293,7 @@ async fn echo_logprobs_score_the_prompt_as_lm_eval_asks() {
     assert!(paris > banana + 2.0, "Paris {paris} vs Banana {banana}");
 
     // The same numbers from the scoring function itself, in this process.
-    let llama = ragscope::generate::llama::Llama::from_gguf(
+    let llama = llm::llama::Llama::from_gguf(
         &crate::helpers::models_dir()
             .join(MODEL)
             .join("SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -303,8 +303,7 @@ async fn echo_logprobs_score_the_prompt_as_lm_eval_asks() {
     .unwrap();
     let ids32: Vec<u32> = likely.iter().map(|&t| t as u32).collect();
     let stage = telemetry::span::Stage::root("test");
-    let direct: f64 = ragscope::generate::Generator::score(&llama, &ids32, 1, &stage).unwrap()
-        [ctx - 1..]
+    let direct: f64 = llm::Generator::score(&llama, &ids32, 1, &stage).unwrap()[ctx - 1..]
         .iter()
         .map(|s| f64::from(s.logprob))
         .sum();

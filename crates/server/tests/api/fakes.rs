@@ -6,13 +6,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use opentelemetry::KeyValue;
-use ragscope::embed::{EmbedError, Embedder};
-use ragscope::generate::schedule::{Batcher, StepEngine, StepInput, StepTrace};
-use ragscope::generate::{
+use llm::schedule::{Batcher, StepEngine, StepInput, StepTrace};
+use llm::{
     ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
     TokenLogprob, TopLogprob,
 };
+use opentelemetry::KeyValue;
+use ragscope::embed::{EmbedError, Embedder};
 use ragscope::retrieve::lexical::Terms;
 use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use telemetry::{clock, span::Stage};

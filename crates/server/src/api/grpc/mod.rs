@@ -337,7 +337,7 @@ fn query_event(event: AnswerEvent) -> Result<QueryEvent, Status> {
     Ok(QueryEvent { event: Some(event) })
 }
 
-fn token_logprob(lp: crate::generate::TokenLogprob) -> proto::TokenLogprob {
+fn token_logprob(lp: llm::TokenLogprob) -> proto::TokenLogprob {
     proto::TokenLogprob {
         id: lp.id,
         bytes: lp.bytes,

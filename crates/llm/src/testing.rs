@@ -1,39 +1,73 @@
-//! What the generation tests share: the model file, the default model loaded once, and small
-//! ways to run it.
+//! What the tests of this crate and of the crates above it share: where the models are, the
+//! default generator loaded once, and small ways to run it. Compiled for this crate's tests and,
+//! through the `testing` feature, for the tests of the crates above (their dev-dependency turns
+//! it on); never part of the server.
+//!
+//! A test that needs a model file asks [`model_dir`] (or [`generator`]) for it. Missing, it fails
+//! the test when `RAGSCOPE_REQUIRE_MODELS` is set (the test command sets it) and otherwise skips
+//! the test with a `SKIPPED` line, so a plain `cargo test` on a fresh clone says what it did not
+//! run instead of failing or passing green.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
 
-use super::kv_cache::KvCache;
-use super::llama::{Llama, MODEL_ID};
-use super::sampler::Logits;
-use super::{ChatMessage, Flow, GenerateRequest, Generated, Generator, Sampling, TokenTrace};
+use crate::kv_cache::KvCache;
+use crate::llama::{Llama, MODEL_ID};
+use crate::sampler::Logits;
+use crate::{ChatMessage, Flow, GenerateRequest, Generated, Generator, Sampling, TokenTrace};
 use telemetry::span::Stage;
 
-/// Where tests find the model: `$RAGSCOPE_MODELS_DIR` (default `models`), then
-/// `SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf`.
-pub(crate) fn test_model_path() -> PathBuf {
-    let dir = std::env::var("RAGSCOPE_MODELS_DIR").unwrap_or_else(|_| "models".into());
-    Path::new(&dir)
-        .join(MODEL_ID)
-        .join("SmolLM2-135M-Instruct.Q4_1.gguf")
+/// Where the models are unpacked: `$RAGSCOPE_MODELS_DIR`, else the repository's `models/`.
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("RAGSCOPE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            // At run time first: the cached target dir is shared between checkouts.
+            std::env::var_os("CARGO_MANIFEST_DIR")
+                .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+                .join("../../models")
+        })
 }
 
-pub(super) const MAX_CONTEXT: usize = 2048;
+/// The directory of the manifest model `name`, or `None` after a `SKIPPED` line when it is
+/// missing; a missing model fails the test instead when `RAGSCOPE_REQUIRE_MODELS` is set.
+pub fn model_dir(name: &str) -> Option<PathBuf> {
+    present(models_dir().join(name))
+}
 
-/// The default-format model, loaded once for all tests, or `None` (with a note) when the
-/// GGUF is absent.
-pub(crate) fn model() -> Option<&'static Llama> {
+/// `path`, if it exists; see [`model_dir`] for what happens when it does not.
+pub fn present(path: PathBuf) -> Option<PathBuf> {
+    if path.exists() {
+        return Some(path);
+    }
+    let fetch = "run `cargo run --release -- models fetch`";
+    if std::env::var_os("RAGSCOPE_REQUIRE_MODELS").is_some() {
+        panic!(
+            "{} not found and RAGSCOPE_REQUIRE_MODELS is set: {fetch}",
+            path.display()
+        );
+    }
+    eprintln!("SKIPPED: {} not found ({fetch})", path.display());
+    None
+}
+
+/// The generator's GGUF file (see [`model_dir`] for a missing one).
+pub fn model_path() -> Option<PathBuf> {
+    present(model_dir(MODEL_ID)?.join("SmolLM2-135M-Instruct.Q4_1.gguf"))
+}
+
+/// The context window the tests load the generator with.
+pub const MAX_CONTEXT: usize = 2048;
+
+/// The default-format generator, loaded once for all tests, or `None` when its file is
+/// missing (see [`model_dir`]).
+pub fn model() -> Option<&'static Llama> {
     static MODEL: OnceLock<Option<Llama>> = OnceLock::new();
     MODEL
         .get_or_init(|| {
-            let path = test_model_path();
-            if !path.exists() {
-                eprintln!("skipping: {} not found", path.display());
-                return None;
-            }
+            let path = model_path()?;
             Some(Llama::from_gguf(&path, &Device::Cpu, MAX_CONTEXT).expect("load model"))
         })
         .as_ref()
@@ -44,17 +78,17 @@ pub(crate) fn model() -> Option<&'static Llama> {
 /// the F16 cache are measured against, and the model of tests about exact agreement between two
 /// ways of computing the same logits (BF16 rounding of activations turns a 1e-7 difference into
 /// a 1e-3 one).
-pub(super) fn f32_model() -> Option<&'static Llama> {
+pub fn f32_model() -> Option<&'static Llama> {
     static MODEL: OnceLock<Option<Llama>> = OnceLock::new();
     MODEL
         .get_or_init(|| {
             let default = model()?;
-            let format = super::llama::WeightFormat::F32PrefillQ4Decode;
+            let format = crate::llama::WeightFormat::F32PrefillQ4Decode;
             let tokenizer = default.tokenizer().clone();
-            let path = test_model_path();
+            let path = model_path()?;
             Some(
                 Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)
-                    .and_then(|m| m.with_kv_dtype(super::KvDtype::F32))
+                    .and_then(|m| m.with_kv_dtype(crate::KvDtype::F32))
                     .expect("load model"),
             )
         })
@@ -62,15 +96,11 @@ pub(super) fn f32_model() -> Option<&'static Llama> {
 }
 
 /// A no-op stage: no global tracer provider is installed in unit tests.
-pub(super) fn stage() -> Stage {
+pub fn stage() -> Stage {
     Stage::root("test")
 }
 
-pub(super) fn request(
-    prompt: &[u32],
-    max_tokens: usize,
-    sampling: Sampling,
-) -> GenerateRequest<'_> {
+pub fn request(prompt: &[u32], max_tokens: usize, sampling: Sampling) -> GenerateRequest<'_> {
     GenerateRequest {
         prompt,
         max_tokens,
@@ -86,7 +116,7 @@ pub(super) fn request(
 }
 
 /// Generates and also returns the streamed pieces.
-pub(super) fn run(model: &Llama, req: GenerateRequest<'_>) -> (Generated, Vec<String>) {
+pub fn run(model: &Llama, req: GenerateRequest<'_>) -> (Generated, Vec<String>) {
     let mut pieces = Vec::new();
     let out = model
         .generate(req, &stage(), &mut |p| {
@@ -98,7 +128,7 @@ pub(super) fn run(model: &Llama, req: GenerateRequest<'_>) -> (Generated, Vec<St
 }
 
 /// A one-passage question the model answers correctly ("Quenta").
-pub(super) fn zorbia_prompt(model: &Llama) -> Vec<u32> {
+pub fn zorbia_prompt(model: &Llama) -> Vec<u32> {
     model
         .chat_prompt(&[ChatMessage::new(
             "user",
@@ -107,7 +137,7 @@ pub(super) fn zorbia_prompt(model: &Llama) -> Vec<u32> {
         .unwrap()
 }
 
-pub(super) fn rag_messages() -> Vec<ChatMessage> {
+pub fn rag_messages() -> Vec<ChatMessage> {
     vec![
         ChatMessage::new(
             "system",
@@ -124,7 +154,7 @@ pub(super) fn rag_messages() -> Vec<ChatMessage> {
 }
 
 /// Our logits for `prompt` then each of `forced` fed back one at a time.
-pub(super) fn our_logits(model: &Llama, prompt: &[u32], forced: &[u32]) -> Vec<Tensor> {
+pub fn our_logits(model: &Llama, prompt: &[u32], forced: &[u32]) -> Vec<Tensor> {
     let cap = prompt.len() + forced.len();
     let (net, schedule) = (&model.transformer, &model.schedule);
     let host = net.host_kv();
@@ -144,7 +174,7 @@ pub(super) fn our_logits(model: &Llama, prompt: &[u32], forced: &[u32]) -> Vec<T
     logits
 }
 
-pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
         .unwrap()
         .abs()
@@ -157,7 +187,7 @@ pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 
 /// A RAG prompt of about 600 tokens (longer than one prefill chunk): the same passage repeated
 /// until the rendered chat prompt reaches 580 tokens.
-pub(super) fn long_prompt(model: &Llama) -> Vec<u32> {
+pub fn long_prompt(model: &Llama) -> Vec<u32> {
     let passage = "The Great Barrier Reef is the world's largest coral reef system, composed \
                    of over 2,900 individual reefs and 900 islands stretching for over 2,300 \
                    kilometres over an area of approximately 344,400 square kilometres. The \

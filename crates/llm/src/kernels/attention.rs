@@ -250,7 +250,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Head, KeysT};
-    use crate::embed::kernels::activation::x86::exp_ps;
+    use crate::kernels::activation::x86::exp_ps;
 
     /// Head widths that are whole registers (16 to 64) take [`head`]; others the portable body.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]

@@ -445,18 +445,18 @@ mod tests {
     use candle_transformers::models::quantized_llama::ModelWeights;
 
     use super::*;
-    use crate::embed::kernels::avx512_bf16;
-    use crate::generate::llama::{Bf16Kernel, Llama, Prefill, WeightFormat};
-    use crate::generate::testing::{
-        f32_model, long_prompt, max_abs_diff, model, our_logits, rag_messages, request, run,
-        test_model_path, MAX_CONTEXT,
+    use crate::kernels::avx512_bf16;
+    use crate::llama::{Bf16Kernel, Llama, Prefill, WeightFormat};
+    use crate::testing::{
+        f32_model, long_prompt, max_abs_diff, model, model_path, our_logits, rag_messages, request,
+        run, MAX_CONTEXT,
     };
-    use crate::generate::{Generator, KvDtype, Sampling};
+    use crate::{Generator, KvDtype, Sampling};
 
     /// The same GGUF with every projection matrix converted to `dtype` (the format our model
     /// holds for `format`), written to a temporary file for candle's reference implementation.
     fn converted_gguf(dtype: GgmlDType) -> tempfile::NamedTempFile {
-        let path = test_model_path();
+        let path = model_path().expect("the model file");
         let mut reader = BufReader::new(std::fs::File::open(&path).unwrap());
         let ct = gguf_file::Content::read(&mut reader).unwrap();
         let mut names: Vec<&String> = ct.tensor_infos.keys().collect();
@@ -528,7 +528,7 @@ mod tests {
     fn greedy_output_matches_candle_reference() {
         let Some(default_model) = model() else { return };
         let prompt = default_model.chat_prompt(&rag_messages()).unwrap();
-        let path = test_model_path();
+        let path = model_path().expect("the model file");
         for (format, dtype) in [
             (WeightFormat::Q8_0, Some(GgmlDType::Q8_0)),
             (WeightFormat::F32, Some(GgmlDType::F32)),
@@ -599,7 +599,7 @@ mod tests {
         );
         // Same decode weights as the GPU format: only the prefill format differs.
         let default_model = &Llama::load_with_format(
-            &test_model_path(),
+            &model_path().expect("the model file"),
             default_model.tokenizer().clone(),
             &Device::Cpu,
             1024,
@@ -609,7 +609,7 @@ mod tests {
         let prompt = default_model.chat_prompt(&rag_messages()).unwrap();
         let (out, _) = run(default_model, request(&prompt, 16, Sampling::default()));
         let f16 = Llama::load_with_format(
-            &test_model_path(),
+            &model_path().expect("the model file"),
             default_model.tokenizer().clone(),
             &Device::Cpu,
             1024,
@@ -714,7 +714,7 @@ mod tests {
     /// tests compare it with), its tokenizer taken from the shared test model.
     fn load(format: WeightFormat, kernel: Bf16Kernel) -> Llama {
         let tokenizer = model().expect("model").tokenizer().clone();
-        let path = test_model_path();
+        let path = model_path().expect("the model file");
         Llama::load_with_kernel(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format, kernel)
             .and_then(|m| m.with_kv_dtype(KvDtype::F32))
             .expect("load")

@@ -22,15 +22,15 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokenizers::Tokenizer;
 
-use super::kv_cache::KvCache;
-use super::llama::{Llama, WeightFormat};
-use super::sampler::{Logits, Sampler};
-use super::weights::Gguf;
-use super::{FinishReason, GenerateError, GenerateRequest, Generated, KvDtype, MAX_TOP_LOGPROBS};
+use crate::kv_cache::KvCache;
+use crate::llama::{Llama, WeightFormat};
+use crate::sampler::{Logits, Sampler};
 use crate::snapshot::{
     self as store, ModelFacts, PromptFacts, SamplingFacts, Snapshot, SnapshotStore, StageTiming,
     Timings,
 };
+use crate::weights::Gguf;
+use crate::{FinishReason, GenerateError, GenerateRequest, Generated, KvDtype, MAX_TOP_LOGPROBS};
 use telemetry::clock::{self, millis};
 use telemetry::names::{attr, event, span};
 use telemetry::span::Stage;
@@ -38,7 +38,7 @@ use telemetry::span::Stage;
 /// What a generation records as it runs for a snapshot it may need: each decode step's batch
 /// size.
 #[derive(Default)]
-pub(super) struct Trail {
+pub(crate) struct Trail {
     steps: RefCell<Vec<u32>>,
 }
 
@@ -49,15 +49,15 @@ impl Trail {
 }
 
 /// A phase's result, or the panic it raised.
-pub(super) type Caught<T> = std::thread::Result<Result<T, GenerateError>>;
+pub(crate) type Caught<T> = std::thread::Result<Result<T, GenerateError>>;
 
 /// Runs a phase, catching a panic so the snapshot can be taken before it resumes.
-pub(super) fn catch<T>(phase: impl FnOnce() -> Result<T, GenerateError>) -> Caught<T> {
+pub(crate) fn catch<T>(phase: impl FnOnce() -> Result<T, GenerateError>) -> Caught<T> {
     catch_unwind(AssertUnwindSafe(phase))
 }
 
 /// One generation, as far as its snapshot needs it.
-pub(super) struct Watch<'a> {
+pub(crate) struct Watch<'a> {
     pub llama: &'a Llama,
     pub req: &'a GenerateRequest<'a>,
     /// The `chat {model}` stage: it gets `rag.snapshot.id` and a `snapshot` event.
@@ -192,7 +192,7 @@ pub fn prompt_sha256(tokens: &[u32]) -> String {
 fn model_facts(llama: &Llama, weights_sha256: Option<String>) -> ModelFacts {
     let net = &llama.transformer;
     ModelFacts {
-        id: super::llama::MODEL_ID.to_string(),
+        id: crate::llama::MODEL_ID.to_string(),
         weight_format: format!("{:?}", llama.format),
         device: if net.device.is_cpu() { "cpu" } else { "cuda" }.to_string(),
         kv_cache_dtype: net.host_kv().map(|d| d.name().to_string()),
@@ -321,7 +321,7 @@ pub fn load_for_replay(
         tokenizer,
         &Device::Cpu,
         snapshot.model.context_window,
-        (format, super::llama::Bf16Kernel::Detect),
+        (format, crate::llama::Bf16Kernel::Detect),
         |gguf| perturb.iter().try_for_each(|p| p.apply(gguf)),
     )?;
     // A run on candle's tensors replays on the CPU decoder where the format has one: F32 both.
@@ -529,25 +529,25 @@ fn notes(snap: &Snapshot) -> Vec<String> {
 }
 
 /// The sha256 of the model file, computed once per model (on the snapshot writer thread).
-pub(super) type WeightsDigest = Arc<OnceLock<Option<String>>>;
+pub(crate) type WeightsDigest = Arc<OnceLock<Option<String>>>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::testing::{model, request, stage, zorbia_prompt};
-    use crate::generate::{Flow, Generator, Sampling};
+    use crate::testing::{model, request, stage, zorbia_prompt};
+    use crate::{Flow, Generator, Sampling};
 
     /// A model of its own with a snapshot store (the shared test model writes none).
     fn with_store(context: usize) -> (Llama, Arc<SnapshotStore>, tempfile::TempDir) {
         let tmp = tempfile::tempdir().unwrap();
-        let args = crate::config::SnapshotArgs {
+        let args = crate::snapshot::SnapshotArgs {
             snapshots: true,
             snapshot_max_count: 8,
             snapshot_max_mb: 64,
             snapshot_on_cancel: false,
         };
         let store = SnapshotStore::open(&args, tmp.path()).unwrap().unwrap();
-        let path = crate::generate::llama::test_model_path();
+        let path = crate::testing::model_path().expect("the model file");
         let llama = Llama::from_gguf(&path, &Device::Cpu, context)
             .unwrap()
             .with_snapshots(Some(store.clone()));
@@ -566,7 +566,7 @@ mod tests {
     }
 
     /// A consumer that answers `fail` at its `at`th piece, or panics there when `None`.
-    fn failing_at(at: usize, fail: Option<Flow>) -> impl FnMut(crate::generate::Piece<'_>) -> Flow {
+    fn failing_at(at: usize, fail: Option<Flow>) -> impl FnMut(crate::Piece<'_>) -> Flow {
         let mut pieces = 0;
         move |_| {
             pieces += 1;
@@ -629,8 +629,8 @@ mod tests {
             index: token as usize * snap.model.embedding_length + 3,
             delta: 0.5,
         }];
-        let path = crate::generate::llama::test_model_path();
-        let tokenizer = super::super::tokenizer::from_gguf_file(&path).unwrap();
+        let path = crate::testing::model_path().expect("the model file");
+        let tokenizer = crate::tokenizer::from_gguf_file(&path).unwrap();
         let perturbed = load_for_replay(&path, tokenizer, &snap, &perturb).unwrap();
         match replay(&perturbed, &snap).unwrap().divergence {
             Some(Divergence::Kv {

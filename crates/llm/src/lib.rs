@@ -1,28 +1,38 @@
-//! Answer generation: the generator trait, sampling settings and what a generation returns.
+//! ragscope-llm, the generator layer: a causal language model from a GGUF file, run by our own
+//! CPU kernels (or candle's CUDA ops), with a KV cache per request, a prefix cache shared by
+//! requests, batched decode steps and failure snapshots.
 //!
 //! A generation prefills the prompt once (from the longest cached prefix on), then decodes one
-//! token per step against a KV cache owned by that request. The implementation records `prefill` and `decode` child stages
-//! under the `chat {model}` stage the pipeline hands it, and one event (or span) per token.
-//! [`llama::Llama`] is the implementation, split by role (its module doc lists the parts). A
-//! failed generation leaves a snapshot that `ragscope replay` re-runs ([`snapshot`]).
+//! token per step against a KV cache owned by that request. The implementation records `prefill`
+//! and `decode` child stages under the `chat {model}` stage the caller hands it, and one event
+//! (or span) per token. [`llama::Llama`] is the implementation, split by role (its module doc
+//! lists the parts). A failed generation leaves a snapshot that `ragscope replay` re-runs
+//! ([`snapshot`]).
+//!
+//! Besides the generator: [`kernels`], the CPU compute kernels the BERT embedder shares;
+//! [`device`], the one place that picks the CPU or a GPU; [`models`], the model manifest and
+//! fetching and verifying weights.
 
 pub(crate) mod cpu_decode;
 mod cpu_prefill;
+pub mod device;
 mod forward;
 mod generation;
 mod host_kv;
 pub mod kernels;
 mod kv_cache;
 pub mod llama;
+pub mod models;
 mod prefix_cache;
+pub mod probe;
 mod sampler;
 pub mod schedule;
 mod score;
 pub mod snapshot;
 mod stop;
 mod template;
-#[cfg(test)]
-mod testing;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod tokenizer;
 mod warm;
 mod weights;

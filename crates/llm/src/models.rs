@@ -208,26 +208,6 @@ fn from_hub(id: &str, files: &[&str]) -> Result<PathBuf> {
     dir.with_context(|| format!("no files requested for {id}"))
 }
 
-/// Directory of a manifest model for tests: `RAGSCOPE_MODELS_DIR` (default `models/` in the
-/// repository). Tests fail, rather than skip, when it is missing: the test command fetches it.
-pub fn test_model_dir(name: &str) -> PathBuf {
-    let root = std::env::var_os("RAGSCOPE_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            // At run time first: the cached target dir is shared between checkouts.
-            std::env::var_os("CARGO_MANIFEST_DIR")
-                .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
-                .join("../../models")
-        });
-    let dir = root.join(name);
-    assert!(
-        dir.is_dir(),
-        "model {name} not found in {}; run `cargo run --release -- models fetch`",
-        root.display()
-    );
-    dir
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,7 @@
 //! A decode step is one token per sequence through every layer. On candle's ops that is ~20
 //! tensor ops per layer, each allocating its output and waking the thread pool, around matmuls
 //! that read requantised Q8_0 weights. Here the step is a fixed sequence of calls over buffers
-//! allocated once: RMS norm, the [`kernels`](super::kernels) matmuls on the GGUF's own Q4_1
+//! allocated once: RMS norm, the [`kernels`](crate::kernels::quant) matmuls on the GGUF's own Q4_1
 //! blocks (batched: a step for B sequences reads the weights once), RoPE, attention of each
 //! sequence over its own KV cache, SiLU. Prefill has its own loops
 //! ([`cpu_prefill`](super::cpu_prefill): dense BF16 or F32 GEMMs win there) and writes the same
@@ -15,8 +15,8 @@ use candle_core::quantized::QTensor;
 
 pub(crate) use super::host_kv::HostKv;
 use super::host_kv::{KvElem, KvLayer};
-use super::kernels::{matmul, QActs, QMatrix};
-use crate::embed::kernels::{exp, silu_mul};
+use crate::kernels::quant::{matmul, QActs, QMatrix};
+use crate::kernels::{exp, silu_mul};
 
 /// The model's dimensions, as the decoder needs them.
 #[derive(Debug, Clone, Copy)]
@@ -373,7 +373,7 @@ impl Partial {
     ) {
         #[cfg(target_arch = "x86_64")]
         {
-            use super::kernels::Isa;
+            use crate::kernels::quant::Isa;
             let (nh, nkv, _, hd) = dims;
             if Isa::detect() == Isa::Avx512Vnni && hd == 64 && nh % nkv == 0 {
                 // SAFETY: `Isa::detect` saw avx512f, avx512vl, avx2 and fma on this CPU.
@@ -428,7 +428,7 @@ impl Partial {
     ) {
         use std::arch::x86_64::*;
 
-        use crate::embed::kernels::exp_ps;
+        use crate::kernels::exp_ps;
         let n = range.len();
         self.reset(nh, hd, R * n);
         assert!(q.len() >= nh * hd && k.len() >= nkv * cap * hd && v.len() >= nkv * cap * hd);

@@ -542,12 +542,12 @@ mod tests {
     use candle_core::Device;
 
     use super::*;
-    use crate::generate::llama::{Llama, WeightFormat};
-    use crate::generate::testing::{
-        long_prompt, max_abs_diff, model, rag_messages, request, run, test_model_path,
-        zorbia_prompt, MAX_CONTEXT,
+    use crate::llama::{Llama, WeightFormat};
+    use crate::testing::{
+        long_prompt, max_abs_diff, model, model_path, rag_messages, request, run, zorbia_prompt,
+        MAX_CONTEXT,
     };
-    use crate::generate::{ChatMessage, Generator, KvDtype, Sampling};
+    use crate::{ChatMessage, Generator, KvDtype, Sampling};
 
     /// A tiny model shape: 2 layers, 2 kv heads of 4 dims.
     fn tiny() -> Config {
@@ -769,7 +769,7 @@ mod tests {
     /// The default model with a prefix cache of its own.
     fn cached(format: WeightFormat) -> Llama {
         let tokenizer = model().expect("model").tokenizer().clone();
-        let path = test_model_path();
+        let path = model_path().expect("the model file");
         Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)
             .expect("load")
             .with_prefix_cache(64)

@@ -14,6 +14,7 @@ mod attention;
 mod bf16;
 mod linear;
 mod norm;
+pub mod quant;
 mod shared;
 #[cfg(test)]
 mod tests;

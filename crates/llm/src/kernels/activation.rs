@@ -88,7 +88,7 @@ pub(super) mod x86 {
     /// [`super::gelu`], 16 lanes at a time.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
-    pub(in crate::embed::kernels) fn gelu_ps(x: __m512) -> __m512 {
+    pub(in crate::kernels) fn gelu_ps(x: __m512) -> __m512 {
         let one = _mm512_set1_ps(1.0);
         let u = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::FRAC_1_SQRT_2));
         let z = _mm512_abs_ps(u);
@@ -131,7 +131,7 @@ pub(super) mod x86 {
 
     /// [`super::silu_mul`], 16 lanes at a time.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
-    pub(in crate::embed::kernels) unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    pub(in crate::kernels) unsafe fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
         let n = gate.len() / 16 * 16;
         let one = _mm512_set1_ps(1.0);
         for i in (0..n).step_by(16) {
@@ -151,7 +151,7 @@ pub(super) mod x86 {
 
     #[cfg(test)]
     pub fn gelu16(x: [f32; 16]) -> [f32; 16] {
-        assert!(crate::embed::kernels::avx512_bf16());
+        assert!(crate::kernels::avx512_bf16());
         // SAFETY: checked just above.
         unsafe { transmute(gelu_ps(transmute::<[f32; 16], __m512>(x))) }
     }

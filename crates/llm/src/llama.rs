@@ -21,7 +21,6 @@ use std::sync::Arc;
 use candle_core::Device;
 use tokenizers::Tokenizer;
 
-use super::cpu_decode::CpuDecoder;
 use super::forward::{self, Transformer};
 use super::generation::TextGeneration;
 use super::kv_cache::KvCache;
@@ -36,8 +35,6 @@ use super::{
 };
 use telemetry::span::Stage;
 
-#[cfg(test)]
-pub(crate) use super::testing::{model as test_model, test_model_path};
 pub use super::weights::{Bf16Kernel, Prefill, WeightFormat};
 
 /// The model name clients see.
@@ -68,7 +65,7 @@ pub struct Llama {
     /// Where failed generations leave snapshots (none until [`Llama::with_snapshots`]).
     pub(super) snapshots: Option<Arc<crate::snapshot::SnapshotStore>>,
     /// The GGUF file's sha256, computed when the first snapshot needs it.
-    pub(super) weights_sha256: super::snapshot::WeightsDigest,
+    pub(super) weights_sha256: crate::snapshot::replay::WeightsDigest,
 }
 
 impl Llama {
@@ -466,17 +463,10 @@ impl Generator for Llama {
     }
 }
 
-/// The CPU decoder of the model at `path`, for `ragscope bench --decode-step`.
-pub(crate) fn decoder_for_bench(path: &Path) -> (Arc<CpuDecoder>, Llama) {
-    let model = Llama::from_gguf(path, &Device::Cpu, 2048).expect("load");
-    let decoder = model.transformer.weights.decoder.clone();
-    (decoder.expect("CPU default"), model)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::testing::model;
+    use crate::testing::model;
 
     #[test]
     fn chat_prompt_renders_the_gguf_template() {

@@ -11,13 +11,13 @@ use opentelemetry::KeyValue;
 use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::sampler::{Logits, Sampler};
-use super::snapshot::{self, Trail};
 use super::stop::{Release, StopText};
 use super::tokenizer::Utf8Stream;
 use super::{
     FinishReason, Flow, GenerateError, GenerateRequest, Generated, Piece, TokenLogprob, TokenTrace,
     TopLogprob, MAX_TOP_LOGPROBS,
 };
+use crate::snapshot::replay::{self as snapshot, Trail};
 use telemetry::clock;
 use telemetry::gpu::{self, GpuTimer};
 use telemetry::names::{attr, event, span, StageKind};
@@ -381,10 +381,8 @@ fn per_second(n: usize, d: std::time::Duration) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use crate::generate::testing::{model, request, run, stage, zorbia_prompt, MAX_CONTEXT};
-    use crate::generate::{
-        ChatMessage, FinishReason, Flow, GenerateError, Generator, Sampling, TokenTrace,
-    };
+    use crate::testing::{model, request, run, stage, zorbia_prompt, MAX_CONTEXT};
+    use crate::{ChatMessage, FinishReason, Flow, GenerateError, Generator, Sampling, TokenTrace};
     use telemetry::clock;
 
     #[test]
@@ -608,7 +606,7 @@ mod tests {
             );
             assert_eq!(lp.bytes, model.token_bytes.get(lp.id));
         }
-        let k = crate::generate::MAX_TOP_LOGPROBS;
+        let k = crate::MAX_TOP_LOGPROBS;
         let mut req = request(&prompt, 2, Sampling::default());
         req.logprobs = Some(k + 5);
         assert_eq!(run(model, req).0.logprobs[0].top.len(), k);
@@ -679,7 +677,7 @@ mod tests {
             .map(|i| run(model, request(&prompt, 24, sampling(40 + i))).0.tokens)
             .collect();
         let pieces = std::sync::Mutex::new(vec![String::new(); 3]);
-        let together = crate::generate::generate_choices(
+        let together = crate::generate_choices(
             model,
             (0..3)
                 .map(|i| request(&prompt, 24, sampling(40 + i)))

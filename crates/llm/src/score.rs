@@ -97,8 +97,8 @@ pub(super) fn score(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::testing::{f32_model, stage};
-    use crate::generate::ChatMessage;
+    use crate::testing::{f32_model, stage};
+    use crate::ChatMessage;
 
     /// The last prefill position's logits, as a generation sees them.
     fn prefill_logits(llama: &Llama, prompt: &[u32]) -> Vec<f32> {

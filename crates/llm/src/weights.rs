@@ -14,7 +14,7 @@ use super::cpu_decode::{self, CpuDecoder, RawLayer};
 use super::cpu_prefill::by_rows;
 use super::template::ChatTemplate;
 use super::GenerateError;
-use crate::embed::kernels::{
+use crate::kernels::{
     avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear, Precision,
     Rows, Shared, PANEL,
 };
@@ -722,13 +722,14 @@ fn proj(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::generate::testing::{model, test_model_path};
+    use crate::testing::{model, model_path};
 
     #[test]
     fn decode_weight_bytes_counts_the_shipped_projections_the_head_and_the_norms() {
         let Some(model) = model() else { return };
         assert_eq!(model.weight_format(), WeightFormat::Bf16PrefillQ4Decode);
-        let mut reader = BufReader::new(std::fs::File::open(test_model_path()).unwrap());
+        let mut reader =
+            BufReader::new(std::fs::File::open(model_path().expect("the model file")).unwrap());
         let ct = gguf_file::Content::read(&mut reader).unwrap();
         let mut expected = 0;
         for (name, info) in &ct.tensor_infos {

@@ -1,12 +1,14 @@
 //! Failure snapshots: what a failed generation saw, kept as one JSON file per failure in
 //! `<data-dir>/snapshots/` so `ragscope replay` can re-run it and find where a re-run parts from
-//! it ([`crate::generate::snapshot`] captures and replays; this module keeps the files).
+//! it ([`crate::snapshot::replay`] captures and replays; this module keeps the files).
 //!
 //! The generator hands a [`Job`] to the store when a generation fails; one `snapshot-writer`
 //! thread digests the KV cache, writes the file and evicts the oldest files beyond
 //! `--snapshot-max-count` / `--snapshot-max-mb`. The queue holds at most [`QUEUE`] jobs and
 //! [`QUEUE_BYTES`] of the KV caches they own; beyond either a new snapshot is dropped. Nothing
 //! here ever blocks a request, and every outcome is counted in `ragscope.snapshots{result}`.
+
+pub mod replay;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,9 +20,26 @@ use anyhow::{Context, Result};
 use opentelemetry::KeyValue;
 use serde::{Deserialize, Serialize};
 
-use crate::config::SnapshotArgs;
-use crate::generate::Sampling;
+use crate::Sampling;
 use telemetry::names::attr;
+
+/// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct SnapshotArgs {
+    /// Write a snapshot of every failed generation (error, timeout, injected fault, panic):
+    /// on or off.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOTS", default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
+    pub snapshots: bool,
+    /// Most snapshots kept; the oldest are removed first.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_COUNT", default_value_t = 32)]
+    pub snapshot_max_count: usize,
+    /// Most MiB the snapshot files may take together; the oldest are removed first.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_MB", default_value_t = 64)]
+    pub snapshot_max_mb: u64,
+    /// Also snapshot a generation stopped because its client went away.
+    #[arg(long, env = "RAGSCOPE_SNAPSHOT_ON_CANCEL", default_value_t = false, value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
+    pub snapshot_on_cancel: bool,
+}
 
 /// The snapshot file format this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -62,7 +81,7 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelFacts {
     pub id: String,
-    /// [`WeightFormat`](crate::generate::llama::WeightFormat) as its Rust name.
+    /// [`WeightFormat`](crate::llama::WeightFormat) as its Rust name.
     pub weight_format: String,
     /// `cpu` or `cuda`.
     pub device: String,

@@ -13,7 +13,7 @@ use super::cpu_decode::{rms_norm_rows, CpuDecoder, Dims, HostKv};
 use super::host_kv::KvLayer;
 use super::schedule::Scheduler;
 use super::weights::Weights;
-use crate::embed::kernels::{
+use crate::kernels::{
     attention_head_over, silu_mul, transpose_keys, Head, HeadRows, KeysT, Shared,
 };
 

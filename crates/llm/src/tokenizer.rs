@@ -263,11 +263,7 @@ mod tests {
 
     /// The tokenizer of the real GGUF, or `None` (with a note) when the model is not present.
     fn tokenizer() -> Option<Tokenizer> {
-        let path = crate::generate::llama::test_model_path();
-        if !path.exists() {
-            eprintln!("skipping: {} not found", path.display());
-            return None;
-        }
+        let path = crate::testing::model_path()?;
         Some(from_gguf_file(&path).expect("tokenizer from GGUF"))
     }
 

@@ -54,8 +54,8 @@ pub(super) mod x86 {
     use std::mem::transmute;
     use std::ops::Range;
 
-    use crate::embed::kernels::activation::x86::gelu_ps;
-    use crate::embed::kernels::{Epilogue, PANEL};
+    use crate::kernels::activation::x86::gelu_ps;
+    use crate::kernels::{Epilogue, PANEL};
 
     /// Rows per register tile: 6 rows × 64 columns is 24 of the 32 zmm registers as
     /// accumulators, leaving room for the 4 weight vectors and the broadcast input pair.

@@ -1,0 +1,137 @@
+//! Timing one piece of the generator's compute at a time, for the lab (`ragscope-lab kernels`
+//! and `ragscope-lab decode-step`): the decode matmul kernels on synthetic weights, and one CPU
+//! decode step of a real model with its layer matmuls and output head alone. They reach into the
+//! decoder's internals, which is why they live in this crate; the lab prints what they return.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+use crate::cpu_decode::{HostKv, SeqStep};
+use crate::kernels::quant::{matmul, QActs, QMatrix};
+use crate::llama::Llama;
+use crate::KvDtype;
+
+/// One decode matmul: the weights' format, activation rows, time and weight bytes read per second.
+#[derive(Debug, Clone)]
+pub struct KernelTiming {
+    pub format: String,
+    pub rows: usize,
+    pub ms: f64,
+    pub gb_per_s: f64,
+}
+
+/// The decode kernels on one 3072·30 × 576 matrix (the rows of the default generator's gate
+/// and up projections over its 30 layers), in Q4_1 and Q8_0, for 1 to 16 activation rows.
+pub fn kernels() -> Result<Vec<KernelTiming>> {
+    let (rows, cols) = (3072 * 30, 576);
+    let dense: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let t = Tensor::from_vec(dense.clone(), (rows, cols), &Device::Cpu)?;
+    let q4 = QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1)?])?;
+    let q8 = QMatrix::quantize_q8(&dense, rows, cols);
+    let mut timings = Vec::new();
+    for w in [&q4, &q8] {
+        for n in [1, 2, 4, 8, 16] {
+            let mut acts = QActs::default();
+            acts.quantize(&dense[..n * cols], n, cols);
+            let mut out = vec![0f32; n * rows];
+            matmul(w, &acts, &mut out);
+            let t0 = Instant::now();
+            let reps = 10;
+            for _ in 0..reps {
+                matmul(w, &acts, &mut out);
+            }
+            let s = t0.elapsed().as_secs_f64() / reps as f64;
+            timings.push(KernelTiming {
+                format: format!("{:?}", w.format()),
+                rows: n,
+                ms: s * 1e3,
+                gb_per_s: w.size_in_bytes() as f64 / s / 1e9,
+            });
+        }
+    }
+    Ok(timings)
+}
+
+/// Milliseconds of one sequence's CPU decode step and of its parts.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeStep {
+    /// At 600-650 positions of context.
+    pub step_ms: f64,
+    /// At 10-60 positions: the difference is mostly attention over the cache.
+    pub short_step_ms: f64,
+    /// Every layer's matmuls alone: what the step would cost if it only read the weights.
+    pub layer_matmuls_ms: f64,
+    pub output_head_ms: f64,
+}
+
+/// One decode step of the GGUF at `path` on the CPU decoder, with a KV cache in `dtype`.
+pub fn decode_step(path: &Path, dtype: KvDtype) -> Result<DecodeStep> {
+    let model = Llama::from_gguf(path, &Device::Cpu, 2048).context("loading the generator")?;
+    let d = model
+        .transformer
+        .weights
+        .decoder
+        .clone()
+        .context("this model's format has no CPU decoder")?;
+    let mut kv = HostKv::new(
+        d.layers.len(),
+        d.dims.n_kv_head,
+        d.dims.head_dim,
+        1024,
+        dtype,
+    );
+    let mut logits = vec![0f32; d.vocab()];
+    let mut step = |pos: usize| {
+        let seq = SeqStep {
+            kv: &mut kv,
+            pos,
+            token: 100 + pos as u32,
+        };
+        d.step(&mut [seq], &mut logits)
+    };
+    let mut time_steps = |positions: std::ops::Range<usize>| -> Result<f64> {
+        let (n, t) = (positions.len(), Instant::now());
+        for pos in positions {
+            step(pos)?;
+        }
+        Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
+    };
+    time_steps(0..10)?;
+    let short_step_ms = time_steps(10..60)?;
+    time_steps(60..600)?;
+    let step_ms = time_steps(600..650)?;
+    let mut acts = QActs::default();
+    let x = vec![0.5f32; d.dims.ffn];
+    let mut out = vec![0f32; 2 * d.dims.ffn];
+    let hidden = d.dims.n_head * d.dims.head_dim;
+    let t = Instant::now();
+    for _ in 0..20 {
+        for l in &d.layers {
+            acts.quantize(&x[..hidden], 1, hidden);
+            matmul(&l.qkv, &acts, &mut out[..l.qkv.rows()]);
+            matmul(&l.attn_out, &acts, &mut out[..hidden]);
+            matmul(&l.gate_up, &acts, &mut out[..2 * d.dims.ffn]);
+            acts.quantize(&x, 1, d.dims.ffn);
+            matmul(&l.down, &acts, &mut out[..hidden]);
+        }
+    }
+    let layer_matmuls_ms = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+    acts.quantize(&x[..hidden], 1, hidden);
+    let t = Instant::now();
+    for _ in 0..20 {
+        d.head_matmul(&acts, &mut logits);
+    }
+    let output_head_ms = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+    Ok(DecodeStep {
+        step_ms,
+        short_step_ms,
+        layer_matmuls_ms,
+        output_head_ms,
+    })
+}
