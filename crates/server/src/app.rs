@@ -14,22 +14,22 @@ use tokio::net::TcpListener;
 
 use crate::api::{self, AppState, Readiness};
 use crate::config::{ModelArgs, PipelineArgs, ServeArgs, ServerArgs, StoreArgs};
-use crate::embed::bert::BertEmbedder;
-use crate::embed::Embedder;
-use crate::ingest::chunk::ChunkerConfig;
-use crate::ingest::{corpus, ingest_document};
-use crate::pipeline::Pipeline;
-use crate::rerank::cross_encoder::CrossEncoder;
-use crate::rerank::fusion::FusionReranker;
-use crate::rerank::Reranker;
-use crate::retrieve::edge::EdgeStore;
-use crate::retrieve::remote::RemoteStore;
-use crate::retrieve::VectorStore;
-use crate::worker::Workers;
 use llm::llama::{Llama, WeightFormat};
 use llm::models;
 use llm::tokenizer;
 use llm::Generator;
+use rag::embed::bert::BertEmbedder;
+use rag::embed::Embedder;
+use rag::ingest::chunk::ChunkerConfig;
+use rag::ingest::{corpus, ingest_document};
+use rag::pipeline::Pipeline;
+use rag::rerank::cross_encoder::CrossEncoder;
+use rag::rerank::fusion::FusionReranker;
+use rag::rerank::Reranker;
+use rag::retrieve::edge::EdgeStore;
+use rag::retrieve::remote::RemoteStore;
+use rag::retrieve::VectorStore;
+use rag::worker::Workers;
 use telemetry::names::StageKind;
 use telemetry::span::Stage;
 
@@ -202,12 +202,12 @@ pub fn load_pipeline(
             .with_max_wait(server.max_queue_wait(), server.queue_wait_headroom),
         defaults: pipeline.clone(),
         chunker: chunker(store),
-        query_cache: crate::embed::cache::QueryCache::new(pipeline.query_cache),
-        sentence_cache: crate::embed::cache::VectorCache::named(
+        query_cache: rag::embed::cache::QueryCache::new(pipeline.query_cache),
+        sentence_cache: rag::embed::cache::VectorCache::named(
             "sentence_embedding",
             pipeline.sentence_cache,
         ),
-        prompts: crate::embed::cache::PromptMemory::uncounted(pipeline.query_cache),
+        prompts: rag::embed::cache::PromptMemory::uncounted(pipeline.query_cache),
     })
 }
 
@@ -444,7 +444,7 @@ pub async fn serve(
 ) -> Result<()> {
     let auth = Arc::new(api::auth::ApiKeys::from_args(&args.auth)?);
     let tenants =
-        crate::tenant::Tenants::new(&args.tenants, &auth.tenants()).map_err(anyhow::Error::msg)?;
+        rag::tenant::Tenants::new(&args.tenants, &auth.tenants()).map_err(anyhow::Error::msg)?;
     let listeners = Listeners::bind(&args.server).await?;
     tracing::info!("listening on http://{}", listeners.http.local_addr()?);
     if let Some(grpc) = &listeners.grpc {
@@ -455,7 +455,7 @@ pub async fn serve(
         pipeline: Arc::new(OnceLock::new()),
         readiness: Arc::new(Readiness::default()),
         request_timeout: args.server.request_timeout,
-        faults: Arc::new(crate::fault::Faults::from_args(&args.faults)?),
+        faults: Arc::new(rag::fault::Faults::from_args(&args.faults)?),
         ui: Arc::new(crate::api::page::UiLinks::from_args(&args.ui)),
         auth,
         shutdown_grace: args.server.shutdown_grace(),
@@ -496,7 +496,7 @@ pub async fn serve(
                 loading.readiness.set_failed(format!("{e:#}"));
                 let store = e
                     .chain()
-                    .any(|c| c.downcast_ref::<crate::retrieve::StoreError>().is_some());
+                    .any(|c| c.downcast_ref::<rag::retrieve::StoreError>().is_some());
                 if embedded && store {
                     let _ = on_fatal.1.set(format!("{e:#}"));
                     on_fatal.0.notify_one();

@@ -10,9 +10,9 @@ use serde_json::{json, Value};
 
 use crate::app;
 use crate::config::{IngestArgs, ModelArgs, QueryArgs, ReplayArgs};
-use crate::ingest::{ingest_document, read_paths};
 use llm::models::{self, Manifest};
 use llm::tokenizer;
+use rag::ingest::{ingest_document, read_paths};
 use telemetry::names::StageKind;
 use telemetry::span::Stage;
 
@@ -82,8 +82,8 @@ pub async fn ingest(args: IngestArgs) -> Result<()> {
 /// Opening the shard is what a restarted server does first, so this also checks that it loads.
 pub fn audit_store(args: &crate::config::StoreAuditArgs) -> Result<()> {
     let store =
-        crate::retrieve::edge::EdgeStore::open(&args.data_dir, &args.collection, args.dimension)?;
-    let report = crate::retrieve::audit::audit(&store)?;
+        rag::retrieve::edge::EdgeStore::open(&args.data_dir, &args.collection, args.dimension)?;
+    let report = rag::retrieve::audit::audit(&store)?;
     println!("{}", serde_json::to_string(&report)?);
     if !report.problems.is_empty() {
         anyhow::bail!(

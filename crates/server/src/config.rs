@@ -8,12 +8,10 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 pub use llm::snapshot::SnapshotArgs;
+pub use rag::fault::FaultArgs;
+pub use rag::pipeline::PipelineArgs;
+pub use rag::tenant::TenantArgs;
 pub use telemetry::TelemetryArgs;
-
-use crate::pipeline::context::{ContextMethod, ContextMode, ContextOrder};
-use crate::pipeline::Overlap;
-use crate::prompt::PromptTemplate;
-use llm::TokenTrace;
 
 #[derive(Debug, Parser)]
 #[command(name = "ragscope", version, about)]
@@ -231,131 +229,6 @@ pub struct StoreArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct PipelineArgs {
-    /// Candidates retrieved per query unless the request says otherwise.
-    #[arg(long, env = "RAGSCOPE_TOP_K", default_value_t = 20)]
-    pub top_k: usize,
-    /// Candidates retrieval adds by BM25 over the whole collection, beside the `top_k`
-    /// nearest vectors (0: dense retrieval only). The reranker then orders both. Off by
-    /// default: on the evaluation set it put the fact in 45 contexts instead of 43 but no more
-    /// into answers (20/50 either way), see docs/CONTEXT.md.
-    #[arg(long, env = "RAGSCOPE_LEXICAL_TOP_K", default_value_t = 0)]
-    pub lexical_top_k: usize,
-    /// Passages kept after reranking unless the request says otherwise. Three, not four, since
-    /// the copy bias: 28/50 evaluation answers carry the fact against 25/50, from 235 prompt
-    /// tokens instead of 285 (docs/CONTEXT.md).
-    #[arg(long, env = "RAGSCOPE_RERANK_TOP_N", default_value_t = 3)]
-    pub rerank_top_n: usize,
-    /// Tokens generated unless the request says otherwise.
-    #[arg(long, env = "RAGSCOPE_MAX_TOKENS", default_value_t = 128)]
-    pub max_tokens: usize,
-    /// What the context stage hands the prompt: the passages' best sentences (`sentences`),
-    /// whole passages (`passages`), both within the context budget, or every passage whole
-    /// (`off`).
-    #[arg(long, env = "RAGSCOPE_CONTEXT", value_enum, default_value_t = ContextMode::Sentences)]
-    pub context: ContextMode,
-    /// Context tokens per passage kept after reranking: a request's budget is this times its
-    /// `rerank_top_n`, unless it sets `context_budget`.
-    #[arg(long, env = "RAGSCOPE_CONTEXT_BUDGET", default_value_t = 48)]
-    pub context_budget: usize,
-    /// How the context stage scores sentences against the question: dense, lexical or hybrid.
-    #[arg(long, env = "RAGSCOPE_CONTEXT_METHOD", value_enum, default_value_t = ContextMethod::Hybrid)]
-    pub context_method: ContextMethod,
-    /// How the prompt lists the context's passages: `best-last` puts the passage holding the
-    /// best-scoring sentence last, nearest the question (the small generator copies that one
-    /// most often); `rank` keeps rerank order. Markers stay the sources' numbers either way.
-    #[arg(long, env = "RAGSCOPE_CONTEXT_ORDER", value_enum, default_value_t = ContextOrder::BestLast)]
-    pub context_order: ContextOrder,
-    /// A context passage's header names the option or variable whose manual entry its best
-    /// sentence belongs to (`git-clone(1) › OPTIONS › --depth <depth>`), so the answer can
-    /// name it even when the sentence that does is not kept (docs/CONTEXT.md).
-    #[arg(long, env = "RAGSCOPE_CONTEXT_TERMS", default_value_t = true, action = clap::ArgAction::Set)]
-    pub context_terms: bool,
-    /// A question that names a manual entry (`git stash pop`, `git log --follow`) gets that
-    /// entry's definition, and one that says every word of an EXAMPLES title ("How do I undo
-    /// git add?": git-reset's `Undo add`) gets that example: retrieval adds the passages
-    /// holding them that it missed, the rerank stage puts them first, and in `sentences`
-    /// context the defining sentence (or the example's titled sentence and shell lines)
-    /// scores best (docs/CONTEXT.md). The reordering needs a reranker.
-    #[arg(long, env = "RAGSCOPE_ENTRY_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
-    pub entry_lookup: bool,
-    /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
-    /// otherwise.
-    #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]
-    pub repetition_penalty: f32,
-    /// RAG answers never repeat an n-gram of this many tokens (0 = off) unless the request says
-    /// otherwise.
-    #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
-    pub no_repeat_ngram: usize,
-    /// Added to the logit of every token of a RAG answer's context passages (0 = off) unless
-    /// the request says otherwise: the small generator copies its sources' words more often
-    /// (docs/CONTEXT.md has the measurements).
-    #[arg(long, env = "RAGSCOPE_CONTEXT_BIAS", default_value_t = 0.0)]
-    pub context_bias: f32,
-    /// Added to the logit of each token that continues, in a RAG answer's context passages,
-    /// the longest run of the answer's last tokens found there (0 = off): the answer copies
-    /// its sources' spans (an option, a command line) rather than inventing them. With the
-    /// default 3 and answers ending at their first paragraph, 25/50 evaluation answers carry
-    /// the fact against 18/50 with neither (docs/CONTEXT.md).
-    #[arg(long, env = "RAGSCOPE_COPY_BIAS", default_value_t = 3.0)]
-    pub copy_bias: f32,
-    /// RAG answers end at their first finished paragraph (a blank line after a sentence or a
-    /// closed code block) as at a stop string: what the small generator writes after it is a
-    /// new, unasked-for answer (docs/CONTEXT.md).
-    #[arg(long, env = "RAGSCOPE_END_AT_PARAGRAPH", default_value_t = true, action = clap::ArgAction::Set)]
-    pub end_at_paragraph: bool,
-    /// The RAG prompt's wording (docs/CONTEXT.md compares them).
-    #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
-    pub prompt_template: PromptTemplate,
-    /// `on`: a RAG request prefills its prompt's head (system turn, history, question) into the
-    /// prefix cache while its query is embedded and searched, so its prefill starts from a hit
-    /// (a request's `overlap` overrides it). `off`: every stage in sequence.
-    #[arg(long, env = "RAGSCOPE_OVERLAP", value_enum, default_value_t = Overlap::Off)]
-    pub overlap: Overlap,
-    /// How decode steps appear in traces: events, spans or off.
-    #[arg(long, env = "RAGSCOPE_TOKEN_TRACE", value_enum, default_value_t = TokenTrace::Events)]
-    pub token_trace: TokenTrace,
-    /// Query embeddings kept in an LRU cache (0 turns it off). As many questions' last prompt
-    /// token ids are remembered too (~1 KiB each), so admission can tell a prompt the prefix
-    /// cache holds from one it must compute.
-    #[arg(long, env = "RAGSCOPE_QUERY_CACHE", default_value_t = 1024)]
-    pub query_cache: usize,
-    /// Sentence vectors the context stage keeps in an LRU cache (0 turns it off): about 1.5 KiB
-    /// each with the default embedder, so the default holds ~24 MiB.
-    #[arg(long, env = "RAGSCOPE_SENTENCE_CACHE", default_value_t = 16384)]
-    pub sentence_cache: usize,
-    /// Record query and answer text on spans (off by default: content may be sensitive).
-    #[arg(long, env = "RAGSCOPE_CAPTURE_CONTENT", default_value_t = false, action = clap::ArgAction::Set)]
-    pub capture_content: bool,
-    /// Events a streamed answer may hold unread (the client not reading) before the stall
-    /// clock starts.
-    #[arg(long, env = "RAGSCOPE_STREAM_BUFFER", default_value_t = 64)]
-    pub stream_buffer: usize,
-    /// Milliseconds a stream may stay more than `--stream-buffer` events behind before its
-    /// generation is cancelled (`rag.stream.stalled_ms` on the chat span).
-    #[arg(
-        long,
-        env = "RAGSCOPE_STREAM_STALL_TIMEOUT_MS",
-        default_value_t = 10_000
-    )]
-    pub stream_stall_timeout_ms: u64,
-}
-
-impl PipelineArgs {
-    /// The sampling a RAG request gets for what it does not set: greedy, with the server's
-    /// repetition controls.
-    pub fn sampling(&self) -> llm::Sampling {
-        llm::Sampling {
-            repetition_penalty: self.repetition_penalty,
-            no_repeat_ngram: self.no_repeat_ngram,
-            context_bias: self.context_bias,
-            copy_bias: self.copy_bias,
-            ..llm::Sampling::default()
-        }
-    }
-}
-
-#[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
     /// Address to listen on.
     #[arg(long, env = "RAGSCOPE_LISTEN", default_value = "127.0.0.1:8080")]
@@ -485,23 +358,6 @@ pub struct AuthArgs {
     pub api_key_file: Option<PathBuf>,
 }
 
-/// Tenants' quotas (see `crate::tenant`).
-#[derive(Debug, Clone, Default, Args)]
-pub struct TenantArgs {
-    /// A tenant's quota, `NAME:rps=R,burst=B,tokens=T,token_burst=TB,share=S` (any of them;
-    /// `*` for every tenant without its own). Repeatable; the variable takes a `;`-separated list.
-    #[arg(
-        long = "tenant-quota",
-        env = "RAGSCOPE_TENANT_QUOTAS",
-        value_delimiter = ';'
-    )]
-    pub quotas: Vec<String>,
-    /// With API keys off, the W3C baggage member that names a request's tenant (e.g.
-    /// `tenant`); it is the client's claim, so with keys on only the key's tenant counts.
-    #[arg(long = "tenant-baggage-key", env = "RAGSCOPE_TENANT_BAGGAGE_KEY")]
-    pub baggage_key: Option<String>,
-}
-
 /// Keys are secrets: a debug print shows how many there are, never what they are.
 impl std::fmt::Debug for AuthArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -551,23 +407,6 @@ pub struct UiArgs {
     /// service_name and span_id labels, around the trace's time).
     #[arg(long, env = "RAGSCOPE_UI_PYROSCOPE_URL")]
     pub ui_pyroscope_url: Option<String>,
-}
-
-/// Fault and latency injection (see `fault`): all off unless `--faults true`.
-#[derive(Debug, Clone, Default, Args)]
-pub struct FaultArgs {
-    /// Allow fault and latency injection at all.
-    #[arg(long, env = "RAGSCOPE_FAULTS", default_value_t = false, action = clap::ArgAction::Set)]
-    pub faults: bool,
-    /// The plan injected into every request from the start: JSON, or @file.
-    #[arg(long, env = "RAGSCOPE_FAULT_PLAN")]
-    pub fault_plan: Option<String>,
-    /// Bearer token that `GET|PUT|DELETE /admin/faults` require; without it that endpoint is off.
-    #[arg(long, env = "RAGSCOPE_FAULT_ADMIN_TOKEN", hide_env_values = true)]
-    pub fault_admin_token: Option<String>,
-    /// Let a request bring its own plan in the `x-ragscope-fault` header.
-    #[arg(long, env = "RAGSCOPE_FAULT_HEADER", default_value_t = false, action = clap::ArgAction::Set)]
-    pub fault_header: bool,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -12,11 +12,11 @@ use serde_json::json;
 
 use crate::app;
 use crate::config::{EvalArgs, PipelineArgs};
-use crate::pipeline::{RagAnswer, RagRequest};
-use crate::rerank::fusion::FusionReranker;
-use crate::rerank::{ranking, Candidate, Reranker};
-use crate::retrieve::ScoredChunk;
 use llm::FinishReason;
+use rag::pipeline::{RagAnswer, RagRequest};
+use rag::rerank::fusion::FusionReranker;
+use rag::rerank::{ranking, Candidate, Reranker};
+use rag::retrieve::ScoredChunk;
 use telemetry::names::span;
 use telemetry::span::Stage;
 
@@ -114,7 +114,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
-        let hits = crate::retrieve::hybrid_search(
+        let hits = rag::retrieve::hybrid_search(
             pipeline.store.as_ref(),
             &q.question,
             &vector,
@@ -291,7 +291,7 @@ const README_QUESTIONS: &[&str] = &[
 
 /// One question through the whole pipeline with the settings of the command line.
 fn ask(
-    pipeline: &Arc<crate::pipeline::Pipeline>,
+    pipeline: &Arc<rag::pipeline::Pipeline>,
     args: &EvalArgs,
     handle: &tokio::runtime::Handle,
     question: &str,

@@ -16,7 +16,7 @@ use serde_json::json;
 use super::auth::{Caller, Scope};
 use super::error::ApiError;
 use super::AppState;
-use crate::fault::{FaultPlan, HEADER};
+use rag::fault::{FaultPlan, HEADER};
 use telemetry::names::attr;
 use telemetry::span::Stage;
 

@@ -14,13 +14,13 @@ use serde_json::{Map, Value};
 
 use super::error::ApiError;
 use super::{AppState, RequestStage};
-use crate::ingest::{Document, Format};
-use crate::pipeline::context::{ContextAsked, ContextSettings};
-use crate::pipeline::{
+use llm::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
+use rag::ingest::{Document, Format};
+use rag::pipeline::context::{ContextAsked, ContextSettings};
+use rag::pipeline::{
     Event, EventReceiver, Pipeline, PipelineError, RagAnswer, RagRequest, Source, Streamed,
 };
-use crate::retrieve::Filter;
-use llm::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
+use rag::retrieve::Filter;
 use telemetry::clock;
 use telemetry::metrics::metrics;
 use telemetry::names::{attr, StageKind};

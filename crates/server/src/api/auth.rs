@@ -5,7 +5,7 @@
 //! gRPC the `authorization` metadata in [`grpc_interceptor`]. Keys are compared as SHA-256
 //! digests in constant time against every configured key, so neither timing nor length says
 //! which part matched, and no key is ever logged or put on a span. `KEY tenant=NAME` charges the
-//! key's requests to a tenant ([`crate::tenant`]).
+//! key's requests to a tenant ([`rag::tenant`]).
 
 use std::sync::Arc;
 
@@ -204,7 +204,7 @@ fn parse(spec: &str) -> Result<Key, String> {
     for option in words {
         match option.split_once('=') {
             Some(("tenant", name)) => {
-                crate::tenant::check_name(name)?;
+                rag::tenant::check_name(name)?;
                 tenant = Some(name.to_string());
             }
             _ => {

@@ -28,9 +28,9 @@ use super::openai::{
 };
 use super::tokenize::{check_token_ids, model_error};
 use super::{AppState, RequestStage};
-use crate::pipeline::{Pipeline, PipelineError, RagAnswer, RagRequest, Usage};
 use llm::tokenizer::Utf8Stream;
 use llm::{Generator, Sampling, TokenLogprob};
+use rag::pipeline::{Pipeline, PipelineError, RagAnswer, RagRequest, Usage};
 
 /// Suffix of the plain model id (`SmolLM2-135M-Instruct-plain`): the generator alone, listed in
 /// `/v1/models` so that clients which can only choose a model (benchmarks, lm-eval) can ask
@@ -427,7 +427,7 @@ fn start(
     plan: &Plan,
     prompt: &Prompt,
     req: RagRequest,
-    events: Option<crate::pipeline::EventSender>,
+    events: Option<rag::pipeline::EventSender>,
 ) -> Result<BoxFuture<'static, Result<RagAnswer, PipelineError>>, ApiError> {
     if !plan.rag {
         return Ok(pipeline

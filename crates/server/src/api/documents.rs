@@ -57,7 +57,7 @@ pub async fn remove(
                 e.to_string(),
             )
         })?
-        .map_err(|e| ApiError::from(crate::pipeline::PipelineError::from(e)))?;
+        .map_err(|e| ApiError::from(rag::pipeline::PipelineError::from(e)))?;
     if deleted == 0 {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,

@@ -9,11 +9,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use crate::embed::EmbedError;
-use crate::ingest::IngestError;
-use crate::pipeline::PipelineError;
-use crate::retrieve::StoreError;
 use llm::GenerateError;
+use rag::embed::EmbedError;
+use rag::ingest::IngestError;
+use rag::pipeline::PipelineError;
+use rag::retrieve::StoreError;
 
 /// gRPC metadata key carrying [`ApiError::code`] (e.g. `queue_full`, `context_length_exceeded`).
 pub const GRPC_ERROR_CODE_KEY: &str = "ragscope-error-code";
@@ -211,21 +211,15 @@ impl From<ApiError> for tonic::Status {
     }
 }
 
-impl From<PipelineError> for tonic::Status {
-    fn from(e: PipelineError) -> tonic::Status {
-        ApiError::from(e).into()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::{Refusal, Refused};
+    use rag::worker::{Refusal, Refused};
     use std::time::Duration;
     use tonic::Code;
 
     fn grpc(e: PipelineError) -> tonic::Status {
-        e.into()
+        ApiError::from(e).into()
     }
 
     #[test]

@@ -13,10 +13,11 @@ pub mod grpc;
 pub mod http;
 pub mod json;
 pub mod limit;
+pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod page;
-pub mod rag;
+pub mod tenant;
 pub mod tokenize;
 
 use std::pin::Pin;
@@ -36,8 +37,8 @@ use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde_json::json;
 
-use crate::pipeline::Pipeline;
 use error::ApiError;
+use rag::pipeline::Pipeline;
 use telemetry::names::{attr, StageKind};
 use telemetry::span::Stage;
 
@@ -49,7 +50,7 @@ pub struct AppState {
     pub readiness: Arc<Readiness>,
     pub request_timeout: Duration,
     /// Fault injection settings and the current plan (off by default).
-    pub faults: Arc<crate::fault::Faults>,
+    pub faults: Arc<rag::fault::Faults>,
     /// Where the waterfall page links out to (Jaeger, Tempo, Pyroscope).
     pub ui: Arc<page::UiLinks>,
     /// API keys; none configured: every route is open.
@@ -57,7 +58,7 @@ pub struct AppState {
     /// How long a shutdown lets the requests in flight finish.
     pub shutdown_grace: Duration,
     /// Tenants and their quotas; none configured: everyone is `default`, unlimited.
-    pub tenants: Arc<crate::tenant::Tenants>,
+    pub tenants: Arc<rag::tenant::Tenants>,
 }
 
 /// What `/ready` and the gRPC health service report while the server starts.
@@ -135,12 +136,12 @@ impl AppState {
 pub fn router(state: AppState, max_body_bytes: usize) -> Router {
     let (draining, keyed) = (state.clone(), state.clone());
     Router::new()
-        .route("/v1/rag/query", post(rag::query))
+        .route("/v1/rag/query", post(native::query))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/models", get(openai::models))
-        .route("/v1/rerank", post(rag::rerank))
+        .route("/v1/rerank", post(native::rerank))
         .route("/v1/documents", post(documents::create))
         .route("/v1/documents/{id}", delete(documents::remove))
         .route("/tokenize", post(tokenize::tokenize))
@@ -170,7 +171,7 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         // Outermost first: refused while shutting down, then the API key, then the route, run
         // as its tenant's.
-        .layer(crate::tenant::TenantLayer {
+        .layer(crate::api::tenant::TenantLayer {
             tenants: state.tenants.clone(),
             keys: state.auth.clone(),
         })

@@ -21,9 +21,9 @@ use super::ask::{self, AnswerEvent, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
-use crate::pipeline::context::ContextAsked;
-use crate::pipeline::Pipeline;
 use llm::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS};
+use rag::pipeline::context::ContextAsked;
+use rag::pipeline::Pipeline;
 
 /// Model ids `/v1/chat/completions` answers to besides the generator's own.
 pub(super) const RAG_MODEL_ALIASES: &[&str] = &["ragscope"];

@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use utoipa::{OpenApi, ToSchema};
 
 use super::auth::{scope_for, Scope};
-use crate::pipeline::{CacheUse, Source, Timings, Usage};
+use rag::pipeline::{CacheUse, Source, Timings, Usage};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -26,8 +26,8 @@ use crate::pipeline::{CacheUse, Source, Timings, Usage};
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
     ),
     paths(
-        super::rag::query,
-        super::rag::rerank,
+        super::native::query,
+        super::native::rerank,
         super::openai::chat_completions,
         super::completions::completions,
         super::openai::embeddings,

@@ -14,8 +14,8 @@ use super::error::ApiError;
 use super::json::ValidJson;
 use super::openai::{chat_messages, check_model, refuse_unhonoured, ChatMessageBody};
 use super::AppState;
-use crate::pipeline::{Pipeline, PipelineError};
 use llm::{GenerateError, Generator};
+use rag::pipeline::{Pipeline, PipelineError};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct TokenizeBody {

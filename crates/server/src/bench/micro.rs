@@ -12,9 +12,9 @@ use candle_core::Device;
 use super::peers::PeerInputs;
 use super::stage;
 use crate::config::BenchArgs;
-use crate::embed::bert::{Backend, BertEmbedder};
-use crate::embed::Embedder;
 use llm::kernels::Precision;
+use rag::embed::bert::{Backend, BertEmbedder};
+use rag::embed::Embedder;
 
 /// Where `--embed-ab` looks for `inputs.json` without `--peer-inputs`.
 const DEFAULT_PEER_INPUTS: &str = "data/bench-peers/inputs";

@@ -15,10 +15,10 @@ use rand::{Rng, SeedableRng};
 
 use crate::app;
 use crate::config::BenchArgs;
-use crate::pipeline::RagRequest;
-use crate::retrieve::edge::EdgeStore;
-use crate::retrieve::{Chunk, VectorStore};
 use llm::{ChatMessage, Flow, GenerateRequest, Sampling};
+use rag::pipeline::RagRequest;
+use rag::retrieve::edge::EdgeStore;
+use rag::retrieve::{Chunk, VectorStore};
 use telemetry::names::span;
 use telemetry::{clock, span::Stage};
 
@@ -209,7 +209,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         context.push_str(passage);
     }
     let prompt = g.chat_prompt(&[
-        ChatMessage::new("system", crate::prompt::SYSTEM),
+        ChatMessage::new("system", rag::prompt::SYSTEM),
         ChatMessage::new(
             "user",
             format!("Passages:\n[1] {context}\n\nQuestion: What does git rebase do?"),

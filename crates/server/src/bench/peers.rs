@@ -17,14 +17,14 @@ use serde::{Deserialize, Serialize};
 use super::{percentile, stage};
 use crate::app;
 use crate::config::BenchArgs;
-use crate::embed::bert::BertEmbedder;
-use crate::embed::Embedder;
-use crate::ingest::{self, chunk};
 use llm::llama::{Llama, WeightFormat};
 use llm::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
     TokenLogprob,
 };
+use rag::embed::bert::BertEmbedder;
+use rag::embed::Embedder;
+use rag::ingest::{self, chunk};
 use telemetry::{clock, span::Stage};
 
 /// Prompt budget, in generator tokens: a typical RAG prompt of about 600 tokens.
@@ -341,7 +341,7 @@ fn rag_prompt(generator: &Llama, question: &str, passages: &[&str]) -> Result<Ve
         inner: generator,
         window: PROMPT_TOKENS + GEN_TOKENS,
     };
-    Ok(crate::prompt::build(&budget, &[], question, passages, GEN_TOKENS)?.tokens)
+    Ok(rag::prompt::build(&budget, &[], question, passages, GEN_TOKENS)?.tokens)
 }
 
 /// `n` distinct sentences of [`SENTENCE_WORDS`] words, spread evenly over all of `texts`' (fewer

@@ -163,7 +163,7 @@ async fn batched_decode_time_splits_among_the_requests_that_shared_the_steps() {
         let generator = Arc::new(BatchedFakeGenerator::new(BATCHED_TOKENS, trace));
         let mut pipeline = fake_pipeline(FakeGenerator::new(BATCHED_TOKENS));
         pipeline.generator = generator.clone();
-        pipeline.workers = ragscope::worker::Workers::new(4, 64);
+        pipeline.workers = rag::worker::Workers::new(4, 64);
         let state = ragscope::app::ready_state(pipeline, Duration::from_secs(30));
         let app = serve_state(state, 1 << 20, None).await;
         app.ingest_fixtures().await;

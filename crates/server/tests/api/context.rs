@@ -174,7 +174,7 @@ async fn context_off_gives_the_prompt_of_whole_passages() {
         2048,
     )
     .unwrap();
-    let expected = ragscope::prompt::build(&generator, &[], question, &sources, 4).unwrap();
+    let expected = rag::prompt::build(&generator, &[], question, &sources, 4).unwrap();
     assert_eq!(
         body["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
         expected.tokens.len()

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ragscope::retrieve::edge::EdgeStore;
-use ragscope::retrieve::{Chunk, VectorStore};
+use rag::retrieve::edge::EdgeStore;
+use rag::retrieve::{Chunk, VectorStore};
 use telemetry::span::Stage;
 
 use crate::helpers::models_dir;

@@ -12,9 +12,9 @@ use llm::{
     TokenLogprob, TopLogprob,
 };
 use opentelemetry::KeyValue;
-use ragscope::embed::{EmbedError, Embedder};
-use ragscope::retrieve::lexical::Terms;
-use ragscope::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
+use rag::embed::{EmbedError, Embedder};
+use rag::retrieve::lexical::Terms;
+use rag::retrieve::{Chunk, Filter, ScoredChunk, StoreError, StoreInfo, VectorStore};
 use telemetry::{clock, span::Stage};
 
 /// Busy-waits: sleeping would hand the core to other tests and blur the timings.

@@ -113,7 +113,7 @@ pub async fn spawn_fake_app_with(
 /// Stand-in model stages over a given store (4-dimensional vectors).
 pub async fn spawn_fake_app_with_store(
     generator: crate::fakes::FakeGenerator,
-    store: Arc<dyn ragscope::retrieve::VectorStore>,
+    store: Arc<dyn rag::retrieve::VectorStore>,
 ) -> TestApp {
     fake_app(generator, store, &[]).await
 }
@@ -121,7 +121,7 @@ pub async fn spawn_fake_app_with_store(
 /// The same, with extra `serve` flags.
 pub async fn spawn_fake_app_with_store_and(
     generator: crate::fakes::FakeGenerator,
-    store: Arc<dyn ragscope::retrieve::VectorStore>,
+    store: Arc<dyn rag::retrieve::VectorStore>,
     extra: &[&str],
 ) -> TestApp {
     fake_app(generator, store, extra).await
@@ -129,7 +129,7 @@ pub async fn spawn_fake_app_with_store_and(
 
 async fn fake_app(
     generator: crate::fakes::FakeGenerator,
-    store: Arc<dyn ragscope::retrieve::VectorStore>,
+    store: Arc<dyn rag::retrieve::VectorStore>,
     extra: &[&str],
 ) -> TestApp {
     if let Some(provider) = telemetry::metrics::ensure_provider() {
@@ -140,41 +140,41 @@ async fn fake_app(
 }
 
 /// A pipeline over stand-in stages.
-pub fn fake_pipeline(generator: crate::fakes::FakeGenerator) -> ragscope::pipeline::Pipeline {
+pub fn fake_pipeline(generator: crate::fakes::FakeGenerator) -> rag::pipeline::Pipeline {
     fake_pipeline_over(generator, Arc::new(crate::fakes::FakeStore::default()), &[])
 }
 
 fn fake_pipeline_over(
     generator: crate::fakes::FakeGenerator,
-    store: Arc<dyn ragscope::retrieve::VectorStore>,
+    store: Arc<dyn rag::retrieve::VectorStore>,
     extra: &[&str],
-) -> ragscope::pipeline::Pipeline {
+) -> rag::pipeline::Pipeline {
     let args = serve_args(Path::new("unused"), extra);
-    ragscope::pipeline::Pipeline {
+    rag::pipeline::Pipeline {
         embedder: Arc::new(crate::fakes::FakeEmbedder),
         store,
-        reranker: Some(Arc::new(ragscope::rerank::fusion::FusionReranker::default())),
+        reranker: Some(Arc::new(rag::rerank::fusion::FusionReranker::default())),
         generator: Arc::new(generator),
-        workers: ragscope::worker::Workers::new(1, 64),
+        workers: rag::worker::Workers::new(1, 64),
         defaults: args.pipeline.clone(),
         chunker: ragscope::app::chunker(&args.store),
-        query_cache: ragscope::embed::cache::QueryCache::new(0),
-        sentence_cache: ragscope::embed::cache::VectorCache::named("sentence_embedding", 0),
-        prompts: ragscope::embed::cache::PromptMemory::uncounted(0),
+        query_cache: rag::embed::cache::QueryCache::new(0),
+        sentence_cache: rag::embed::cache::VectorCache::named("sentence_embedding", 0),
+        prompts: rag::embed::cache::PromptMemory::uncounted(0),
     }
 }
 
 async fn serve(
-    pipeline: ragscope::pipeline::Pipeline,
+    pipeline: rag::pipeline::Pipeline,
     args: &ServeArgs,
     tmp: Option<tempfile::TempDir>,
 ) -> TestApp {
     let mut state = ragscope::app::ready_state(pipeline, args.server.request_timeout);
-    state.faults = Arc::new(ragscope::fault::Faults::from_args(&args.faults).expect("fault flags"));
+    state.faults = Arc::new(rag::fault::Faults::from_args(&args.faults).expect("fault flags"));
     state.ui = Arc::new(ragscope::api::page::UiLinks::from_args(&args.ui));
     state.auth = Arc::new(ragscope::api::auth::ApiKeys::from_args(&args.auth).expect("key flags"));
     state.tenants = Arc::new(
-        ragscope::tenant::Tenants::new(&args.tenants, &state.auth.tenants()).expect("tenant flags"),
+        rag::tenant::Tenants::new(&args.tenants, &state.auth.tenants()).expect("tenant flags"),
     );
     state.shutdown_grace = args.server.shutdown_grace();
     let connections = args.server.connections.clone();

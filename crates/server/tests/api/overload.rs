@@ -59,7 +59,7 @@ async fn a_burst_far_above_capacity_is_refused_fast_and_the_admitted_wait_within
         tokens: 20,
         token_us: 10_000,
     });
-    pipeline.workers = ragscope::worker::Workers::new(1, 64).with_max_wait(MAX_WAIT, 0.0);
+    pipeline.workers = rag::worker::Workers::new(1, 64).with_max_wait(MAX_WAIT, 0.0);
     let state = ragscope::app::ready_state(pipeline, Duration::from_secs(30));
     let app = serve_state(state, 1 << 20, None).await;
     let url = app.url("/v1/rag/query");
@@ -342,7 +342,7 @@ async fn a_client_that_stops_reading_a_stream_does_not_hold_the_worker() {
         tokens: 400,
         token_us: 1000,
     });
-    pipeline.workers = ragscope::worker::Workers::new(1, 4);
+    pipeline.workers = rag::worker::Workers::new(1, 4);
     let app = serve_state(
         ragscope::app::ready_state(pipeline, Duration::from_secs(30)),
         1 << 20,

@@ -31,7 +31,7 @@ use qdrant_client::qdrant::{
     PointsOperationResponse, QueryPoints, QueryResponse, RetrievedPoint, ScoredPoint,
     SparseVectorConfig, UpdateResult, UpdateStatus, UpsertPoints, VectorParams, VectorsConfig,
 };
-use ragscope::retrieve::remote::RemoteStore;
+use rag::retrieve::remote::RemoteStore;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;

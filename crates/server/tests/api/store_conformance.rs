@@ -9,10 +9,10 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use ragscope::retrieve::edge::EdgeStore;
-use ragscope::retrieve::lexical;
-use ragscope::retrieve::remote::RemoteStore;
-use ragscope::retrieve::{
+use rag::retrieve::edge::EdgeStore;
+use rag::retrieve::lexical;
+use rag::retrieve::remote::RemoteStore;
+use rag::retrieve::{
     Chunk, Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError, VectorStore,
 };
 use serde_json::{json, Value};

@@ -199,7 +199,7 @@ async fn bad_quota_flags_are_refused_by_name() {
         let keys = ragscope::api::auth::ApiKeys::from_args(&args.auth);
         let e = match keys {
             Err(e) => e.to_string(),
-            Ok(keys) => ragscope::tenant::Tenants::new(&args.tenants, &keys.tenants()).unwrap_err(),
+            Ok(keys) => rag::tenant::Tenants::new(&args.tenants, &keys.tenants()).unwrap_err(),
         };
         assert!(e.contains(says), "{flags:?}: {e}");
     }

@@ -19,11 +19,12 @@ use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
 use super::ask::{self, AnswerEvent, Asked, Decoding, DocumentBody};
+use super::error::ApiError;
 use super::limit::ConnectionLimit;
 use super::{AppState, Readiness, RequestStage};
-use crate::ingest::Format;
-use crate::pipeline::context::ContextAsked;
-use crate::pipeline::RagAnswer;
+use rag::ingest::Format;
+use rag::pipeline::context::ContextAsked;
+use rag::pipeline::RagAnswer;
 use telemetry::span::Stage;
 
 /// The code generated from `proto/ragscope.proto` at build time (see `build.rs`).
@@ -71,7 +72,7 @@ pub async fn serve(
     let reflection = reflection().build_v1().expect(valid);
     let readiness = state.readiness.clone();
     let interceptor = super::auth::grpc_interceptor(state.auth.clone(), readiness.clone());
-    let tenants = crate::tenant::TenantLayer {
+    let tenants = crate::api::tenant::TenantLayer {
         tenants: state.tenants.clone(),
         keys: state.auth.clone(),
     };
@@ -168,7 +169,7 @@ impl RagService {
         &self,
         request: &Request<T>,
         stage: &RequestStage,
-    ) -> Result<Arc<crate::fault::FaultPlan>, Status> {
+    ) -> Result<Arc<rag::fault::FaultPlan>, Status> {
         let headers = request.metadata().clone().into_headers();
         Ok(super::admin::request_faults(&self.state, &headers, stage)?)
     }
@@ -259,7 +260,8 @@ impl Rag for RagService {
             .collect();
         let outcomes = pipeline
             .ingest(ask::documents(bodies)?, faults, &stage)
-            .await?;
+            .await
+            .map_err(ApiError::from)?;
         Ok(Response::new(IngestResponse {
             documents: outcomes
                 .into_iter()
@@ -282,7 +284,10 @@ impl Rag for RagService {
         let texts = request.into_inner().inputs;
         ask::check_embed_inputs("inputs", &texts)?;
         // Counted after admission: a refused request costs no tokenisation.
-        let vectors = pipeline.embed(texts.clone(), faults, &stage).await?;
+        let vectors = pipeline
+            .embed(texts.clone(), faults, &stage)
+            .await
+            .map_err(ApiError::from)?;
         let tokens = ask::embed_tokens(&pipeline, &texts);
         Ok(Response::new(EmbedResponse {
             model: pipeline.embedder.model_id().to_string(),
@@ -305,10 +310,11 @@ impl Rag for RagService {
         let top_n = ask::check_rerank(&r.query, &r.documents, r.top_n.map(|n| n as usize))?;
         let scores = pipeline
             .rerank(r.query, r.documents, faults, &stage)
-            .await?;
+            .await
+            .map_err(ApiError::from)?;
         Ok(Response::new(RerankResponse {
             model: ask::rerank_model(&pipeline),
-            results: crate::rerank::ranking(&scores)
+            results: rag::rerank::ranking(&scores)
                 .into_iter()
                 .take(top_n)
                 .map(|i| proto::rerank_response::Result {
@@ -354,7 +360,7 @@ fn token_logprob(lp: llm::TokenLogprob) -> proto::TokenLogprob {
     }
 }
 
-fn source(s: crate::pipeline::Source) -> proto::Source {
+fn source(s: rag::pipeline::Source) -> proto::Source {
     proto::Source {
         id: s.id,
         doc_id: s.doc_id,

@@ -1,7 +1,7 @@
 //! Tenants and their quotas: who a request is charged to, and how much each may take.
 //!
 //! A request's tenant comes from its API key (`KEY tenant=NAME` in the key syntax, see
-//! [`crate::api::auth`]); with keys off, from the W3C `baggage` member named by
+//! the API's `auth` module); with keys off, from the W3C `baggage` member named by
 //! `--tenant-baggage-key`, which is only as trustworthy as the network, so it is never used when
 //! keys are on. Without either it is `default`. Names that no key and no `--tenant-quota` names
 //! are all charged to `other`, so the tenants (and the metric label) are bounded by the
@@ -18,28 +18,38 @@
 //! - `share`: the fraction of `--queue-capacity` the tenant's jobs may hold in the queue.
 //!
 //! The tenant travels with the request without every handler passing it on: [`scope`] runs a
-//! request's future with it (a task-local, set by [`TenantLayer`] for HTTP and gRPC alike),
+//! request's future with it (a task-local, set by the API's tenant layer for HTTP and gRPC alike),
 //! [`Admission::new`](crate::worker::Admission::new) reads it, and the model worker enters it
 //! for the job's duration so the pipeline can [`charge`] the tokens it used.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Instant;
 
-use axum::http::{header, Request};
-use opentelemetry::baggage::BaggageExt;
 use opentelemetry::KeyValue;
 use parking_lot::Mutex;
-use tower::{Layer, Service};
 
-use crate::api::auth::ApiKeys;
-use crate::config::TenantArgs;
 use telemetry::metrics::metrics;
 use telemetry::names::attr;
+
+/// Tenants' quotas, and how a request without an API key names its tenant.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TenantArgs {
+    /// A tenant's quota, `NAME:rps=R,burst=B,tokens=T,token_burst=TB,share=S` (any of them;
+    /// `*` for every tenant without its own). Repeatable; the variable takes a `;`-separated list.
+    #[arg(
+        long = "tenant-quota",
+        env = "RAGSCOPE_TENANT_QUOTAS",
+        value_delimiter = ';'
+    )]
+    pub quotas: Vec<String>,
+    /// With API keys off, the W3C baggage member that names a request's tenant (e.g.
+    /// `tenant`); it is the client's claim, so with keys on only the key's tenant counts.
+    #[arg(long = "tenant-baggage-key", env = "RAGSCOPE_TENANT_BAGGAGE_KEY")]
+    pub baggage_key: Option<String>,
+}
 
 /// Charged when nothing names the caller.
 pub const DEFAULT: &str = "default";
@@ -311,25 +321,9 @@ impl Tenants {
             .expect("`other` is always known")
     }
 
-    /// The tenant of a request: its key's when keys are on (an unknown key's request is refused
-    /// before it runs, so it is charged to `default` here), else its baggage member's.
-    fn of<B>(&self, keys: &ApiKeys, req: &Request<B>) -> Tenant {
-        if keys.is_on() {
-            let authorization = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok());
-            let name = keys.tenant_of(authorization);
-            return self.get(name.as_deref().unwrap_or(DEFAULT));
-        }
-        let Some(key) = &self.baggage_key else {
-            return self.get(DEFAULT);
-        };
-        let cx = telemetry::extract_context(req.headers());
-        match cx.baggage().get(key.as_str()) {
-            Some(v) => self.get(v.as_str().as_ref()),
-            None => self.get(DEFAULT),
-        }
+    /// The W3C baggage member that names a request's tenant when API keys are off.
+    pub fn baggage_key(&self) -> Option<&str> {
+        self.baggage_key.as_deref()
     }
 }
 
@@ -388,49 +382,6 @@ impl Drop for JobGuard {
 pub fn charge(tokens: usize) {
     if let Some(t) = JOB_TENANT.with(|t| t.borrow().clone()) {
         t.pay(tokens);
-    }
-}
-
-/// Runs every request (HTTP route or gRPC call) as its tenant's.
-#[derive(Clone)]
-pub struct TenantLayer {
-    pub tenants: Arc<Tenants>,
-    pub keys: Arc<ApiKeys>,
-}
-
-impl<S> Layer<S> for TenantLayer {
-    type Service = WithTenant<S>;
-
-    fn layer(&self, inner: S) -> WithTenant<S> {
-        WithTenant {
-            inner,
-            layer: self.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct WithTenant<S> {
-    inner: S,
-    layer: TenantLayer,
-}
-
-impl<S, B> Service<Request<B>> for WithTenant<S>
-where
-    S: Service<Request<B>>,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Request<B>) -> Self::Future {
-        let tenant = self.layer.tenants.of(&self.layer.keys, &req);
-        Box::pin(scope(tenant, self.inner.call(req)))
     }
 }
 
@@ -533,33 +484,6 @@ mod tests {
         assert_eq!(tenants.get("acme").queue_share(32), None);
         let shared = Tenants::new(&args(&["acme:share=0.1"], None), &[]).unwrap();
         assert_eq!(shared.get("acme").queue_share(32), Some(4));
-    }
-
-    #[test]
-    fn the_tenant_comes_from_the_key_and_baggage_only_counts_without_keys() {
-        let tenants = Tenants::new(&args(&[], Some("tenant")), &["acme".into()]).unwrap();
-        let req = |auth: Option<&str>, baggage: Option<&str>| {
-            let mut r = Request::builder();
-            if let Some(a) = auth {
-                r = r.header("authorization", a);
-            }
-            if let Some(b) = baggage {
-                r = r.header("baggage", b);
-            }
-            r.body(()).unwrap()
-        };
-        let open = ApiKeys::default();
-        let name = |keys: &ApiKeys, r: &Request<()>| tenants.of(keys, r).name().to_string();
-        assert_eq!(name(&open, &req(None, Some("tenant=acme"))), "acme");
-        assert_eq!(name(&open, &req(None, Some("tenant=unknown"))), OTHER);
-        assert_eq!(name(&open, &req(None, None)), DEFAULT);
-        let keys = ApiKeys::from_specs(&["k1 tenant=acme", "k2"]).unwrap();
-        assert_eq!(name(&keys, &req(Some("Bearer k1"), None)), "acme");
-        // A keyless tenant claim is not believed when keys are on.
-        assert_eq!(
-            name(&keys, &req(Some("Bearer k2"), Some("tenant=acme"))),
-            DEFAULT
-        );
     }
 
     #[tokio::test]

@@ -969,7 +969,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_tenant_is_held_to_its_quota_and_share_without_touching_others() {
-        use crate::config::TenantArgs;
+        use crate::tenant::TenantArgs;
         use crate::tenant::{scope, Tenants};
         let args = TenantArgs {
             // One request a second refills nothing while the test runs (at 1000 a second, a

@@ -12,6 +12,7 @@ pub mod overlap;
 mod plain;
 mod request;
 pub mod runner;
+mod settings;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -25,8 +26,8 @@ pub use request::{
     Streamed, Timings, Usage,
 };
 pub use runner::{StageRunner, StageSpec};
+pub use settings::PipelineArgs;
 
-use crate::config::PipelineArgs;
 use crate::embed::cache::{PromptMemory, QueryCache, VectorCache};
 use crate::embed::Embedder;
 use crate::fault::{FaultPlan, FaultStage};

@@ -9,14 +9,16 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::{Stream, StreamExt};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::ask::{self, AnswerEvent, Asked, Decoding};
 use super::error::ApiError;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
-use crate::pipeline::context::ContextAsked;
+use llm::{FinishReason, TokenLogprob};
+use rag::pipeline::context::ContextAsked;
+use rag::pipeline::{CacheUse, RagAnswer, Source, Timings, Usage};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -64,7 +66,7 @@ pub struct QueryBody {
 /// `token`…, then `done` or `error`.
 #[utoipa::path(post, path = "/v1/rag/query", tag = "rag", request_body = QueryBody,
     responses((status = 200, description = "The answer, or its events", content(
-        (crate::pipeline::RagAnswer = "application/json"),
+        (AnswerBody = "application/json"),
         (super::openapi::RagEvent = "text/event-stream")))))]
 pub async fn query(
     State(state): State<AppState>,
@@ -107,12 +109,51 @@ pub async fn query(
     let req = ask::prepare(&state, &pipeline, &stage, &headers, asked)?;
     if !body.stream {
         let answer = ask::answer(&pipeline, req, &stage).await?;
-        return Ok(super::respond_json(&stage, answer.finished_at, &answer));
+        return Ok(super::respond_json(
+            &stage,
+            answer.finished_at,
+            &AnswerBody::of(&answer),
+        ));
     }
     let events = ask::answer_stream(&pipeline, req, &stage)?;
     Ok(Sse::new(sse_events(events, stage))
         .keep_alive(KeepAlive::default())
         .into_response())
+}
+
+/// `/v1/rag/query`'s JSON answer: the pipeline's [`RagAnswer`] as clients see it.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[schema(as = RagAnswer)]
+pub struct AnswerBody<'a> {
+    /// The first choice's text.
+    #[schema(value_type = String)]
+    pub answer: &'a str,
+    #[schema(value_type = Vec<Source>)]
+    pub sources: &'a [Source],
+    /// Completion tokens of every choice.
+    pub usage: Usage,
+    pub timings: Timings,
+    pub cache: CacheUse,
+    #[schema(value_type = super::openapi::FinishReason)]
+    pub finish_reason: FinishReason,
+    /// The first choice's log-probabilities, when asked for.
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    #[schema(value_type = Vec<super::openapi::TokenLogprob>, required = false)]
+    pub logprobs: &'a [TokenLogprob],
+}
+
+impl<'a> AnswerBody<'a> {
+    pub fn of(a: &'a RagAnswer) -> AnswerBody<'a> {
+        AnswerBody {
+            answer: &a.answer,
+            sources: &a.sources,
+            usage: a.usage,
+            timings: a.timings,
+            cache: a.cache,
+            finish_reason: a.finish_reason,
+            logprobs: &a.logprobs,
+        }
+    }
 }
 
 /// SSE events: `sources`, then `token`s, then `done` (usage, timings, cache) or `error`.
@@ -180,7 +221,7 @@ pub async fn rerank(
     let scores = pipeline
         .rerank(body.query, body.documents.clone(), faults, &stage)
         .await?;
-    let results: Vec<Value> = crate::rerank::ranking(&scores)
+    let results: Vec<Value> = rag::rerank::ranking(&scores)
         .into_iter()
         .take(top_n)
         .map(|i| {

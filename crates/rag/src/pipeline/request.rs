@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::context::ContextSettings;
-use crate::config::PipelineArgs;
+use super::PipelineArgs;
 use crate::embed::EmbedError;
 use crate::fault::{FaultPlan, Injected};
 use crate::ingest::IngestError;
@@ -156,7 +156,9 @@ impl Timings {
     }
 }
 
-#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+/// A RAG request's answer: the first choice's text and log-probabilities, the sources the
+/// prompt kept, usage and per-stage timings, and every choice. The API puts it on the wire.
+#[derive(Debug, Clone)]
 pub struct RagAnswer {
     /// The first choice's text.
     pub answer: String,
@@ -165,20 +167,14 @@ pub struct RagAnswer {
     pub usage: Usage,
     pub timings: Timings,
     pub cache: CacheUse,
-    #[schema(value_type = crate::api::openapi::FinishReason)]
     pub finish_reason: FinishReason,
     /// The first choice's log-probabilities, when asked for.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    #[schema(value_type = Vec<crate::api::openapi::TokenLogprob>, required = false)]
     pub logprobs: Vec<TokenLogprob>,
     /// Every choice, the first one included (the chat endpoint's `n`).
-    #[serde(skip)]
     pub choices: Vec<Choice>,
     /// The context passages' text as the prompt got it (RAG answers; `ragscope eval` reads it).
-    #[serde(skip)]
     pub context: Vec<String>,
     /// When the worker finished, on the shared clock: the `respond` stage starts here.
-    #[serde(skip)]
     pub finished_at: Instant,
 }
 

@@ -29,8 +29,8 @@ use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::PipelineArgs;
 use super::PipelineError;
-use crate::config::PipelineArgs;
 use crate::embed::cache::VectorCache;
 use crate::embed::Embedder;
 use crate::ingest::chunk::sentences;
