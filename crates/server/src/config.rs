@@ -39,8 +39,6 @@ pub enum Command {
         #[command(subcommand)]
         action: ModelsAction,
     },
-    /// Print speed figures for every stage.
-    Bench(BenchArgs),
     /// Where the latency went: per-stage self/inclusive time, shares, critical path, residual.
     Attribute(AttributeArgs),
     /// Re-run a failure snapshot's generation and report the first position where tokens or
@@ -168,7 +166,8 @@ pub struct ModelArgs {
 }
 
 /// `--prefill-chunk-tokens`: whole multiples of 32 (the split the prefill is invariant to).
-fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
+/// A prefill chunk size: a multiple of 32 up to the generator's largest.
+pub fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
     let max = llm::llama::Llama::MAX_PREFILL_CHUNK;
     v.trim()
         .parse::<usize>()
@@ -466,85 +465,6 @@ pub struct EvalArgs {
 }
 
 #[derive(Debug, Clone, Args)]
-pub struct BenchArgs {
-    /// Repetitions per measurement.
-    #[arg(long, default_value_t = 5)]
-    pub rounds: usize,
-    /// Synthetic chunks for the large retrieval measurement.
-    #[arg(long, default_value_t = 100_000)]
-    pub synthetic_chunks: usize,
-    /// Instead of the stage figures, measure what telemetry costs: throughput and latency with
-    /// telemetry off, with spans and metrics, and with profiling too, in interleaved rounds.
-    #[arg(long)]
-    pub telemetry_overhead: bool,
-    /// Requests per variant per round (telemetry overhead).
-    #[arg(long, default_value_t = 24)]
-    pub requests: usize,
-    /// Requests in flight at once (telemetry overhead).
-    #[arg(long, default_value_t = 2)]
-    pub concurrency: usize,
-    /// Instead of the stage figures, measure generation and embedding on the fixed inputs of
-    /// the comparison with llama.cpp and PyTorch (`scripts/bench-peers`), read from this
-    /// directory's `inputs.json`, which is built and written first if absent.
-    #[arg(long, value_name = "DIR")]
-    pub peer_inputs: Option<PathBuf>,
-    /// With --peer-inputs: print the result as one JSON object instead of a table.
-    #[arg(long, requires = "peer_inputs")]
-    pub json: bool,
-    /// With --peer-inputs: instead, decode with this many concurrent streams at once (e.g.
-    /// `1,2,4,8,16`) and report aggregate decode tokens/s and time per output token.
-    #[arg(long, requires = "peer_inputs", value_delimiter = ',')]
-    pub streams: Vec<usize>,
-    /// Tokens each stream decodes (with --streams).
-    #[arg(long, default_value_t = 64)]
-    pub stream_tokens: usize,
-    /// With --peer-inputs: instead, measure a decoding stream's time per output token while a
-    /// second stream prefills the peer prompt, for each --prefill-chunks size, in --rounds
-    /// interleaved rounds (medians).
-    #[arg(long, requires = "peer_inputs")]
-    pub prefill_interference: bool,
-    /// Prefill chunk sizes for --prefill-interference (multiples of 32, at most 512).
-    #[arg(long, value_delimiter = ',', default_value = "512,256,128,64", value_parser = prefill_chunk_tokens)]
-    pub prefill_chunks: Vec<usize>,
-    /// With --peer-inputs: instead, prefill the peer prompt --rounds times (after one warm-up)
-    /// and print each round's prefill time and the median: the prefill alone, for comparing
-    /// builds or formats and for profiling it.
-    #[arg(
-        long,
-        requires = "peer_inputs",
-        conflicts_with = "prefill_interference"
-    )]
-    pub prefill_only: bool,
-    /// Instead of the stage figures, time the decode matmul kernels on a synthetic 92,160 × 576
-    /// matrix, in Q4_1 and Q8_0, for 1 to 16 activation rows: ms per multiply and GB/s of
-    /// weights read. Needs no model.
-    #[arg(long)]
-    pub kernels: bool,
-    /// Instead of the stage figures, time one CPU decode step of the generator's GGUF at 600-650
-    /// positions of context (and at 10-60), and its layer matmuls and output head alone.
-    #[arg(long)]
-    pub decode_step: bool,
-    /// Instead of the stage figures, run the embedder's forwards (candle's, the CPU one in F32
-    /// and, with AVX-512 BF16, in BF16) in interleaved rounds on the peer benchmark's inputs
-    /// (`inputs.json` in --peer-inputs, default data/bench-peers/inputs, which `ragscope bench
-    /// --peer-inputs DIR` writes): batch-32 sentences/s and single-query p50 ms, each the
-    /// median of --rounds rounds.
-    #[arg(long)]
-    pub embed_ab: bool,
-    /// With --embed-ab: only the forwards whose name contains this (e.g. `Bf16`), for profiling.
-    #[arg(long, requires = "embed_ab", value_name = "NAME")]
-    pub ab_only: Option<String>,
-    #[command(flatten)]
-    pub server: ServerArgs,
-    #[command(flatten)]
-    pub models: ModelArgs,
-    #[command(flatten)]
-    pub store: StoreArgs,
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
-}
-
-#[derive(Debug, Clone, Args)]
 pub struct AttributeArgs {
     /// A server's recent-trace buffer (`GET /debug/traces`), e.g. http://127.0.0.1:8080.
     #[arg(long)]
@@ -814,7 +734,6 @@ mod tests {
             &["ingest"],
             &["query"],
             &["eval"],
-            &["bench"],
             &["attribute"],
             &["models", "fetch"],
             &["models", "verify"],

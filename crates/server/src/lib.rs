@@ -8,12 +8,11 @@
 //!   documents, tokenizer, debug and admin routes) and the gRPC one (`proto/ragscope.proto`),
 //!   with authentication, tenants and the one mapping of errors to statuses; the waterfall page.
 //! - [`attribute`]: where the latency went, per stage, from recorded traces.
-//! - [`cli`], [`eval`], [`bench`]: the other subcommands.
+//! - [`cli`], [`eval`]: the other subcommands. Benchmarks are the lab's (`crates/lab`).
 
 pub mod api;
 pub mod app;
 pub mod attribute;
-pub mod bench;
 pub mod cli;
 pub mod config;
 pub mod eval;

@@ -26,7 +26,6 @@ async fn run() -> Result<()> {
         Command::Ingest(ingest) => cli::ingest(ingest).await,
         Command::Query(query) => cli::query(query).await,
         Command::Eval(eval) => ragscope::eval::run(eval).await,
-        Command::Bench(bench) => ragscope::bench::run(bench).await,
         Command::Attribute(a) => ragscope::attribute::run(a).await,
         Command::Replay(r) => {
             let code = tokio::task::spawn_blocking(move || cli::replay(&r)).await?;

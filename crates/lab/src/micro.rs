@@ -1,40 +1,22 @@
-//! `ragscope bench --kernels | --decode-step | --embed-ab`: one piece of compute at a time, for
-//! work on that piece rather than for the stage table. `--kernels` times the decode matmuls on
-//! synthetic weights, `--decode-step` one CPU decode step of the generator, and `--embed-ab`
-//! the embedder's forwards against each other on the peer benchmark's inputs.
+//! `ragscope-lab kernels | decode-step | embed-ab`: one piece of compute at a time, for work on
+//! that piece rather than for the stage table. `kernels` times the decode matmuls on synthetic
+//! weights, `decode-step` one CPU decode step of the generator, and `embed-ab` the embedder's
+//! forwards against each other on the peer benchmark's inputs.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle_core::Device;
 
-use super::peers::PeerInputs;
-use super::stage;
-use crate::config::BenchArgs;
+use crate::peers::PeerInputs;
+use crate::{median, stage, Setup};
 use llm::kernels::Precision;
 use rag::embed::bert::{Backend, BertEmbedder};
 use rag::embed::Embedder;
 
-/// Where `--embed-ab` looks for `inputs.json` without `--peer-inputs`.
-const DEFAULT_PEER_INPUTS: &str = "data/bench-peers/inputs";
-
-/// Runs each mode `args` asks for, in order.
-pub fn run(args: &BenchArgs) -> Result<()> {
-    if args.kernels {
-        kernels()?;
-    }
-    if args.decode_step {
-        decode_step(args)?;
-    }
-    if args.embed_ab {
-        embed_ab(args)?;
-    }
-    Ok(())
-}
-
 /// The decode kernels' timings, one line each.
-fn kernels() -> Result<()> {
+pub fn kernels() -> Result<()> {
     for k in llm::probe::kernels()? {
         println!(
             "{} n={}: {:.2} ms, {:.1} GB/s",
@@ -45,10 +27,10 @@ fn kernels() -> Result<()> {
 }
 
 /// One CPU decode step of the generator and its parts.
-fn decode_step(args: &BenchArgs) -> Result<()> {
+pub fn decode_step(args: &Setup) -> Result<()> {
     let m = &args.models;
     let dir = llm::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
-    let path = crate::app::gguf_in(&dir)?;
+    let path = ragscope::app::gguf_in(&dir)?;
     let s = llm::probe::decode_step(&path, m.kv_cache_dtype.unwrap_or_default())?;
     println!(
         "step {:.2} ms (at 10-60 positions {:.2} ms), layer matmuls {:.2} ms, output head {:.2} ms",
@@ -60,15 +42,11 @@ fn decode_step(args: &BenchArgs) -> Result<()> {
 /// Candle's forward against the CPU one (F32, and BF16 where the CPU has it), interleaved
 /// round by round so drift in the machine's speed hits every forward alike: batch-32
 /// sentences/s and single-query p50 ms, each the median of the rounds.
-fn embed_ab(args: &BenchArgs) -> Result<()> {
-    let inputs_dir = args
-        .peer_inputs
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_PEER_INPUTS));
+pub fn embed_ab(args: &Setup, inputs_dir: &Path, only: Option<&str>) -> Result<()> {
     let path = inputs_dir.join("inputs.json");
     let text = std::fs::read_to_string(&path).with_context(|| {
         format!(
-            "reading {} (`ragscope bench --peer-inputs {}` writes it)",
+            "reading {} (`ragscope-lab peers --inputs {}` writes it)",
             path.display(),
             inputs_dir.display()
         )
@@ -90,8 +68,8 @@ fn embed_ab(args: &BenchArgs) -> Result<()> {
     if Precision::best() == Precision::Bf16 {
         backends.push(Backend::Cpu(Precision::Bf16));
     }
-    if let Some(only) = &args.ab_only {
-        backends.retain(|b| format!("{b:?}").contains(only.as_str()));
+    if let Some(only) = only {
+        backends.retain(|b| format!("{b:?}").contains(only));
     }
     let embedders: Vec<BertEmbedder> = backends
         .iter()
@@ -116,15 +94,15 @@ fn embed_ab(args: &BenchArgs) -> Result<()> {
                     Ok(t.elapsed().as_secs_f64() * 1e3)
                 })
                 .collect::<Result<Vec<f64>>>()?;
-            single[i].push(super::median(&mut times));
+            single[i].push(median(&mut times));
         }
     }
     for (i, b) in backends.iter().enumerate() {
         println!(
             "{:<12} batch 32: {:>7.1} sentences/s   one query p50: {:>6.2} ms",
             format!("{b:?}"),
-            super::median(&mut batch[i]),
-            super::median(&mut single[i])
+            median(&mut batch[i]),
+            median(&mut single[i])
         );
     }
     Ok(())

@@ -1,4 +1,4 @@
-//! `ragscope bench --peer-inputs DIR [--json]`: our side of the comparison with llama.cpp and
+//! `ragscope-lab peers --inputs DIR [--json]`: our side of the comparison with llama.cpp and
 //! PyTorch (`scripts/bench-peers` runs both and interleaves them). One process measures, after
 //! loading, the time to first token of a fixed RAG prompt, decode speed over 128 greedy tokens,
 //! embedding throughput at batch 32 and single-query embedding latency, on inputs that the
@@ -14,9 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use super::{percentile, stage};
-use crate::app;
-use crate::config::BenchArgs;
+use crate::{percentile, stage, PeersArgs};
 use llm::llama::{Llama, WeightFormat};
 use llm::{
     ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
@@ -25,6 +23,7 @@ use llm::{
 use rag::embed::bert::BertEmbedder;
 use rag::embed::Embedder;
 use rag::ingest::{self, chunk};
+use ragscope::app;
 use telemetry::{clock, span::Stage};
 
 /// Prompt budget, in generator tokens: a typical RAG prompt of about 600 tokens.
@@ -141,7 +140,21 @@ impl Generator for Budget<'_> {
     }
 }
 
-pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
+/// What to measure on the peer inputs.
+#[derive(Debug, Clone)]
+pub enum Mode {
+    /// Our side of the comparison: time to first token, decode, embedding.
+    Compare,
+    /// The prompt's prefill alone, round by round.
+    Prefill,
+    /// Decode with each number of concurrent streams.
+    Streams { streams: Vec<usize>, tokens: usize },
+    /// A stream's time per output token beside a second stream's prefill, per chunk size.
+    Interference { chunks: Vec<usize> },
+}
+
+pub fn run(peers: &PeersArgs, mode: Mode) -> Result<()> {
+    let (args, dir) = (&peers.setup, peers.inputs.as_path());
     let m = &args.models;
     let device = llm::device::device(&m.device)?;
     let embed_dir =
@@ -171,47 +184,39 @@ pub fn run(args: &BenchArgs, dir: &Path) -> Result<()> {
         inputs
     };
 
-    if args.prefill_interference {
-        let points = super::interference::measure(
-            &generator,
-            &inputs.prompt_tokens,
-            &args.prefill_chunks,
-            args.rounds,
-        )?;
-        if args.json {
-            println!("{}", serde_json::to_string(&points)?);
-        } else {
-            super::interference::print(inputs.prompt_tokens.len(), &points);
+    match mode {
+        Mode::Compare => {}
+        Mode::Prefill => {
+            return prefill_only(&generator, &inputs.prompt_tokens, args.rounds, peers.json)
         }
-        return Ok(());
-    }
-    if args.prefill_only {
-        return prefill_only(&generator, &inputs.prompt_tokens, args.rounds, args.json);
-    }
-    if !args.streams.is_empty() {
-        let points = super::streams::measure(
-            &generator,
-            &inputs.prompt_tokens,
-            &args.streams,
-            args.stream_tokens,
-        )?;
-        if args.json {
-            println!("{}", serde_json::to_string(&points)?);
-        } else {
-            println!(
-                "ragscope bench: {}-token prompt, {} tokens per stream",
-                inputs.prompt_tokens.len(),
-                args.stream_tokens
-            );
-            super::streams::print(&points);
+        Mode::Interference { chunks } => {
+            let prompt = &inputs.prompt_tokens;
+            let points = crate::interference::measure(&generator, prompt, &chunks, args.rounds)?;
+            if peers.json {
+                println!("{}", serde_json::to_string(&points)?);
+            } else {
+                crate::interference::print(prompt.len(), &points);
+            }
+            return Ok(());
         }
-        return Ok(());
+        Mode::Streams { streams, tokens } => {
+            let prompt = &inputs.prompt_tokens;
+            let points = crate::streams::measure(&generator, prompt, &streams, tokens)?;
+            if peers.json {
+                println!("{}", serde_json::to_string(&points)?);
+            } else {
+                let n = prompt.len();
+                println!("ragscope-lab streams: {n}-token prompt, {tokens} tokens per stream");
+                crate::streams::print(&points);
+            }
+            return Ok(());
+        }
     }
     let report = measure(&inputs, &generator, &embedder, dir)?;
-    if args.json {
+    if peers.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("ragscope bench on {}", path.display());
+        println!("ragscope-lab peers on {}", path.display());
         println!(
             "{:<44} {:>12}",
             "weight format",
@@ -279,13 +284,13 @@ fn prefill_only(generator: &Llama, prompt: &[u32], rounds: usize, json: bool) ->
 /// (prompt builder, 600-token budget), 256 corpus sentences spread over every page, and every
 /// evaluation question as a single query.
 fn build_inputs(
-    args: &BenchArgs,
+    args: &crate::Setup,
     gen_dir: &Path,
     embed_dir: &Path,
     generator: &Llama,
     embedder: &BertEmbedder,
 ) -> Result<PeerInputs> {
-    let questions = crate::eval::load_questions(Path::new("eval/questions.jsonl"))?;
+    let questions = ragscope::eval::load_questions(Path::new("eval/questions.jsonl"))?;
     let Some(first) = questions.first() else {
         bail!("eval/questions.jsonl has no questions");
     };
@@ -315,7 +320,7 @@ fn build_inputs(
         bail!("the corpus has only {} usable sentences", sentences.len());
     }
 
-    let gguf = crate::app::gguf_in(gen_dir)?;
+    let gguf = app::gguf_in(gen_dir)?;
     let eos_tokens = ["<|im_end|>", "<|endoftext|>"]
         .iter()
         .filter_map(|t| generator.tokenizer().token_to_id(t))

@@ -1,4 +1,4 @@
-//! `ragscope bench --peer-inputs DIR --prefill-interference`: what a long prefill does to a
+//! `ragscope-lab interference --inputs DIR`: what a long prefill does to a
 //! request that is decoding, for each `--prefill-chunks` size, in interleaved rounds in one
 //! process (the model is loaded once; the chunk size is switched between runs).
 //!
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use super::{median, percentile, stage};
+use crate::{median, percentile, stage};
 use llm::llama::Llama;
 use llm::{Flow, GenerateRequest, Generator};
 use telemetry::clock;
@@ -151,7 +151,7 @@ fn run(generator: &Llama, prompt: &[u32]) -> Result<Run> {
 
 pub fn print(prompt_tokens: usize, points: &[InterferencePoint]) {
     println!(
-        "ragscope bench: stream A decodes while stream B prefills the same {prompt_tokens}-token prompt; \
+        "ragscope-lab interference: stream A decodes while stream B prefills the same {prompt_tokens}-token prompt; \
          medians of {} rounds",
         points.first().map_or(0, |p| p.rounds)
     );

@@ -1,11 +1,5 @@
-//! `ragscope bench`: speed of every stage on this machine, printed as a table. Measurements,
-//! not assertions: the README quotes its output with the command that produced it.
-
-mod interference;
-mod micro;
-mod overhead;
-mod peers;
-mod streams;
+//! `ragscope-lab stages`: the speed of every stage on this machine, printed as a table.
+//! Measurements, not assertions: the README quotes its output with the command that produced it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,57 +7,27 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use rand::{Rng, SeedableRng};
 
-use crate::app;
-use crate::config::BenchArgs;
+use crate::{median, percentile, stage, Setup};
 use llm::{ChatMessage, Flow, GenerateRequest, Sampling};
 use rag::pipeline::RagRequest;
 use rag::retrieve::edge::EdgeStore;
 use rag::retrieve::{Chunk, VectorStore};
-use telemetry::names::span;
-use telemetry::{clock, span::Stage};
+use ragscope::app;
 
-fn stage() -> Stage {
-    Stage::root(span::BENCH)
-}
-
-/// p-th percentile (0..=100) of durations, in milliseconds, interpolated between the nearest
-/// ranks as the load generator's are; NaN for none. Sorts `samples` in place.
-pub fn percentile(samples: &mut [Duration], p: f64) -> f64 {
-    samples.sort();
-    let ms: Vec<f64> = samples.iter().map(|d| clock::millis(*d)).collect();
-    measure::stats::percentile(&ms, p / 100.0)
-}
-
-fn median(xs: &mut [f64]) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
-pub async fn run(args: BenchArgs) -> Result<()> {
-    if args.kernels || args.decode_step || args.embed_ab {
-        return tokio::task::spawn_blocking(move || micro::run(&args)).await?;
-    }
-    if args.telemetry_overhead {
-        return overhead::run(&args).await;
-    }
-    if let Some(dir) = args.peer_inputs.clone() {
-        return tokio::task::spawn_blocking(move || peers::run(&args, &dir)).await?;
-    }
-    let handle = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || bench(&args, &handle)).await?
-}
-
-fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
+/// Embedding, retrieval (over the corpus and `synthetic_chunks` random vectors), prefill and
+/// decode, and whole RAG requests through the pipeline.
+pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handle) -> Result<()> {
     let rounds = args.rounds.max(1);
     // Every round prefills the same prompt: with prefix reuse on, all but the first would copy
     // it from the cache. The bench measures whole prefills, comparable across runs and peers.
     let mut models = args.models.clone();
     models.prefix_cache_mb = 0;
     let pipeline = app::load_with_corpus(&models, &args.store, &args.server, &args.pipeline)?;
-    let questions = crate::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)
-        .unwrap_or_else(|_| vec!["How do I undo the last commit?".to_string(); 10]);
+    let questions =
+        ragscope::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)
+            .unwrap_or_else(|_| vec!["How do I undo the last commit?".to_string(); 10]);
     println!(
-        "ragscope bench ({} rounds, {} threads)",
+        "ragscope-lab stages ({} rounds, {} threads)",
         rounds,
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
@@ -138,13 +102,13 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         ),
         percentile(&mut lat, 99.0)
     );
-    if args.synthetic_chunks > 0 {
+    if synthetic_chunks > 0 {
         let dir = tempfile::tempdir()?;
         let store = EdgeStore::open(dir.path(), "synthetic", e.dimension())?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let t = Instant::now();
-        for start in (0..args.synthetic_chunks).step_by(2000) {
-            let n = 2000.min(args.synthetic_chunks - start);
+        for start in (0..synthetic_chunks).step_by(2000) {
+            let n = 2000.min(synthetic_chunks - start);
             let chunks: Vec<Chunk> = (start..start + n)
                 .map(|i| Chunk {
                     id: uuid::Uuid::from_u128(i as u128 + 1).to_string(),
@@ -178,7 +142,7 @@ fn bench(args: &BenchArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                 lat.push(t.elapsed());
             }
         }
-        let n = args.synthetic_chunks;
+        let n = synthetic_chunks;
         println!(
             "{:<44} {:>9.1} s",
             format!("upsert {n} synthetic chunks"),

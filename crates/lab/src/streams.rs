@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use super::{percentile, stage};
+use crate::{percentile, stage};
 use llm::llama::Llama;
 use llm::{Flow, GenerateRequest, Generator};
 use telemetry::clock;

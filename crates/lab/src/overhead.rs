@@ -1,9 +1,9 @@
-//! `ragscope bench --telemetry-overhead`: the same load against three server processes that
+//! `ragscope-lab overhead`: the same load against three `ragscope serve` processes that
 //! differ only in telemetry: off, spans + metrics exported over OTLP, and spans + metrics +
 //! CPU profiling at 100 Hz. Rounds are interleaved (A B C A B C …) so drift on the box hits
 //! every variant alike; exports go to a local sink that accepts and discards them.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -12,8 +12,7 @@ use futures::StreamExt;
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use super::percentile;
-use crate::config::BenchArgs;
+use crate::{percentile, Setup};
 
 struct Variant {
     name: &'static str,
@@ -47,9 +46,9 @@ fn free_port() -> Result<u16> {
         .port())
 }
 
-async fn start(variant: &Variant, args: &BenchArgs, data: &Path) -> Result<Server> {
+async fn start(variant: &Variant, binary: &Path, args: &Setup, data: &Path) -> Result<Server> {
     let port = free_port()?;
-    let mut cmd = Command::new(std::env::current_exe()?);
+    let mut cmd = Command::new(binary);
     cmd.args([
         "serve",
         "--corpus",
@@ -139,7 +138,24 @@ async fn drive(base: &str, n: usize, concurrency: usize) -> Result<(Vec<Duration
     Ok((latencies, started.elapsed()))
 }
 
-pub async fn run(args: &BenchArgs) -> Result<()> {
+/// `requests` per variant per round, `concurrency` in flight, against `binary` (default: the
+/// `ragscope` beside this binary).
+pub async fn run(
+    args: &Setup,
+    requests: usize,
+    concurrency: usize,
+    binary: Option<PathBuf>,
+) -> Result<()> {
+    let binary = match binary {
+        Some(b) => b,
+        None => std::env::current_exe()?.with_file_name("ragscope"),
+    };
+    if !binary.exists() {
+        bail!(
+            "no server binary at {} (build it: cargo build --release -p ragscope)",
+            binary.display()
+        );
+    }
     let sink = sink().await?;
     let exported = vec![
         ("OTEL_EXPORTER_OTLP_ENDPOINT", sink.clone()),
@@ -167,17 +183,17 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
     let data = tempfile::tempdir()?;
     let mut servers = Vec::new();
     for v in &variants {
-        servers.push(start(v, args, data.path()).await?);
+        servers.push(start(v, &binary, args, data.path()).await?);
     }
     // Warm-up: one pass each, not counted.
     for s in &servers {
-        drive(&s.base, args.concurrency, args.concurrency).await?;
+        drive(&s.base, concurrency, concurrency).await?;
     }
     let mut latencies: Vec<Vec<Duration>> = vec![Vec::new(); variants.len()];
     let mut throughput: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
     for round in 0..args.rounds.max(1) {
         for (i, s) in servers.iter().enumerate() {
-            let (mut l, wall) = drive(&s.base, args.requests, args.concurrency).await?;
+            let (mut l, wall) = drive(&s.base, requests, concurrency).await?;
             throughput[i].push(l.len() as f64 / wall.as_secs_f64());
             latencies[i].append(&mut l);
         }
@@ -190,8 +206,8 @@ pub async fn run(args: &BenchArgs) -> Result<()> {
     println!(
         "telemetry overhead: {} rounds x {} requests per variant, concurrency {}, max_tokens 32",
         args.rounds.max(1),
-        args.requests,
-        args.concurrency
+        requests,
+        concurrency
     );
     println!(
         "{:<30} {:>10} {:>10} {:>10} {:>10}",
