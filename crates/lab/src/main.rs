@@ -24,8 +24,9 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
+use llm::settings::prefill_chunk_tokens;
 use rag::pipeline::PipelineArgs;
-use ragscope::config::{prefill_chunk_tokens, ModelArgs, ServerArgs, StoreArgs};
+use ragscope::config::{ModelArgs, ServerArgs, StoreArgs};
 use telemetry::names::span;
 use telemetry::span::Stage;
 use telemetry::TelemetryArgs;

@@ -29,9 +29,9 @@ pub fn kernels() -> Result<()> {
 /// One CPU decode step of the generator and its parts.
 pub fn decode_step(args: &Setup) -> Result<()> {
     let m = &args.models;
-    let dir = llm::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let dir = llm::models::resolve(&m.generator.gen_model, &m.models_dir, &[], m.fetch_models)?;
     let path = ragscope::app::gguf_in(&dir)?;
-    let s = llm::probe::decode_step(&path, m.kv_cache_dtype.unwrap_or_default())?;
+    let s = llm::probe::decode_step(&path, m.generator.kv_cache_dtype.unwrap_or_default())?;
     println!(
         "step {:.2} ms (at 10-60 positions {:.2} ms), layer matmuls {:.2} ms, output head {:.2} ms",
         s.step_ms, s.short_step_ms, s.layer_matmuls_ms, s.output_head_ms

@@ -156,19 +156,20 @@ pub enum Mode {
 pub fn run(peers: &PeersArgs, mode: Mode) -> Result<()> {
     let (args, dir) = (&peers.setup, peers.inputs.as_path());
     let m = &args.models;
-    let device = llm::device::device(&m.device)?;
+    let device = llm::device::device(&m.generator.device)?;
     let embed_dir =
         llm::models::resolve(&m.embed_model, &m.models_dir, &EMBED_FILES, m.fetch_models)?;
     let embedder = BertEmbedder::load(&embed_dir, &m.embed_model, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
-    let gen_dir = llm::models::resolve(&m.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let gen_dir = llm::models::resolve(&m.generator.gen_model, &m.models_dir, &[], m.fetch_models)?;
     let format = m
+        .generator
         .weight_format
         .unwrap_or_else(|| WeightFormat::for_device(&device));
-    let generator = app::load_generator_as(&gen_dir, &device, m.max_context, format)
+    let generator = app::load_generator_as(&gen_dir, &device, m.generator.max_context, format)
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
-        .with_prefill_chunk(m.prefill_chunk_tokens);
-    let generator = match m.kv_cache_dtype {
+        .with_prefill_chunk(m.generator.prefill_chunk_tokens);
+    let generator = match m.generator.kv_cache_dtype {
         Some(dtype) => generator.with_kv_dtype(dtype)?,
         None => generator,
     };

@@ -21,7 +21,7 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
     // Every round prefills the same prompt: with prefix reuse on, all but the first would copy
     // it from the cache. The bench measures whole prefills, comparable across runs and peers.
     let mut models = args.models.clone();
-    models.prefix_cache_mb = 0;
+    models.generator.prefix_cache_mb = 0;
     let pipeline = app::load_with_corpus(&models, &args.store, &args.server, &args.pipeline)?;
     let questions =
         ragscope::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)

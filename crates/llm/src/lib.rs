@@ -28,6 +28,7 @@ pub mod probe;
 mod sampler;
 pub mod schedule;
 mod score;
+pub mod settings;
 pub mod snapshot;
 mod stop;
 mod template;

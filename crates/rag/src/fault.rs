@@ -16,25 +16,9 @@ use opentelemetry::KeyValue;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
+pub use crate::settings::FaultArgs;
 use telemetry::names::{attr, StageKind};
 use telemetry::span::Stage;
-
-/// Fault and latency injection: all off unless `--faults true`.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct FaultArgs {
-    /// Allow fault and latency injection at all.
-    #[arg(long, env = "RAGSCOPE_FAULTS", default_value_t = false, action = clap::ArgAction::Set)]
-    pub faults: bool,
-    /// The plan injected into every request from the start: JSON, or @file.
-    #[arg(long, env = "RAGSCOPE_FAULT_PLAN")]
-    pub fault_plan: Option<String>,
-    /// Bearer token that `GET|PUT|DELETE /admin/faults` require; without it that endpoint is off.
-    #[arg(long, env = "RAGSCOPE_FAULT_ADMIN_TOKEN", hide_env_values = true)]
-    pub fault_admin_token: Option<String>,
-    /// Let a request bring its own plan in the `x-ragscope-fault` header.
-    #[arg(long, env = "RAGSCOPE_FAULT_HEADER", default_value_t = false, action = clap::ArgAction::Set)]
-    pub fault_header: bool,
-}
 
 /// The request header carrying a per-request plan (JSON, same shape as `PUT /admin/faults`).
 pub const HEADER: &str = "x-ragscope-fault";

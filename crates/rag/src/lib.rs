@@ -5,10 +5,11 @@
 //! - [`worker`]: the model-worker threads and their bounded queue, admission by predicted
 //!   wait (backpressure → 429), and [`tenant`] quotas checked there.
 //! - [`pipeline`]: one RAG request, top to bottom: embed → retrieve → rerank → context → prompt
-//!   → generate, each stage run by the one stage runner; its settings ([`pipeline::PipelineArgs`]).
+//!   → generate, each stage run by the one stage runner.
 //! - [`embed`], [`retrieve`], [`rerank`], [`prompt`]: the stages (the generator is [`llm`]'s).
 //! - [`ingest`]: documents → text → chunks → vectors in the store; the bundled corpus.
 //! - [`fault`]: fault and latency injection (off unless configured), for experiments.
+//! - [`settings`]: every setting of this layer, as flags the binary flattens.
 
 pub mod embed;
 pub mod fault;
@@ -17,5 +18,6 @@ pub mod pipeline;
 pub mod prompt;
 pub mod rerank;
 pub mod retrieve;
+pub mod settings;
 pub mod tenant;
 pub mod worker;

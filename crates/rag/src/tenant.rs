@@ -31,25 +31,9 @@ use std::time::Instant;
 use opentelemetry::KeyValue;
 use parking_lot::Mutex;
 
+pub use crate::settings::TenantArgs;
 use telemetry::metrics::metrics;
 use telemetry::names::attr;
-
-/// Tenants' quotas, and how a request without an API key names its tenant.
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct TenantArgs {
-    /// A tenant's quota, `NAME:rps=R,burst=B,tokens=T,token_burst=TB,share=S` (any of them;
-    /// `*` for every tenant without its own). Repeatable; the variable takes a `;`-separated list.
-    #[arg(
-        long = "tenant-quota",
-        env = "RAGSCOPE_TENANT_QUOTAS",
-        value_delimiter = ';'
-    )]
-    pub quotas: Vec<String>,
-    /// With API keys off, the W3C baggage member that names a request's tenant (e.g.
-    /// `tenant`); it is the client's claim, so with keys on only the key's tenant counts.
-    #[arg(long = "tenant-baggage-key", env = "RAGSCOPE_TENANT_BAGGAGE_KEY")]
-    pub baggage_key: Option<String>,
-}
 
 /// Charged when nothing names the caller.
 pub const DEFAULT: &str = "default";

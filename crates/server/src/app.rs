@@ -51,11 +51,12 @@ pub fn load_models_with(
     args: &ModelArgs,
     snapshots: Option<Arc<llm::snapshot::SnapshotStore>>,
 ) -> Result<Models> {
-    let device = llm::device::device(&args.device)?;
-    telemetry::gpu::set_decode_sample_every(args.gpu_decode_sample);
+    let g = &args.generator;
+    let device = llm::device::device(&g.device)?;
+    telemetry::gpu::set_decode_sample_every(g.gpu_decode_sample);
     llm::schedule::set_step_trace(llm::schedule::StepTrace {
-        spans: args.decode_step_spans,
-        links: args.decode_step_links,
+        spans: g.decode_step_spans,
+        links: g.decode_step_links,
     });
     let embed_dir = models::resolve(
         &args.embed_model,
@@ -66,16 +67,16 @@ pub fn load_models_with(
     let embed_id = model_name(&args.embed_model);
     let embedder = BertEmbedder::load(&embed_dir, &embed_id, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
-    let gen_dir = models::resolve(&args.gen_model, &args.models_dir, &[], args.fetch_models)?;
-    let format = args
+    let gen_dir = models::resolve(&g.gen_model, &args.models_dir, &[], args.fetch_models)?;
+    let format = g
         .weight_format
         .unwrap_or_else(|| WeightFormat::for_device(&device));
-    let generator = load_generator_as(&gen_dir, &device, args.max_context, format)
+    let generator = load_generator_as(&gen_dir, &device, g.max_context, format)
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
-        .with_prefill_chunk(args.prefill_chunk_tokens)
-        .with_prefix_cache(args.prefix_cache_mb)
+        .with_prefill_chunk(g.prefill_chunk_tokens)
+        .with_prefix_cache(g.prefix_cache_mb)
         .with_snapshots(snapshots);
-    let generator = match args.kv_cache_dtype {
+    let generator = match g.kv_cache_dtype {
         Some(dtype) => generator.with_kv_dtype(dtype)?,
         None => generator,
     };

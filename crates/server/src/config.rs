@@ -7,10 +7,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-pub use llm::snapshot::SnapshotArgs;
-pub use rag::fault::FaultArgs;
-pub use rag::pipeline::PipelineArgs;
-pub use rag::tenant::TenantArgs;
+pub use llm::settings::{GeneratorArgs, SnapshotArgs};
+pub use rag::settings::{FaultArgs, ModelArgs, PipelineArgs, StoreArgs, TenantArgs};
 pub use telemetry::TelemetryArgs;
 
 #[derive(Debug, Parser)]
@@ -103,79 +101,6 @@ pub enum ModelsAction {
     Verify(ModelArgs),
 }
 
-#[derive(Debug, Clone, Args)]
-pub struct ModelArgs {
-    /// Where models are unpacked (one directory per model).
-    #[arg(long, env = "RAGSCOPE_MODELS_DIR", default_value = "models")]
-    pub models_dir: PathBuf,
-    /// Embedder: a manifest name, a local directory, or a model-hub id.
-    #[arg(long, env = "RAGSCOPE_EMBED_MODEL", default_value = "all-MiniLM-L6-v2")]
-    pub embed_model: String,
-    /// Generator: a manifest name or a directory holding a GGUF file and tokenizer.json.
-    #[arg(
-        long,
-        env = "RAGSCOPE_GEN_MODEL",
-        default_value = "SmolLM2-135M-Instruct"
-    )]
-    pub gen_model: String,
-    /// Reranker: `fusion` (dense + BM25 rank fusion, offline), `none`, or a cross-encoder given
-    /// as a directory or hub id (e.g. cross-encoder/ms-marco-MiniLM-L-6-v2).
-    #[arg(long, env = "RAGSCOPE_RERANKER", default_value = "fusion")]
-    pub reranker: String,
-    /// Where models run: cpu, cuda, cuda:N or auto.
-    #[arg(long, env = "RAGSCOPE_DEVICE", default_value = "cpu")]
-    pub device: String,
-    /// On a GPU, time every Nth decode step with CUDA events (a `gpu decode_step` span; 0: none,
-    /// 1: every step). Each timed step waits for the device once more than it would anyway.
-    #[arg(long, env = "RAGSCOPE_GPU_DECODE_SAMPLE", default_value_t = 8)]
-    pub gpu_decode_sample: usize,
-    /// Batched decode steps (CPU) as spans of their own, each the root of its own trace and
-    /// linked from its members' `decode` spans: `all`, `sampled:N` (one step in N, carrying the
-    /// totals of the steps since the previous one) or `off`.
-    #[arg(long, env = "RAGSCOPE_DECODE_STEP_SPANS", default_value_t = llm::schedule::StepTrace::DEFAULT.spans)]
-    pub decode_step_spans: llm::schedule::StepSpans,
-    /// Links a request's `decode` span keeps to the step spans it took part in (the first
-    /// ones; the rest are counted in `rag.decode.step_links.dropped`).
-    #[arg(long, env = "RAGSCOPE_DECODE_STEP_LINKS", default_value_t = llm::schedule::StepTrace::DEFAULT.links, value_parser = step_links)]
-    pub decode_step_links: usize,
-    /// Upper bound on prompt + generated tokens per request.
-    #[arg(long, env = "RAGSCOPE_MAX_CONTEXT", default_value_t = 2048)]
-    pub max_context: usize,
-    /// MiB of prompt-prefix keys and values kept for later prompts to start from (LRU; 0: off).
-    #[arg(long, env = "RAGSCOPE_PREFIX_CACHE_MB", default_value_t = llm::PREFIX_CACHE_DEFAULT_MB)]
-    pub prefix_cache_mb: usize,
-    /// Tokens per prefill chunk (a multiple of 32, 32-512). Between chunks, as between layers,
-    /// other requests' batched decode steps run, so a smaller chunk bounds their time per
-    /// output token while a long prompt prefills, at some cost to that prefill.
-    #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = llm::llama::Llama::MAX_PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
-    pub prefill_chunk_tokens: usize,
-    /// The generator's weight format (`WeightFormat`'s names, e.g. `Bf16PrefillQ4Decode`);
-    /// unset: the device's default (`Bf16PrefillQ4Decode` on the CPU: BF16 prefill where the
-    /// CPU has AVX-512 BF16, F32 elsewhere).
-    #[arg(long, env = "RAGSCOPE_WEIGHT_FORMAT", value_parser = weight_format)]
-    pub weight_format: Option<llm::llama::WeightFormat>,
-    /// How the CPU decoder's KV cache stores keys and values: `f16` (what unset means there:
-    /// half the bytes a decode step reads from the cache, as llama.cpp's default cache) or
-    /// `f32` (the values exactly as computed). On a GPU the cache is F32 tensors, and `f16` is
-    /// refused at start.
-    #[arg(long, env = "RAGSCOPE_KV_CACHE_DTYPE", value_enum)]
-    pub kv_cache_dtype: Option<llm::KvDtype>,
-    /// Fetch missing models on start.
-    #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
-    pub fetch_models: bool,
-}
-
-/// `--prefill-chunk-tokens`: whole multiples of 32 (the split the prefill is invariant to).
-/// A prefill chunk size: a multiple of 32 up to the generator's largest.
-pub fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
-    let max = llm::llama::Llama::MAX_PREFILL_CHUNK;
-    v.trim()
-        .parse::<usize>()
-        .ok()
-        .filter(|n| (32..=max).contains(n) && n.is_multiple_of(32))
-        .ok_or_else(|| format!("{v:?}: expected a multiple of 32 from 32 to {max}"))
-}
-
 /// `--queue-wait-headroom`: a share from 0 to 0.9.
 fn headroom(v: &str) -> Result<f64, String> {
     v.trim()
@@ -183,48 +108,6 @@ fn headroom(v: &str) -> Result<f64, String> {
         .ok()
         .filter(|h| (0.0..=0.9).contains(h))
         .ok_or_else(|| format!("{v:?}: expected a share from 0 to 0.9"))
-}
-
-/// `--weight-format`: one of `WeightFormat::ALL` by name.
-fn weight_format(v: &str) -> Result<llm::llama::WeightFormat, String> {
-    use llm::llama::WeightFormat;
-    WeightFormat::named(v.trim()).ok_or_else(|| {
-        let names: Vec<String> = WeightFormat::ALL.iter().map(|f| format!("{f:?}")).collect();
-        format!("{v:?}: expected one of {}", names.join(", "))
-    })
-}
-
-/// `--decode-step-links`: within the 128 links the OpenTelemetry SDK keeps per span.
-fn step_links(v: &str) -> Result<usize, String> {
-    v.trim()
-        .parse::<usize>()
-        .ok()
-        .filter(|n| *n <= 128)
-        .ok_or_else(|| format!("{v:?}: expected a number of links from 0 to 128"))
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct StoreArgs {
-    /// Where the embedded store and the downloaded corpus live.
-    #[arg(long, env = "RAGSCOPE_DATA_DIR", default_value = "data")]
-    pub data_dir: PathBuf,
-    /// Collection: one Qdrant Edge shard directory under the data dir, or the collection on
-    /// the Qdrant server.
-    #[arg(long, env = "RAGSCOPE_COLLECTION", default_value = "ragscope")]
-    pub collection: String,
-    /// A Qdrant server's gRPC URL (e.g. http://qdrant:6334) to store vectors in instead of the
-    /// embedded engine; unset = embedded Qdrant Edge in the data dir.
-    #[arg(long, env = "RAGSCOPE_QDRANT_URL")]
-    pub qdrant_url: Option<String>,
-    /// API key for the Qdrant server, sent as `api-key` metadata.
-    #[arg(long, env = "RAGSCOPE_QDRANT_API_KEY", hide_env_values = true)]
-    pub qdrant_api_key: Option<String>,
-    /// Largest chunk, in embedder tokens.
-    #[arg(long, env = "RAGSCOPE_CHUNK_TOKENS", default_value_t = 200)]
-    pub chunk_tokens: usize,
-    /// Tokens each chunk repeats from the end of the previous one.
-    #[arg(long, env = "RAGSCOPE_CHUNK_OVERLAP", default_value_t = 40)]
-    pub chunk_overlap: usize,
 }
 
 #[derive(Debug, Clone, Args)]

@@ -20,26 +20,9 @@ use anyhow::{Context, Result};
 use opentelemetry::KeyValue;
 use serde::{Deserialize, Serialize};
 
+pub use crate::settings::SnapshotArgs;
 use crate::Sampling;
 use telemetry::names::attr;
-
-/// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).
-#[derive(Debug, Clone, clap::Args)]
-pub struct SnapshotArgs {
-    /// Write a snapshot of every failed generation (error, timeout, injected fault, panic):
-    /// on or off.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOTS", default_value = "on", value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
-    pub snapshots: bool,
-    /// Most snapshots kept; the oldest are removed first.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_COUNT", default_value_t = 32)]
-    pub snapshot_max_count: usize,
-    /// Most MiB the snapshot files may take together; the oldest are removed first.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOT_MAX_MB", default_value_t = 64)]
-    pub snapshot_max_mb: u64,
-    /// Also snapshot a generation stopped because its client went away.
-    #[arg(long, env = "RAGSCOPE_SNAPSHOT_ON_CANCEL", default_value_t = false, value_parser = clap::builder::BoolishValueParser::new(), action = clap::ArgAction::Set)]
-    pub snapshot_on_cancel: bool,
-}
 
 /// The snapshot file format this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;

@@ -12,13 +12,13 @@ pub mod overlap;
 mod plain;
 mod request;
 pub mod runner;
-mod settings;
 
 use std::future::Future;
 use std::sync::Arc;
 
 use opentelemetry::KeyValue;
 
+pub use crate::settings::PipelineArgs;
 pub use events::{EventReceiver, EventSender, SendError};
 pub use overlap::Overlap;
 pub use request::{
@@ -26,7 +26,6 @@ pub use request::{
     Streamed, Timings, Usage,
 };
 pub use runner::{StageRunner, StageSpec};
-pub use settings::PipelineArgs;
 
 use crate::embed::cache::{PromptMemory, QueryCache, VectorCache};
 use crate::embed::Embedder;

@@ -1,13 +1,62 @@
-//! The pipeline's settings: retrieval, reranking, context and prompt, the decoding defaults a
-//! request gets for what it does not set, and the answer stream's buffering. The binary's
-//! `serve` flattens them; every flag has a `RAGSCOPE_*` variable.
+//! The RAG layer's settings, flattened by the binary into the commands that need them: which
+//! embedder and reranker (beside the generator's own settings), the store, the pipeline's
+//! defaults, fault injection and tenant quotas. Every flag has a `RAGSCOPE_*` variable.
+
+use std::path::PathBuf;
 
 use clap::Args;
+use llm::settings::GeneratorArgs;
 use llm::TokenTrace;
 
-use super::context::{ContextMethod, ContextMode, ContextOrder};
-use super::Overlap;
+use crate::pipeline::context::{ContextMethod, ContextMode, ContextOrder};
+use crate::pipeline::Overlap;
 use crate::prompt::PromptTemplate;
+
+/// The models: where they are unpacked, the embedder, the reranker and the generator.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Where models are unpacked (one directory per model).
+    #[arg(long, env = "RAGSCOPE_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+    /// Embedder: a manifest name, a local directory, or a model-hub id.
+    #[arg(long, env = "RAGSCOPE_EMBED_MODEL", default_value = "all-MiniLM-L6-v2")]
+    pub embed_model: String,
+    /// Reranker: `fusion` (dense + BM25 rank fusion, offline), `none`, or a cross-encoder given
+    /// as a directory or hub id (e.g. cross-encoder/ms-marco-MiniLM-L-6-v2).
+    #[arg(long, env = "RAGSCOPE_RERANKER", default_value = "fusion")]
+    pub reranker: String,
+    /// Fetch missing models on start.
+    #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub fetch_models: bool,
+    #[command(flatten)]
+    pub generator: GeneratorArgs,
+}
+
+/// The vector store: the embedded engine's directory or a Qdrant server, and how documents
+/// are cut into chunks.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Where the embedded store and the downloaded corpus live.
+    #[arg(long, env = "RAGSCOPE_DATA_DIR", default_value = "data")]
+    pub data_dir: PathBuf,
+    /// Collection: one Qdrant Edge shard directory under the data dir, or the collection on
+    /// the Qdrant server.
+    #[arg(long, env = "RAGSCOPE_COLLECTION", default_value = "ragscope")]
+    pub collection: String,
+    /// A Qdrant server's gRPC URL (e.g. http://qdrant:6334) to store vectors in instead of the
+    /// embedded engine; unset = embedded Qdrant Edge in the data dir.
+    #[arg(long, env = "RAGSCOPE_QDRANT_URL")]
+    pub qdrant_url: Option<String>,
+    /// API key for the Qdrant server, sent as `api-key` metadata.
+    #[arg(long, env = "RAGSCOPE_QDRANT_API_KEY", hide_env_values = true)]
+    pub qdrant_api_key: Option<String>,
+    /// Largest chunk, in embedder tokens.
+    #[arg(long, env = "RAGSCOPE_CHUNK_TOKENS", default_value_t = 200)]
+    pub chunk_tokens: usize,
+    /// Tokens each chunk repeats from the end of the previous one.
+    #[arg(long, env = "RAGSCOPE_CHUNK_OVERLAP", default_value_t = 40)]
+    pub chunk_overlap: usize,
+}
 
 /// What a request gets for what it does not set, and how the pipeline runs.
 #[derive(Debug, Clone, Args)]
@@ -133,4 +182,38 @@ impl PipelineArgs {
             ..llm::Sampling::default()
         }
     }
+}
+
+/// Fault and latency injection: all off unless `--faults true`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FaultArgs {
+    /// Allow fault and latency injection at all.
+    #[arg(long, env = "RAGSCOPE_FAULTS", default_value_t = false, action = clap::ArgAction::Set)]
+    pub faults: bool,
+    /// The plan injected into every request from the start: JSON, or @file.
+    #[arg(long, env = "RAGSCOPE_FAULT_PLAN")]
+    pub fault_plan: Option<String>,
+    /// Bearer token that `GET|PUT|DELETE /admin/faults` require; without it that endpoint is off.
+    #[arg(long, env = "RAGSCOPE_FAULT_ADMIN_TOKEN", hide_env_values = true)]
+    pub fault_admin_token: Option<String>,
+    /// Let a request bring its own plan in the `x-ragscope-fault` header.
+    #[arg(long, env = "RAGSCOPE_FAULT_HEADER", default_value_t = false, action = clap::ArgAction::Set)]
+    pub fault_header: bool,
+}
+
+/// Tenants' quotas, and how a request without an API key names its tenant.
+#[derive(Debug, Clone, Default, Args)]
+pub struct TenantArgs {
+    /// A tenant's quota, `NAME:rps=R,burst=B,tokens=T,token_burst=TB,share=S` (any of them;
+    /// `*` for every tenant without its own). Repeatable; the variable takes a `;`-separated list.
+    #[arg(
+        long = "tenant-quota",
+        env = "RAGSCOPE_TENANT_QUOTAS",
+        value_delimiter = ';'
+    )]
+    pub quotas: Vec<String>,
+    /// With API keys off, the W3C baggage member that names a request's tenant (e.g.
+    /// `tenant`); it is the client's claim, so with keys on only the key's tenant counts.
+    #[arg(long = "tenant-baggage-key", env = "RAGSCOPE_TENANT_BAGGAGE_KEY")]
+    pub baggage_key: Option<String>,
 }
