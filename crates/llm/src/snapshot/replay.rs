@@ -430,8 +430,14 @@ pub fn replay(llama: &Llama, snap: &Snapshot) -> Result<Replay, GenerateError> {
     let capacity = n_prompt + snap.generated.len().max(1);
     let mut cache = KvCache::new(cfg, capacity, &net.device, host)?;
     // As the run did: positions a prefix-cache hit supplied were computed by an earlier
-    // prefill of their own, the rest from there on.
-    let cached = snap.prompt.cached_tokens.min(n_prompt - 1);
+    // prefill of their own, the rest from there on. A whole prompt found in the cache (its
+    // end and last logits too) was computed by one earlier prefill of that very prompt, so it
+    // is one prefill here: recomputing its last position alone would be another computation
+    // (a one-row matrix product), which on the F32 path need not give the same bits.
+    let cached = match snap.prompt.cached_tokens {
+        c if c >= n_prompt => 0,
+        c => c,
+    };
     if cached > 0 {
         net.prefill(&prompt[..cached], &mut cache, &llama.schedule)?;
     }
