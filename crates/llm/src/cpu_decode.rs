@@ -678,23 +678,28 @@ mod tests {
 
     use super::*;
 
+    /// The AVX-512 helpers alone (the test command runs them only where the CPU has them).
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn sum4_gives_each_vectors_lane_sum() {
-        if !std::is_x86_feature_detected!("avx512f") {
-            return;
+    mod needs_avx512 {
+        use super::super::sum4;
+        use crate::cpu::Level;
+
+        #[test]
+        fn sum4_gives_each_vectors_lane_sum() {
+            crate::cpu::require(Level::Avx512);
+            let xs: [[f32; 16]; 4] =
+                std::array::from_fn(|v| std::array::from_fn(|l| (v * 100 + l * l) as f32));
+            let mut got = [0f32; 4];
+            // SAFETY: the CPU runs AVX-512 (required above); every pointer covers what it is
+            // read or written for.
+            unsafe {
+                use std::arch::x86_64::*;
+                let vs = xs.map(|x| _mm512_loadu_ps(x.as_ptr()));
+                _mm_storeu_ps(got.as_mut_ptr(), sum4(vs));
+            }
+            // Small integers: every order of the sums is exact.
+            assert_eq!(got, xs.map(|x| x.iter().sum::<f32>()));
         }
-        let xs: [[f32; 16]; 4] =
-            std::array::from_fn(|v| std::array::from_fn(|l| (v * 100 + l * l) as f32));
-        let mut got = [0f32; 4];
-        // SAFETY: avx512f was detected; every pointer covers what it is read or written for.
-        unsafe {
-            use std::arch::x86_64::*;
-            let vs = xs.map(|x| _mm512_loadu_ps(x.as_ptr()));
-            _mm_storeu_ps(got.as_mut_ptr(), sum4(vs));
-        }
-        // Small integers: every order of the sums is exact.
-        assert_eq!(got, xs.map(|x| x.iter().sum::<f32>()));
     }
 
     /// Attention over an F16 cache is attention over the same values widened to F32: the

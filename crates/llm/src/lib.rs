@@ -9,10 +9,12 @@
 //! lists the parts). A failed generation leaves a snapshot that `ragscope replay` re-runs
 //! ([`snapshot`]).
 //!
-//! Besides the generator: [`kernels`], the CPU compute kernels the BERT embedder shares;
+//! Besides the generator: [`kernels`], the CPU compute kernels the BERT embedder shares, and
+//! [`cpu`], the instruction-set level they run at;
 //! [`device`], the one place that picks the CPU or a GPU; [`models`], the model manifest and
 //! fetching and verifying weights.
 
+pub mod cpu;
 pub(crate) mod cpu_decode;
 mod cpu_prefill;
 pub mod device;

@@ -17,6 +17,11 @@ pub struct GeneratorArgs {
     /// Where models run: cpu, cuda, cuda:N or auto.
     #[arg(long, env = "RAGSCOPE_DEVICE", default_value = "cpu")]
     pub device: String,
+    /// The highest instruction-set level the CPU kernels may use: `portable`, `avx2`, `avx512`
+    /// or `avx512bf16`; unset: the best this CPU has. Lower levels give the same answers
+    /// within the tolerances the tests hold them to, slower: for testing the fallbacks.
+    #[arg(long, env = "RAGSCOPE_CPU_LEVEL", value_enum)]
+    pub cpu_level: Option<crate::cpu::Level>,
     /// On a GPU, time every Nth decode step with CUDA events (a `gpu decode_step` span; 0: none,
     /// 1: every step). Each timed step waits for the device once more than it would anyway.
     #[arg(long, env = "RAGSCOPE_GPU_DECODE_SAMPLE", default_value_t = 8)]

@@ -52,6 +52,8 @@ pub fn load_models_with(
     snapshots: Option<Arc<llm::snapshot::SnapshotStore>>,
 ) -> Result<Models> {
     let g = &args.generator;
+    llm::cpu::set_cap(g.cpu_level).map_err(anyhow::Error::msg)?;
+    tracing::info!("{}", llm::cpu::describe());
     let device = llm::device::device(&g.device)?;
     telemetry::gpu::set_decode_sample_every(g.gpu_decode_sample);
     llm::schedule::set_step_trace(llm::schedule::StepTrace {

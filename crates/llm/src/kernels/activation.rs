@@ -51,7 +51,7 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
             // SAFETY: the CPU has the features `x86::silu_mul` is compiled for.
             return unsafe { x86::silu_mul(gate, up, out) };
         }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if super::avx2() {
             // SAFETY: as above, for `silu_mul_avx2`.
             return unsafe { silu_mul_avx2(gate, up, out) };
         }

@@ -139,7 +139,7 @@ fn dispatch(
             // SAFETY: the CPU has the features the wrapper is compiled for.
             return unsafe { x86::attention_head(head, keys_t, scale, out, scratch) };
         }
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if super::avx2() {
             // SAFETY: as above.
             return unsafe { attention_head_avx2(head, keys_t, scale, out, scratch) };
         }

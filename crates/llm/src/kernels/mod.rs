@@ -54,20 +54,13 @@ impl Precision {
     }
 }
 
-/// Whether the AVX-512 paths (BF16 dot products and the vectorised row kernels) can run here.
+/// Whether the AVX-512 paths (BF16 dot products and the vectorised row kernels) run here:
+/// the CPU has them and no lower level was asked for ([`crate::cpu`]).
 pub fn avx512_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl")
-            && std::is_x86_feature_detected!("avx512dq")
-            && std::is_x86_feature_detected!("avx512bf16")
-            && std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::cpu::has(crate::cpu::Level::Avx512Bf16)
+}
+
+/// Whether the AVX2 (with FMA) paths run here ([`crate::cpu`]).
+pub fn avx2() -> bool {
+    crate::cpu::has(crate::cpu::Level::Avx2)
 }

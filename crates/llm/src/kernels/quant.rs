@@ -14,8 +14,6 @@
 //! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout). The
 //! ISA is picked once at run time, so one portable binary uses what the machine has.
 
-use std::sync::OnceLock;
-
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
@@ -345,7 +343,7 @@ struct ActRow<'a> {
     s: &'a [f32],
 }
 
-/// The instruction set the kernels run on, detected once.
+/// The instruction set the quantised kernels run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
     #[cfg(target_arch = "x86_64")]
@@ -356,32 +354,17 @@ pub enum Isa {
 }
 
 impl Isa {
+    /// The set the kernels run on: [`crate::cpu::level`]'s (VNNI comes with the `avx512`
+    /// level, AVX2 with FMA and F16C with `avx2`).
     pub fn detect() -> Isa {
-        static ISA: OnceLock<Isa> = OnceLock::new();
-        *ISA.get_or_init(|| {
+        use crate::cpu::Level;
+        match crate::cpu::level() {
             #[cfg(target_arch = "x86_64")]
-            {
-                let has = |f: &str| match f {
-                    "avx2" => std::arch::is_x86_feature_detected!("avx2"),
-                    "fma" => std::arch::is_x86_feature_detected!("fma"),
-                    "f16c" => std::arch::is_x86_feature_detected!("f16c"),
-                    "avx512vnni" => std::arch::is_x86_feature_detected!("avx512vnni"),
-                    "avx512vl" => std::arch::is_x86_feature_detected!("avx512vl"),
-                    "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
-                    "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
-                    _ => false,
-                };
-                if has("avx2") && has("fma") && has("f16c") {
-                    let avx512 = ["avx512f", "avx512bw", "avx512vl", "avx512vnni"];
-                    return if avx512.iter().all(|f| has(f)) {
-                        Isa::Avx512Vnni
-                    } else {
-                        Isa::Avx2
-                    };
-                }
-            }
-            Isa::Portable
-        })
+            Level::Avx512 | Level::Avx512Bf16 => Isa::Avx512Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => Isa::Avx2,
+            _ => Isa::Portable,
+        }
     }
 
     pub fn name(self) -> &'static str {

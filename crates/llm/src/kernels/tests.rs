@@ -1,5 +1,6 @@
-//! The kernels against their definitions, in f64, and the AVX-512 paths against the portable
-//! ones where this CPU has AVX-512 BF16.
+//! The kernels against their definitions, in f64, and the dispatched paths against the portable
+//! ones: run at each level the CPU has (`RAGSCOPE_CPU_LEVEL`), that is each path. The BF16
+//! kernels' own tests are in `needs_avx512bf16`.
 
 use super::activation::silu_mul_body;
 #[cfg(target_arch = "x86_64")]
@@ -123,24 +124,6 @@ fn f32_linear_matches_a_naive_product() {
 }
 
 #[test]
-fn bf16_linear_matches_a_naive_product_of_the_rounded_operands() {
-    if !avx512_bf16() {
-        eprintln!("skipping: this CPU has no AVX-512 BF16");
-        return;
-    }
-    // Every tile height (1..=6 rows and a tail), one and several panels, short and long k.
-    for (m, n, k) in [
-        (1, 64, 2),
-        (5, 128, 30),
-        (6, 64, 384),
-        (13, 192, 384),
-        (27, 384, 1536),
-    ] {
-        check_linear(Precision::Bf16, m, n, k);
-    }
-}
-
-#[test]
 fn bf16_needs_whole_panels_and_even_k_else_stays_f32() {
     let w = values(100 * 3, 5);
     let b = values(100, 6);
@@ -197,14 +180,6 @@ fn exp_and_gelu_are_accurate() {
             (f64::from(gelu(x)) - want).abs() < 3e-7 * (1.0 + x.abs() as f64),
             "gelu({x})"
         );
-        #[cfg(target_arch = "x86_64")]
-        if avx512_bf16() {
-            let v = x86::gelu16([x; 16]);
-            assert!(
-                (f64::from(v[3]) - want).abs() < 3e-7 * (1.0 + x.abs() as f64),
-                "gelu16({x})"
-            );
-        }
     }
 }
 
@@ -402,4 +377,41 @@ fn a_causal_query_gives_the_same_result_whatever_shares_its_call() {
     let alone = run(20, 21);
     let among = run(8, 40);
     assert_eq!(alone[..], among[12 * d..13 * d]);
+}
+
+/// The AVX-512 BF16 kernels alone: the test command runs these only where the CPU has them
+/// (elsewhere they show as skipped), and each fails rather than passes on a CPU without them.
+#[cfg(target_arch = "x86_64")]
+mod needs_avx512bf16 {
+    use super::*;
+    use crate::cpu::Level;
+
+    #[test]
+    fn bf16_linear_matches_a_naive_product_of_the_rounded_operands() {
+        crate::cpu::require(Level::Avx512Bf16);
+        // Every tile height (1..=6 rows and a tail), one and several panels, short and long k.
+        for (m, n, k) in [
+            (1, 64, 2),
+            (5, 128, 30),
+            (6, 64, 384),
+            (13, 192, 384),
+            (27, 384, 1536),
+        ] {
+            check_linear(Precision::Bf16, m, n, k);
+        }
+    }
+
+    #[test]
+    fn the_vector_gelu_is_as_accurate_as_the_scalar_one() {
+        crate::cpu::require(Level::Avx512Bf16);
+        for i in -600..=600 {
+            let x = i as f32 / 100.0;
+            let want = gelu_f64(f64::from(x));
+            let v = x86::gelu16([x; 16]);
+            assert!(
+                (f64::from(v[3]) - want).abs() < 3e-7 * (1.0 + x.abs() as f64),
+                "gelu16({x})"
+            );
+        }
+    }
 }

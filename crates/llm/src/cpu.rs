@@ -1,0 +1,201 @@
+//! The instruction sets the CPU kernels run on: detected once at run time, so one portable
+//! binary uses what each machine has, and capped by `--cpu-level` (`RAGSCOPE_CPU_LEVEL`), so
+//! every slower path can be run, and tested, on a faster machine. Every kernel that dispatches
+//! asks [`level`]; nothing else reads the CPU's features.
+//!
+//! The levels, each a superset of the one before:
+//! - `portable`: plain Rust, any CPU;
+//! - `avx2`: AVX2 with FMA and F16C (x86-64 from about 2013 on);
+//! - `avx512`: AVX-512 F, BW, VL, DQ and VNNI (the decode's 8-bit dot products);
+//! - `avx512bf16`: also AVX-512 BF16 (the BF16 matrix multiplies and the AVX-512 row kernels).
+
+use std::sync::OnceLock;
+
+/// The variable the cap is read from when no `--cpu-level` set it first.
+pub const ENV: &str = "RAGSCOPE_CPU_LEVEL";
+
+/// An instruction-set level of the kernels, slowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, clap::ValueEnum)]
+pub enum Level {
+    Portable,
+    Avx2,
+    Avx512,
+    Avx512Bf16,
+}
+
+impl Level {
+    /// Every level, slowest first.
+    pub const ALL: [Level; 4] = [
+        Level::Portable,
+        Level::Avx2,
+        Level::Avx512,
+        Level::Avx512Bf16,
+    ];
+
+    /// The name `--cpu-level` takes and logs print.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+            Level::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// The level called `name`.
+    pub fn named(name: &str) -> Option<Level> {
+        Level::ALL.into_iter().find(|l| l.name() == name.trim())
+    }
+
+    /// The CPU features this level needs, as `/proc/cpuinfo` spells them.
+    pub fn features(self) -> &'static [&'static str] {
+        match self {
+            Level::Portable => &[],
+            Level::Avx2 => &["avx2", "fma", "f16c"],
+            Level::Avx512 => &["avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"],
+            Level::Avx512Bf16 => &["avx512_bf16"],
+        }
+    }
+}
+
+impl std::fmt::Display for Level {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The best level this CPU (and its operating system) supports.
+pub fn detected() -> Level {
+    static DETECTED: OnceLock<Level> = OnceLock::new();
+    *DETECTED.get_or_init(detect)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> Level {
+    use std::arch::is_x86_feature_detected as has;
+    if !(has!("avx2") && has!("fma") && has!("f16c")) {
+        return Level::Portable;
+    }
+    let avx512 = has!("avx512f")
+        && has!("avx512bw")
+        && has!("avx512vl")
+        && has!("avx512dq")
+        && has!("avx512vnni");
+    match (avx512, has!("avx512bf16")) {
+        (false, _) => Level::Avx2,
+        (true, false) => Level::Avx512,
+        (true, true) => Level::Avx512Bf16,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Level {
+    Level::Portable
+}
+
+/// The cap in force: `--cpu-level`'s if it came first, else `RAGSCOPE_CPU_LEVEL`'s, else none.
+static CAP: OnceLock<Option<Level>> = OnceLock::new();
+
+fn cap() -> Option<Level> {
+    *CAP.get_or_init(|| match std::env::var(ENV) {
+        Ok(v) if v.trim().is_empty() => None,
+        Ok(v) => Some(Level::named(&v).unwrap_or_else(|| {
+            panic!("{ENV}={v:?}: expected one of portable, avx2, avx512, avx512bf16")
+        })),
+        Err(_) => None,
+    })
+}
+
+/// Caps the level at `level` (the `--cpu-level` flag, before any kernel runs). A cap already
+/// in force, different from this one, is an error: kernels may have run at it.
+pub fn set_cap(level: Option<Level>) -> Result<(), String> {
+    let now = *CAP.get_or_init(|| level);
+    if now == level {
+        Ok(())
+    } else {
+        Err(format!(
+            "the CPU level is already capped at {}",
+            now.map_or("none", Level::name)
+        ))
+    }
+}
+
+/// The level the kernels run at: the CPU's best, capped.
+pub fn level() -> Level {
+    cap().map_or(detected(), |c| c.min(detected()))
+}
+
+/// Whether the kernels run at `at_least` or above.
+pub fn has(at_least: Level) -> bool {
+    level() >= at_least
+}
+
+/// The levels this CPU can run, best first: the ones the tests should each be run at.
+pub fn runnable() -> Vec<Level> {
+    Level::ALL
+        .into_iter()
+        .rev()
+        .filter(|l| *l <= detected())
+        .collect()
+}
+
+/// One line for logs and test output: the level in force, the CPU's best and the cap.
+pub fn describe() -> String {
+    let capped = match cap() {
+        Some(c) if c < detected() => format!(" (capped by {ENV} or --cpu-level)"),
+        _ => String::new(),
+    };
+    format!(
+        "CPU kernels at {}{capped}; this CPU runs {}",
+        level(),
+        runnable()
+            .iter()
+            .map(|l| l.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// The tests of one level's kernels: the level their CPU must run, checked at the start.
+/// The test command leaves a test of a level above the one in force out of the run (so it
+/// shows as skipped); run anyway, it fails here instead of passing without testing anything.
+#[cfg(test)]
+pub(crate) fn require(at_least: Level) {
+    assert!(
+        has(at_least),
+        "this test needs the {at_least} kernels, but they run at {} here ({}); the test command \
+         skips it on such a CPU",
+        level(),
+        describe()
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_order_and_parse_by_name() {
+        assert!(Level::Portable < Level::Avx2 && Level::Avx512 < Level::Avx512Bf16);
+        for l in Level::ALL {
+            assert_eq!(Level::named(l.name()), Some(l));
+        }
+        assert_eq!(Level::named("sse2"), None);
+        assert!(level() <= detected());
+        assert_eq!(runnable()[0], detected());
+        assert_eq!(*runnable().last().unwrap(), Level::Portable);
+    }
+
+    /// The test command computes the CPU's level from `/proc/cpuinfo` to choose what to run;
+    /// it passes its reading here, and the kernels' own detection must agree with it.
+    #[test]
+    fn detection_agrees_with_the_test_commands_reading() {
+        let Ok(expected) = std::env::var("RAGSCOPE_EXPECT_CPU_LEVEL") else {
+            return; // not run by the test command: nothing to compare
+        };
+        assert_eq!(detected().name(), expected.trim(), "{}", describe());
+        if let Ok(capped) = std::env::var(ENV) {
+            assert_eq!(level().name(), capped.trim(), "{}", describe());
+        }
+    }
+}
