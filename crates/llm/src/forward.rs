@@ -584,8 +584,18 @@ mod tests {
     }
 
     /// The GPU default format, run here on candle's CPU F16 matmul: F16 prefill weights only
-    /// round the prompt's activations, so the logits stay close to the F32-prefill format's and
-    /// every teacher-forced step picks the same token.
+    /// round the prompt's activations, so the logits stay close to the F32-prefill format's.
+    /// "Close" is what holds on every CPU: candle's F16 matmul takes another path (F16
+    /// arithmetic) where the CPU has AVX512-FP16, so a step whose two best tokens are nearly
+    /// tied may pick the other one. The bounds, with what was measured on the 17 steps (the
+    /// prompt, then 16 teacher-forced tokens) of the RAG prompt:
+    /// - the worst step's mean |Δlogit| below 1.0 (AMD EPYC AVX2: 0.54; AMD EPYC AVX-512 BF16,
+    ///   earlier sessions: below 1.0);
+    /// - all but at most two steps pick the same token (AMD EPYC AVX2: 17 of 17; AMD EPYC
+    ///   AVX-512 BF16: 17; Intel Xeon with AVX512-FP16: 16, step 9 differing);
+    /// - where a step's picks differ, the F32 format's logit of the F16 format's pick is within
+    ///   the step's max |Δlogit| of its own pick: a near tie that the rounding decided, not a
+    ///   different answer.
     #[test]
     fn f16_prefill_format_stays_close_to_the_f32_prefill_format() {
         let Some(default_model) = model() else { return };
@@ -619,21 +629,41 @@ mod tests {
         let ours = our_logits(&f16, &prompt, &out.tokens);
         let reference = our_logits(default_model, &prompt, &out.tokens);
         let argmax = |t: &Tensor| t.argmax(0).unwrap().to_scalar::<u32>().unwrap();
-        let (mut worst_max, mut worst_mean) = (0f32, 0f32);
+        let logit = |t: &Tensor, i: u32| t.get(i as usize).unwrap().to_scalar::<f32>().unwrap();
+        let (mut worst_max, mut worst_mean, mut agree) = (0f32, 0f32, 0);
         for (step, (a, b)) in ours.iter().zip(&reference).enumerate() {
-            assert_eq!(argmax(a), argmax(b), "step {step} picks differ");
             let d = (a - b).unwrap().abs().unwrap();
             let mean = d.mean_all().unwrap().to_scalar::<f32>().unwrap();
-            worst_max = worst_max.max(max_abs_diff(a, b));
+            let max = max_abs_diff(a, b);
+            worst_max = worst_max.max(max);
             worst_mean = worst_mean.max(mean);
+            let (ours_pick, their_pick) = (argmax(a), argmax(b));
+            if ours_pick == their_pick {
+                agree += 1;
+                continue;
+            }
+            let margin = logit(b, their_pick) - logit(b, ours_pick);
+            eprintln!("step {step}: F16 picks {ours_pick}, F32 {their_pick} (F32 margin {margin})");
+            assert!(
+                margin <= max,
+                "step {step}: F16 picks {ours_pick}, F32 {their_pick} by a margin of {margin}, \
+                 more than the step's max |Δlogit| {max}"
+            );
         }
+        let steps = ours.len();
         eprintln!(
-            "F16 prefill vs F32 prefill: |Δlogit| max {worst_max}, worst step mean {worst_mean}"
+            "F16 prefill vs F32 prefill ({}): |Δlogit| max {worst_max}, worst step mean \
+             {worst_mean}, {agree} of {steps} steps pick the same token",
+            crate::cpu::describe()
         );
         assert!(worst_max > 0.0, "the F16 weights were not used");
         // Same bound as the Q8_0 reference check: decode re-quantises activations, so a small
         // difference in the cached keys and values now and then flips a quantisation step.
         assert!(worst_mean < 1.0, "worst step mean |Δlogit| {worst_mean}");
+        assert!(
+            agree + 2 >= steps,
+            "only {agree} of {steps} steps pick the same token"
+        );
     }
 
     #[test]
