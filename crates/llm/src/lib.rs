@@ -48,6 +48,7 @@ use telemetry::span::Stage;
 
 pub use host_kv::KvDtype;
 pub use prefix_cache::DEFAULT_MB as PREFIX_CACHE_DEFAULT_MB;
+pub use sampler::Sampling;
 
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -61,72 +62,6 @@ impl ChatMessage {
         ChatMessage {
             role: role.to_string(),
             content: content.into(),
-        }
-    }
-}
-
-/// How the next token is chosen. `temperature <= 0` means greedy. The default is neutral:
-/// no penalty, no n-gram block, greedy.
-///
-/// The penalties and the n-gram block look at the tokens this request has generated, not at
-/// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too, which
-/// `penalize_prompt` asks for): a RAG answer has to copy words from its passages.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Sampling {
-    pub temperature: f64,
-    pub top_p: Option<f64>,
-    pub seed: u64,
-    /// OpenAI's `presence_penalty`: subtracted once from the logit of every token generated so far.
-    pub presence_penalty: f32,
-    /// OpenAI's `frequency_penalty`: subtracted from a token's logit once per time it was generated.
-    pub frequency_penalty: f32,
-    /// HF / llama.cpp's `repetition_penalty` (1 = off): a generated token's positive logit is
-    /// divided by it, a negative one multiplied.
-    pub repetition_penalty: f32,
-    /// Never generate an n-gram of this many tokens twice (0 = off), as HF's
-    /// `no_repeat_ngram_size`, unless the context passages ([`Sampling::context_tokens`]) hold
-    /// it more often than the answer so far.
-    pub no_repeat_ngram: usize,
-    /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
-    pub penalize_prompt: bool,
-    /// Added to the logit of every token of the request's context passages
-    /// ([`GenerateRequest::context_tokens`]; 0 = off): a small model's answer leans towards
-    /// copying its sources' words (`--context-bias`, measured in docs/CONTEXT.md).
-    #[serde(default)]
-    pub context_bias: f32,
-    /// Added to the logit of each token that continues, in the context passages, the longest
-    /// run of the answer's last tokens found there (0 = off): the answer is pulled towards
-    /// copying its sources' spans (an option's name, a command line) instead of inventing
-    /// them (`--copy-bias`, measured in docs/CONTEXT.md).
-    #[serde(default)]
-    pub copy_bias: f32,
-}
-
-impl Sampling {
-    /// Whether any penalty or block needs the request's generated tokens.
-    pub fn penalises(&self) -> bool {
-        self.presence_penalty != 0.0
-            || self.frequency_penalty != 0.0
-            || self.repetition_penalty != 1.0
-            || self.no_repeat_ngram > 0
-            || self.context_bias != 0.0
-            || self.copy_bias != 0.0
-    }
-}
-
-impl Default for Sampling {
-    fn default() -> Self {
-        Sampling {
-            temperature: 0.0,
-            top_p: None,
-            seed: 0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            repetition_penalty: 1.0,
-            no_repeat_ngram: 0,
-            penalize_prompt: false,
-            context_bias: 0.0,
-            copy_bias: 0.0,
         }
     }
 }

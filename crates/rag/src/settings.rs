@@ -108,26 +108,9 @@ pub struct PipelineArgs {
     /// scores best (docs/CONTEXT.md). The reordering needs a reranker.
     #[arg(long, env = "RAGSCOPE_ENTRY_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
     pub entry_lookup: bool,
-    /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
-    /// otherwise.
-    #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]
-    pub repetition_penalty: f32,
-    /// RAG answers never repeat an n-gram of this many tokens (0 = off) unless the request says
-    /// otherwise.
-    #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
-    pub no_repeat_ngram: usize,
-    /// Added to the logit of every token of a RAG answer's context passages (0 = off) unless
-    /// the request says otherwise: the small generator copies its sources' words more often
-    /// (docs/CONTEXT.md has the measurements).
-    #[arg(long, env = "RAGSCOPE_CONTEXT_BIAS", default_value_t = 0.0)]
-    pub context_bias: f32,
-    /// Added to the logit of each token that continues, in a RAG answer's context passages,
-    /// the longest run of the answer's last tokens found there (0 = off): the answer copies
-    /// its sources' spans (an option, a command line) rather than inventing them. With the
-    /// default 3 and answers ending at their first paragraph, 25/50 evaluation answers carry
-    /// the fact against 18/50 with neither (docs/CONTEXT.md).
-    #[arg(long, env = "RAGSCOPE_COPY_BIAS", default_value_t = 3.0)]
-    pub copy_bias: f32,
+    /// The decoding a RAG answer gets for what its request leaves out.
+    #[command(flatten)]
+    pub sampling: llm::Sampling,
     /// RAG answers end at their first finished paragraph (a blank line after a sentence or a
     /// closed code block) as at a stop string: what the small generator writes after it is a
     /// new, unasked-for answer (docs/CONTEXT.md).
@@ -168,20 +151,6 @@ pub struct PipelineArgs {
         default_value_t = 10_000
     )]
     pub stream_stall_timeout_ms: u64,
-}
-
-impl PipelineArgs {
-    /// The sampling a RAG request gets for what it does not set: greedy, with the server's
-    /// repetition controls.
-    pub fn sampling(&self) -> llm::Sampling {
-        llm::Sampling {
-            repetition_penalty: self.repetition_penalty,
-            no_repeat_ngram: self.no_repeat_ngram,
-            context_bias: self.context_bias,
-            copy_bias: self.copy_bias,
-            ..llm::Sampling::default()
-        }
-    }
 }
 
 /// Fault and latency injection: all off unless `--faults true`.

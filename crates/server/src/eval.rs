@@ -309,8 +309,7 @@ fn ask(
 fn settings(p: &PipelineArgs) -> String {
     format!(
         "context {} budget {}/passage method {} order {} terms {} entry_lookup {} template {:?} \
-         rerank_top_n {} max_tokens {} repetition_penalty {} no_repeat_ngram {} context_bias {} \
-         copy_bias {} end_at_paragraph {}",
+         rerank_top_n {} max_tokens {} {} end_at_paragraph {}",
         p.context.as_str(),
         p.context_budget,
         p.context_method.as_str(),
@@ -320,10 +319,7 @@ fn settings(p: &PipelineArgs) -> String {
         p.prompt_template,
         p.rerank_top_n,
         p.max_tokens,
-        p.repetition_penalty,
-        p.no_repeat_ngram,
-        p.context_bias,
-        p.copy_bias,
+        p.sampling,
         p.end_at_paragraph
     )
 }

@@ -172,7 +172,7 @@ impl Pipeline {
         let s = &req.sampling;
         // What the prompt holds of the context: passages it dropped or cut to fit are not
         // there for the answer to copy.
-        let favoured = if s.context_bias != 0.0 || s.copy_bias != 0.0 || s.no_repeat_ngram > 0 {
+        let favoured = if s.reads_context() {
             self.generator.tokenize(&built.texts.join("\n"), false)?
         } else {
             Vec::new()
@@ -428,16 +428,11 @@ impl Pipeline {
     ) -> Result<Vec<Generated>, PipelineError> {
         let model = self.generator.model_id();
         let s = &req.sampling;
-        let mut attributes = vec![
+        let mut attributes = s.attributes();
+        attributes.extend([
             KeyValue::new(attr::GEN_AI_REQUEST_MAX_TOKENS, req.max_tokens as i64),
-            KeyValue::new(attr::GEN_AI_REQUEST_TEMPERATURE, s.temperature),
-            KeyValue::new(attr::GEN_AI_REQUEST_SEED, s.seed as i64),
             KeyValue::new(attr::GEN_AI_REQUEST_STREAM, events.is_some()),
-        ];
-        if let Some(p) = s.top_p {
-            attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_TOP_P, p));
-        }
-        // Decoding settings that differ from the neutral ones.
+        ]);
         if !req.stop.is_empty() {
             let stops = req.stop.iter().map(|s| s.clone().into()).collect();
             attributes.push(KeyValue::new(
@@ -449,34 +444,6 @@ impl Pipeline {
             attributes.push(KeyValue::new(
                 attr::GEN_AI_REQUEST_CHOICE_COUNT,
                 req.choices as i64,
-            ));
-        }
-        for (key, value, neutral) in [
-            (
-                attr::GEN_AI_REQUEST_PRESENCE_PENALTY,
-                s.presence_penalty,
-                0.0,
-            ),
-            (
-                attr::GEN_AI_REQUEST_FREQUENCY_PENALTY,
-                s.frequency_penalty,
-                0.0,
-            ),
-            (attr::REQUEST_REPETITION_PENALTY, s.repetition_penalty, 1.0),
-            (attr::REQUEST_CONTEXT_BIAS, s.context_bias, 0.0),
-            (attr::REQUEST_COPY_BIAS, s.copy_bias, 0.0),
-        ] {
-            if value != neutral {
-                attributes.push(KeyValue::new(key, f64::from(value)));
-            }
-        }
-        if s.penalize_prompt {
-            attributes.push(KeyValue::new(attr::REQUEST_PENALIZE_PROMPT, true));
-        }
-        if s.no_repeat_ngram > 0 {
-            attributes.push(KeyValue::new(
-                attr::REQUEST_NO_REPEAT_NGRAM_SIZE,
-                s.no_repeat_ngram as i64,
             ));
         }
         let started = run.request().started();

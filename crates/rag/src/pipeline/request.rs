@@ -56,7 +56,7 @@ impl RagRequest {
             top_k: defaults.top_k,
             rerank_top_n: defaults.rerank_top_n,
             max_tokens: defaults.max_tokens,
-            sampling: defaults.sampling(),
+            sampling: defaults.sampling,
             stop: Vec::new(),
             logprobs: None,
             choices: 1,

@@ -160,7 +160,7 @@ pub struct TracesQuery {
 /// `GET /debug/traces?limit=N`: the most recent finished traces, as OTLP JSON
 /// (`{"resourceSpans": [...]}`), the same format the collector's file exporter writes.
 #[utoipa::path(get, path = "/debug/traces", tag = "debug", params(TracesQuery),
-    responses((status = 200, description = "OTLP JSON", body = super::openapi::OtlpTraces)))]
+    responses((status = 200, description = "OTLP JSON", body = super::schema::OtlpTraces)))]
 pub async fn recent_traces(
     query: Result<Query<TracesQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
@@ -182,7 +182,7 @@ pub async fn recent_traces(
 
 /// `DELETE /debug/traces`: empties the buffer (between the runs of an experiment).
 #[utoipa::path(delete, path = "/debug/traces", tag = "debug",
-    responses((status = 200, description = "Emptied", body = super::openapi::Cleared)))]
+    responses((status = 200, description = "Emptied", body = super::schema::Cleared)))]
 pub async fn clear_traces() -> Response {
     if let Some(buffer) = telemetry::buffer::recent() {
         buffer.clear();

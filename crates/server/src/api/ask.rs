@@ -12,9 +12,10 @@ use opentelemetry::KeyValue;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::decoding::Decoding;
 use super::error::ApiError;
 use super::{AppState, RequestStage};
-use llm::{ChatMessage, Sampling, MAX_TOP_LOGPROBS};
+use llm::{ChatMessage, MAX_TOP_LOGPROBS};
 use rag::ingest::{Document, Format};
 use rag::pipeline::context::{ContextAsked, ContextSettings};
 use rag::pipeline::{
@@ -31,16 +32,8 @@ const MAX_ID_CHARS: usize = 256;
 
 pub const MAX_QUERY_CHARS: usize = 4096;
 pub const MAX_TOP_K: usize = 100;
-/// Most stop strings per request (OpenAI's bound), and their longest.
-pub const MAX_STOP: usize = 4;
-const MAX_STOP_CHARS: usize = 64;
 /// Most independent answers one request may ask for: each is a whole generation.
 pub const MAX_CHOICES: usize = 8;
-/// The range OpenAI allows for `presence_penalty` and `frequency_penalty`.
-const PENALTY_RANGE: std::ops::RangeInclusive<f64> = -2.0..=2.0;
-const MAX_NGRAM: usize = 32;
-/// Largest `copy_bias`: past this the answer is the context pasted whatever the model says.
-const MAX_COPY_BIAS: f64 = 10.0;
 
 /// What the RAG and chat endpoints were asked, before validation.
 pub struct Asked {
@@ -49,157 +42,17 @@ pub struct Asked {
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
     pub max_tokens: Option<usize>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub seed: Option<u64>,
     pub filter: Option<Value>,
+    /// Temperature, top-p, seed, stop strings, penalties and biases.
     pub decoding: Decoding,
-    /// `context`, `context_budget`, `context_method`, `context_order`, `context_terms`.
-    pub context: ContextAsked,
-    /// Prefill the prompt's head beside retrieval; unset: the server's `--overlap`.
-    pub overlap: Option<bool>,
-}
-
-/// How the answer is decoded beyond temperature and top-p; every field is neutral by default.
-#[derive(Debug, Default, Clone)]
-pub struct Decoding {
-    pub stop: Vec<String>,
     /// Independent answers (`n`).
     pub n: Option<usize>,
     /// Alternatives per token with each token's log-probability (`None`: no log-probabilities).
     pub logprobs: Option<usize>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-    pub no_repeat_ngram_size: Option<usize>,
-    /// Count the prompt's tokens for the penalties too (HF and llama.cpp do).
-    pub penalize_prompt: Option<bool>,
-    /// What the context's continuation of the answer gets added ([`Sampling::copy_bias`]).
-    pub copy_bias: Option<f64>,
-    /// End a RAG answer at its first finished paragraph (`--end-at-paragraph`).
-    pub end_at_paragraph: Option<bool>,
-}
-
-/// `stop` as the HTTP APIs take it: one string, or a list of them. An empty string or list
-/// asks for none.
-pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
-    match stop {
-        None | Some(Value::Null) => Ok(Vec::new()),
-        Some(Value::String(s)) if s.is_empty() => Ok(Vec::new()),
-        Some(Value::String(s)) => Ok(vec![s.clone()]),
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| ApiError::field(&format!("stop[{i}]"), "must be a string"))
-            })
-            .collect(),
-        Some(_) => Err(ApiError::field(
-            "stop",
-            "must be a string or an array of strings",
-        )),
-    }
-}
-
-impl Decoding {
-    /// Checks the settings; errors name the field.
-    pub fn check(&self) -> Result<(), ApiError> {
-        if self.stop.len() > MAX_STOP {
-            return Err(ApiError::field(
-                "stop",
-                format!("at most {MAX_STOP} stop strings, got {}", self.stop.len()),
-            ));
-        }
-        for (i, s) in self.stop.iter().enumerate() {
-            let chars = s.chars().count();
-            if chars == 0 || chars > MAX_STOP_CHARS {
-                return Err(ApiError::field(
-                    &format!("stop[{i}]"),
-                    format!("must be 1 to {MAX_STOP_CHARS} characters, got {chars}"),
-                ));
-            }
-        }
-        if let Some(n) = self.n {
-            if !(1..=MAX_CHOICES).contains(&n) {
-                return Err(ApiError::field(
-                    "n",
-                    format!("must be between 1 and {MAX_CHOICES}, got {n}"),
-                ));
-            }
-        }
-        if let Some(k) = self.logprobs {
-            if k > MAX_TOP_LOGPROBS {
-                return Err(ApiError::field(
-                    "logprobs",
-                    format!("at most {MAX_TOP_LOGPROBS} alternatives per token, got {k}"),
-                ));
-            }
-        }
-        for (name, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if let Some(v) = value {
-                if !PENALTY_RANGE.contains(&v) {
-                    return Err(ApiError::field(
-                        name,
-                        format!("must be between -2 and 2, got {v}"),
-                    ));
-                }
-            }
-        }
-        if let Some(r) = self.repetition_penalty {
-            if !(r > 0.0 && r.is_finite()) {
-                return Err(ApiError::field(
-                    "repetition_penalty",
-                    format!("must be a positive number (1 is off), got {r}"),
-                ));
-            }
-        }
-        if let Some(b) = self.copy_bias {
-            if !(0.0..=MAX_COPY_BIAS).contains(&b) {
-                return Err(ApiError::field(
-                    "copy_bias",
-                    format!("must be between 0 (off) and {MAX_COPY_BIAS}, got {b}"),
-                ));
-            }
-        }
-        if let Some(n) = self.no_repeat_ngram_size {
-            if n > MAX_NGRAM {
-                return Err(ApiError::field(
-                    "no_repeat_ngram_size",
-                    format!("must be between 0 (off) and {MAX_NGRAM}, got {n}"),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// The sampler's settings: this request's where it gives them, else `base`'s (the
-    /// server's RAG defaults, or the neutral ones for the generator alone).
-    pub fn sampling(
-        &self,
-        temperature: f64,
-        top_p: Option<f64>,
-        seed: Option<u64>,
-        base: Sampling,
-    ) -> Sampling {
-        let float = |asked: Option<f64>, default: f32| asked.map_or(default, |v| v as f32);
-        Sampling {
-            temperature,
-            top_p,
-            seed: seed.unwrap_or(0),
-            presence_penalty: float(self.presence_penalty, base.presence_penalty),
-            frequency_penalty: float(self.frequency_penalty, base.frequency_penalty),
-            repetition_penalty: float(self.repetition_penalty, base.repetition_penalty),
-            no_repeat_ngram: self.no_repeat_ngram_size.unwrap_or(base.no_repeat_ngram),
-            penalize_prompt: self.penalize_prompt.unwrap_or(base.penalize_prompt),
-            context_bias: base.context_bias,
-            copy_bias: float(self.copy_bias, base.copy_bias),
-        }
-    }
+    /// `context`, `context_budget`, `context_method`, `context_order`, `context_terms`.
+    pub context: ContextAsked,
+    /// Prefill the prompt's head beside retrieval; unset: the server's `--overlap`.
+    pub overlap: Option<bool>,
 }
 
 /// Validates a request into what the pipeline runs. Errors name the field.
@@ -214,11 +67,10 @@ pub fn rag_request(
         top_k,
         rerank_top_n,
         max_tokens,
-        temperature,
-        top_p,
-        seed,
         filter,
         decoding,
+        n,
+        logprobs,
         context,
         overlap,
     } = asked;
@@ -260,8 +112,10 @@ pub fn rag_request(
             )
         });
     }
-    let temperature = check_sampling(temperature, top_p)?;
-    decoding.check()?;
+    // The server's decoding defaults (`--repetition-penalty`, `--copy-bias`, …) where the
+    // request leaves a setting out.
+    let decoded = decoding.resolve(defaults.sampling)?;
+    check_choices(n, logprobs)?;
     let filter = match filter.as_ref() {
         None | Some(Value::Null) => None,
         Some(v) => Some(Filter::from_json(v).map_err(|m| {
@@ -275,9 +129,6 @@ pub fn rag_request(
     };
     let context = ContextSettings::resolve(&context, defaults, rerank_top_n, window)
         .map_err(|(field, message)| ApiError::field(field, message))?;
-    // The server's decoding defaults (`--repetition-penalty`, `--no-repeat-ngram`) where the
-    // request leaves a setting out.
-    let sampling = decoding.sampling(temperature, top_p, seed, defaults.sampling());
     Ok(RagRequest {
         query,
         history,
@@ -285,38 +136,35 @@ pub fn rag_request(
         rerank_top_n,
         max_tokens,
         context,
-        sampling,
-        stop: decoding.stop,
-        logprobs: decoding.logprobs,
-        choices: decoding.n.unwrap_or(1),
+        sampling: decoded.sampling,
+        stop: decoded.stop,
+        logprobs,
+        choices: n.unwrap_or(1),
         filter,
         deadline: clock::now() + state.request_timeout,
         faults: Arc::default(),
         overlap: overlap.unwrap_or(defaults.overlap.on()),
-        end_at_paragraph: decoding
+        end_at_paragraph: decoded
             .end_at_paragraph
             .unwrap_or(defaults.end_at_paragraph),
     })
 }
 
-/// Checks `temperature` (default 0, greedy) and `top_p`; returns the temperature.
-pub fn check_sampling(temperature: Option<f64>, top_p: Option<f64>) -> Result<f64, ApiError> {
-    let temperature = temperature.unwrap_or(0.0);
-    if !(0.0..=2.0).contains(&temperature) {
+/// Checks `n` (1 to [`MAX_CHOICES`]) and the alternatives per token asked with `logprobs`.
+pub fn check_choices(n: Option<usize>, logprobs: Option<usize>) -> Result<(), ApiError> {
+    if let Some(n) = n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
         return Err(ApiError::field(
-            "temperature",
-            format!("must be between 0 and 2, got {temperature}"),
+            "n",
+            format!("must be between 1 and {MAX_CHOICES}, got {n}"),
         ));
     }
-    if let Some(p) = top_p {
-        if !(p > 0.0 && p <= 1.0) {
-            return Err(ApiError::field(
-                "top_p",
-                format!("must be in (0, 1], got {p}"),
-            ));
-        }
+    if let Some(k) = logprobs.filter(|&k| k > MAX_TOP_LOGPROBS) {
+        return Err(ApiError::field(
+            "logprobs",
+            format!("at most {MAX_TOP_LOGPROBS} alternatives per token, got {k}"),
+        ));
     }
-    Ok(temperature)
+    Ok(())
 }
 
 impl ApiError {
@@ -490,7 +338,7 @@ pub struct DocumentBody {
     pub text: String,
     pub source: Option<String>,
     #[serde(default)]
-    #[schema(value_type = super::openapi::DocumentFormat)]
+    #[schema(value_type = super::schema::DocumentFormat)]
     pub format: Format,
     #[serde(default)]
     #[schema(value_type = Object)]

@@ -19,13 +19,12 @@ use futures::{FutureExt, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::ask::{self, Asked, Decoding};
+use super::ask::{self, Asked};
+use super::decoding::Decoding;
 use super::error::ApiError;
+use super::fields::{is_empty, refuse_unhonoured, unix_now, Unsupported};
 use super::json::ValidJson;
-use super::openai::{
-    check_model, is_empty, refuse_unhonoured, unix_now, StreamOptions, Unsupported,
-    RAG_MODEL_ALIASES,
-};
+use super::openai::{check_model, StreamOptions, RAG_MODEL_ALIASES};
 use super::tokenize::{check_token_ids, model_error};
 use super::{AppState, RequestStage};
 use llm::tokenizer::Utf8Stream;
@@ -49,21 +48,13 @@ const MAX_PROMPTS: usize = 64;
 pub struct CompletionBody {
     pub model: String,
     /// A string, a list of strings, a list of token ids, or a list of such lists.
-    #[schema(value_type = super::openapi::Prompt)]
+    #[schema(value_type = super::schema::Prompt)]
     pub prompt: Value,
     pub max_tokens: Option<usize>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub seed: Option<u64>,
     /// Choices per prompt, 1 to [`ask::MAX_CHOICES`]; choice `i` samples with `seed + i`.
     pub n: Option<usize>,
-    /// A string or a list of up to 4 strings: a choice ends before the first.
-    #[schema(value_type = Option<super::openapi::Stop>)]
-    pub stop: Option<Value>,
     /// How many alternatives per position, 0 to [`llm::MAX_TOP_LOGPROBS`].
     pub logprobs: Option<usize>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
     #[serde(default)]
     pub echo: bool,
     #[serde(default)]
@@ -72,6 +63,10 @@ pub struct CompletionBody {
     pub stream_options: Option<StreamOptions>,
     /// Accepted and ignored: labels the request, cannot change the answer.
     pub user: Option<String>,
+    /// Temperature, top-p, seed, stop strings, penalties and biases (for the plain model only
+    /// what the request asks; no RAG defaults).
+    #[serde(flatten)]
+    pub decoding: Decoding,
     /// Everything else, refused by [`refuse_unhonoured`] with [`COMPLETION_UNSUPPORTED`].
     #[serde(flatten)]
     #[schema(ignore)]
@@ -229,7 +224,7 @@ struct Plan {
     logprobs: Option<usize>,
     echo: bool,
     include_usage: bool,
-    /// Stop strings, `n`, logprobs and penalties, checked.
+    /// The request's decoding settings, checked.
     decoding: Decoding,
 }
 
@@ -239,15 +234,9 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
     let rag = RAG_MODEL_ALIASES.contains(&body.model.as_str());
     let generator = pipeline.generator.as_ref();
     let prompts = prompts(generator, pipeline, &body.prompt)?;
-    let decoding = Decoding {
-        stop: ask::stop_strings(body.stop.as_ref())?,
-        n: body.n,
-        logprobs: body.logprobs,
-        presence_penalty: body.presence_penalty,
-        frequency_penalty: body.frequency_penalty,
-        ..Decoding::default()
-    };
-    decoding.check()?;
+    ask::check_choices(body.n, body.logprobs)?;
+    // Checked here, for the error to come before any work; resolved per prompt.
+    body.decoding.resolve(llm::Sampling::default())?;
     if body.logprobs.is_some() && rag {
         return Err(ApiError::field(
             "logprobs",
@@ -295,7 +284,7 @@ fn plan(pipeline: &Pipeline, body: &CompletionBody) -> Result<Plan, ApiError> {
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
-        decoding,
+        decoding: body.decoding.clone(),
     })
 }
 
@@ -312,8 +301,8 @@ use super::openai::openai_finish as finish_reason;
 /// with `stream: true` server-sent chunks ending in `data: [DONE]`.
 #[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionBody,
     responses((status = 200, description = "The completion, or its chunks", content(
-        (super::openapi::Completion = "application/json"),
-        (super::openapi::CompletionStreamEvent = "text/event-stream")))))]
+        (super::schema::Completion = "application/json"),
+        (super::schema::CompletionStreamEvent = "text/event-stream")))))]
 pub async fn completions(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -322,7 +311,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let pipeline = state.pipeline()?;
     let plan = plan(&pipeline, &body)?;
-    let mut base = generation_request(&state, &pipeline, &plan, &body)?;
+    let mut base = generation_request(&state, &pipeline, &plan)?;
     base.faults = super::admin::request_faults(&state, &headers, &stage)?;
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     if body.stream {
@@ -453,11 +442,10 @@ fn rag_request(
         top_k: None,
         rerank_top_n: None,
         max_tokens: Some(req.max_tokens),
-        temperature: Some(req.sampling.temperature),
-        top_p: req.sampling.top_p,
-        seed: Some(req.sampling.seed),
         filter: None,
         decoding: plan.decoding.clone(),
+        n: Some(plan.n),
+        logprobs: None,
         context: Default::default(),
         overlap: None,
     };
@@ -481,17 +469,14 @@ fn generation_request(
     state: &AppState,
     pipeline: &Pipeline,
     plan: &Plan,
-    body: &CompletionBody,
 ) -> Result<RagRequest, ApiError> {
-    let temperature = ask::check_sampling(body.temperature, body.top_p)?;
+    let decoded = plan.decoding.resolve(Sampling::default())?;
     let mut req =
         RagRequest::with_defaults(String::new(), &pipeline.defaults, state.request_timeout);
     req.max_tokens = plan.max_tokens;
-    req.sampling = plan
-        .decoding
-        .sampling(temperature, body.top_p, body.seed, Sampling::default());
-    req.stop = plan.decoding.stop.clone();
-    req.end_at_paragraph = plan.decoding.end_at_paragraph.unwrap_or(false);
+    req.sampling = decoded.sampling;
+    req.stop = decoded.stop;
+    req.end_at_paragraph = decoded.end_at_paragraph.unwrap_or(false);
     req.logprobs = plan.logprobs;
     req.choices = plan.n;
     Ok(req)

@@ -20,7 +20,7 @@ pub struct CreateBody {
 
 /// Ingests documents; durable when it returns.
 #[utoipa::path(post, path = "/v1/documents", tag = "documents", request_body = CreateBody,
-    responses((status = 200, description = "Per document: its id, chunks and what happened", body = super::openapi::Ingested)))]
+    responses((status = 200, description = "Per document: its id, chunks and what happened", body = super::schema::Ingested)))]
 pub async fn create(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -37,7 +37,7 @@ pub async fn create(
 /// Removes a document's chunks.
 #[utoipa::path(delete, path = "/v1/documents/{id}", tag = "documents",
     params(("id" = String, Path, description = "The document's id")),
-    responses((status = 200, description = "What was removed", body = super::openapi::Deleted)))]
+    responses((status = 200, description = "What was removed", body = super::schema::Deleted)))]
 pub async fn remove(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,

@@ -74,7 +74,11 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         if inner.is_syntax() || inner.is_eof() {
             ApiError::field("body", format!("malformed JSON: {inner}"))
         } else if path == "." {
-            ApiError::field("body", inner)
+            // Serde reads a flattened part (the decoding settings) without its field's name.
+            serde_json::from_slice(bytes)
+                .ok()
+                .and_then(|body| super::decoding::field_error(&body))
+                .unwrap_or_else(|| ApiError::field("body", inner))
         } else {
             ApiError::field(&path, inner)
         }

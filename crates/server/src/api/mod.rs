@@ -7,8 +7,10 @@ pub mod admin;
 pub mod ask;
 pub mod auth;
 pub mod completions;
+pub mod decoding;
 pub mod documents;
 pub mod error;
+pub mod fields;
 pub mod grpc;
 pub mod http;
 pub mod json;
@@ -17,6 +19,7 @@ pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod page;
+pub mod schema;
 pub mod tenant;
 pub mod tokenize;
 
@@ -205,7 +208,7 @@ async fn refuse_while_draining(
 
 /// Liveness.
 #[utoipa::path(get, path = "/health", tag = "probes",
-    responses((status = 200, description = "Up", body = openapi::Health)))]
+    responses((status = 200, description = "Up", body = schema::Health)))]
 async fn health() -> Json<serde_json::Value> {
     Json(json!({"status": "ok"}))
 }
@@ -213,8 +216,8 @@ async fn health() -> Json<serde_json::Value> {
 /// Readiness: models, store, corpus progress, queue and its admission outlook; 503 while
 /// loading, after a failed start or once shutdown began.
 #[utoipa::path(get, path = "/ready", tag = "probes",
-    responses((status = 200, description = "Ready", body = openapi::Readiness),
-        (status = 503, description = "Loading, failed or draining", body = openapi::Readiness)))]
+    responses((status = 200, description = "Ready", body = schema::Readiness),
+        (status = 503, description = "Loading, failed or draining", body = schema::Readiness)))]
 async fn ready(State(state): State<AppState>) -> Response {
     use std::sync::atomic::Ordering::Relaxed;
     let r = &state.readiness;

@@ -10,10 +10,12 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
-use super::ask::{self, AnswerEvent, Asked, Decoding};
+use super::ask::{self, AnswerEvent, Asked};
+use super::decoding::Decoding;
 use super::error::ApiError;
+use super::fields::refuse_unhonoured;
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
 use llm::{FinishReason, TokenLogprob};
@@ -21,35 +23,17 @@ use rag::pipeline::context::ContextAsked;
 use rag::pipeline::{CacheUse, RagAnswer, Source, Timings, Usage};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
-#[serde(deny_unknown_fields)]
 pub struct QueryBody {
     pub query: String,
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
     pub max_tokens: Option<usize>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub seed: Option<u64>,
     #[schema(value_type = Option<Object>)]
     pub filter: Option<Value>,
     #[serde(default)]
     pub stream: bool,
-    /// A stop string or a list of up to 4: the answer ends before the first.
-    #[schema(value_type = Option<super::openapi::Stop>)]
-    pub stop: Option<Value>,
     /// Each answer token's log-probability with this many likeliest alternatives (0 to 20).
     pub logprobs: Option<usize>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    pub repetition_penalty: Option<f64>,
-    pub no_repeat_ngram_size: Option<usize>,
-    pub penalize_prompt: Option<bool>,
-    /// 0 to 10, added to the logit of each token that continues, in the context passages, the
-    /// answer's last tokens (unset: the server's `--copy-bias`; 0 is off).
-    pub copy_bias: Option<f64>,
-    /// End the answer at its first finished paragraph (unset: the server's
-    /// `--end-at-paragraph`).
-    pub end_at_paragraph: Option<bool>,
     /// The context stage: `off`, `sentences` or `passages`; its token budget; its method; the
     /// order the prompt lists its passages in (`best-last` or `rank`); whether headers name
     /// the entry term of their best sentence (`sentences` only).
@@ -60,6 +44,13 @@ pub struct QueryBody {
     pub context_terms: Option<bool>,
     /// Prefill the prompt's head while retrieving (unset: the server's `--overlap`).
     pub overlap: Option<bool>,
+    /// Temperature, top-p, seed, stop strings, penalties and biases.
+    #[serde(flatten)]
+    pub decoding: Decoding,
+    /// Everything else, refused by name.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub extra: Map<String, Value>,
 }
 
 /// A RAG answer with its sources; with `stream: true`, server-sent events `sources`,
@@ -67,13 +58,14 @@ pub struct QueryBody {
 #[utoipa::path(post, path = "/v1/rag/query", tag = "rag", request_body = QueryBody,
     responses((status = 200, description = "The answer, or its events", content(
         (AnswerBody = "application/json"),
-        (super::openapi::RagEvent = "text/event-stream")))))]
+        (super::schema::RagEvent = "text/event-stream")))))]
 pub async fn query(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
     headers: HeaderMap,
     ValidJson(body): ValidJson<QueryBody>,
 ) -> Result<Response, ApiError> {
+    refuse_unhonoured(&body.extra, &[])?;
     let pipeline = state.pipeline()?;
     let asked = Asked {
         query: body.query,
@@ -81,22 +73,10 @@ pub async fn query(
         top_k: body.top_k,
         rerank_top_n: body.rerank_top_n,
         max_tokens: body.max_tokens,
-        temperature: body.temperature,
-        top_p: body.top_p,
-        seed: body.seed,
         filter: body.filter,
-        decoding: Decoding {
-            stop: ask::stop_strings(body.stop.as_ref())?,
-            n: None,
-            logprobs: body.logprobs,
-            presence_penalty: body.presence_penalty,
-            frequency_penalty: body.frequency_penalty,
-            repetition_penalty: body.repetition_penalty,
-            no_repeat_ngram_size: body.no_repeat_ngram_size,
-            penalize_prompt: body.penalize_prompt,
-            copy_bias: body.copy_bias,
-            end_at_paragraph: body.end_at_paragraph,
-        },
+        decoding: body.decoding,
+        n: None,
+        logprobs: body.logprobs,
         context: ContextAsked {
             mode: body.context,
             budget: body.context_budget,
@@ -134,11 +114,11 @@ pub struct AnswerBody<'a> {
     pub usage: Usage,
     pub timings: Timings,
     pub cache: CacheUse,
-    #[schema(value_type = super::openapi::FinishReason)]
+    #[schema(value_type = super::schema::FinishReason)]
     pub finish_reason: FinishReason,
     /// The first choice's log-probabilities, when asked for.
     #[serde(skip_serializing_if = "<[_]>::is_empty")]
-    #[schema(value_type = Vec<super::openapi::TokenLogprob>, required = false)]
+    #[schema(value_type = Vec<super::schema::TokenLogprob>, required = false)]
     pub logprobs: &'a [TokenLogprob],
 }
 
@@ -198,7 +178,7 @@ pub struct RerankBody {
 
 /// Scores documents against a query, best first.
 #[utoipa::path(post, path = "/v1/rerank", tag = "rag", request_body = RerankBody,
-    responses((status = 200, description = "The ranking", body = super::openapi::RerankResponse)))]
+    responses((status = 200, description = "The ranking", body = super::schema::RerankResponse)))]
 pub async fn rerank(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,

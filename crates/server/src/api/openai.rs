@@ -6,7 +6,6 @@
 //! was dropped.
 
 use std::convert::Infallible;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -17,8 +16,10 @@ use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::ask::{self, AnswerEvent, Asked, Decoding};
+use super::ask::{self, AnswerEvent, Asked};
+use super::decoding::Decoding;
 use super::error::ApiError;
+use super::fields::{is_empty, refuse_unhonoured, refuse_unhonoured_in, unix_now, Unsupported};
 use super::json::ValidJson;
 use super::{AppState, RequestStage};
 use llm::{ChatMessage, FinishReason, TokenLogprob, MAX_TOP_LOGPROBS};
@@ -34,30 +35,13 @@ pub struct ChatBody {
     pub messages: Vec<ChatMessageBody>,
     pub max_tokens: Option<usize>,
     pub max_completion_tokens: Option<usize>,
-    pub temperature: Option<f64>,
-    pub top_p: Option<f64>,
-    pub seed: Option<u64>,
     #[serde(default)]
     pub stream: bool,
-    /// A stop string or a list of up to 4.
-    #[schema(value_type = Option<super::openapi::Stop>)]
-    pub stop: Option<Value>,
     /// Independent choices, 1 to [`ask::MAX_CHOICES`]; choice `i` samples with `seed + i`.
     pub n: Option<usize>,
     pub logprobs: Option<bool>,
     /// 0 to 20 alternatives per token; needs `logprobs: true`.
     pub top_logprobs: Option<usize>,
-    pub presence_penalty: Option<f64>,
-    pub frequency_penalty: Option<f64>,
-    /// Extensions: HF / llama.cpp's repetition penalty, HF's n-gram block.
-    pub repetition_penalty: Option<f64>,
-    pub no_repeat_ngram_size: Option<usize>,
-    /// Extension: the penalties count the prompt's tokens too.
-    pub penalize_prompt: Option<bool>,
-    /// Extensions: the copy bias (0 to 10) and the paragraph end of RAG answers (unset: the
-    /// server's `--copy-bias` and `--end-at-paragraph`; neither for the plain model).
-    pub copy_bias: Option<f64>,
-    pub end_at_paragraph: Option<bool>,
     /// Extension: retrieval settings and filter.
     pub top_k: Option<usize>,
     pub rerank_top_n: Option<usize>,
@@ -78,6 +62,11 @@ pub struct ChatBody {
     pub service_tier: Option<String>,
     /// `include_usage: true` adds a last chunk with `usage` and no choices, as OpenAI does.
     pub stream_options: Option<StreamOptions>,
+    /// OpenAI's temperature, top-p, seed, stop, presence and frequency penalties, and the
+    /// extensions: the repetition penalty, the n-gram block, the copy bias and the paragraph
+    /// end (for the plain model only what the request asks; no RAG defaults).
+    #[serde(flatten)]
+    pub decoding: Decoding,
     /// Everything else, refused by [`refuse_unhonoured`] with [`CHAT_UNSUPPORTED`].
     #[serde(flatten)]
     #[schema(ignore)]
@@ -89,10 +78,6 @@ pub struct ChatBody {
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
-
-/// An OpenAI field this server does not implement: its name, the values that ask for nothing
-/// (besides `null`, which always does) in words for the error, and the test for them.
-pub(super) type Unsupported = (&'static str, &'static str, fn(&Value) -> bool);
 
 /// Chat fields that would change the answer; each is refused unless its value is neutral.
 const CHAT_UNSUPPORTED: &[Unsupported] = &[
@@ -112,58 +97,12 @@ const CHAT_UNSUPPORTED: &[Unsupported] = &[
     ("web_search_options", "null", |_| false),
 ];
 
-pub(super) fn is_empty(v: &Value) -> bool {
-    match v {
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.is_empty(),
-        _ => false,
-    }
-}
-
-/// Refuses, naming it, the first field of `extra` (what the body's struct did not take): an
-/// unsupported field with a value that asks for something, or a field nobody knows.
-pub(super) fn refuse_unhonoured(
-    extra: &Map<String, Value>,
-    unsupported: &[Unsupported],
-) -> Result<(), ApiError> {
-    refuse_unhonoured_in("", extra, unsupported)
-}
-
-/// [`refuse_unhonoured`] for an object inside the body: errors name `{path}.{field}`.
-fn refuse_unhonoured_in(
-    path: &str,
-    extra: &Map<String, Value>,
-    unsupported: &[Unsupported],
-) -> Result<(), ApiError> {
-    for (name, value) in extra {
-        let param = match path {
-            "" => name.clone(),
-            _ => format!("{path}.{name}"),
-        };
-        match unsupported.iter().find(|(n, _, _)| n == name) {
-            Some((_, _, neutral)) if value.is_null() || neutral(value) => {}
-            Some((_, neutral, _)) => {
-                return Err(ApiError::field(
-                    &param,
-                    format!("not supported by this server; leave it out or send {neutral}"),
-                )
-                .with_code("unsupported_parameter"))
-            }
-            None => {
-                return Err(ApiError::field(&param, "unknown field").with_code("unknown_parameter"))
-            }
-        }
-    }
-    Ok(())
-}
-
 /// One of `messages`. `role` and `content` make the turn; `name` is accepted and ignored (a
 /// participant's label, which the chat template has no place for).
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChatMessageBody {
     pub role: String,
-    #[schema(value_type = Option<super::openapi::MessageContent>)]
+    #[schema(value_type = Option<super::schema::MessageContent>)]
     pub content: Option<Value>,
     pub name: Option<String>,
     /// Everything else, refused by name (`messages[2].tool_calls`) with [`MESSAGE_UNSUPPORTED`].
@@ -180,12 +119,6 @@ const MESSAGE_UNSUPPORTED: &[Unsupported] = &[
     ("audio", "null", |_| false),
     ("refusal", "null", |_| false),
 ];
-
-pub(super) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
 
 /// The conversation of a request's `messages`, roles and fields checked; errors name
 /// `messages[i]` and the field. `developer` (OpenAI's newer name for the system turn) is
@@ -295,8 +228,8 @@ pub(super) fn check_model(pipeline: &Pipeline, model: &str) -> Result<(), ApiErr
 /// `…-plain` model); JSON, or with `stream: true` server-sent chunks ending in `data: [DONE]`.
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatBody,
     responses((status = 200, description = "The completion, or its chunks", content(
-        (super::openapi::ChatCompletion = "application/json"),
-        (super::openapi::ChatStreamEvent = "text/event-stream")))))]
+        (super::schema::ChatCompletion = "application/json"),
+        (super::schema::ChatStreamEvent = "text/event-stream")))))]
 pub async fn chat_completions(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -343,27 +276,15 @@ pub async fn chat_completions(
         top_k: body.top_k,
         rerank_top_n: body.rerank_top_n,
         max_tokens: body.max_completion_tokens.or(body.max_tokens),
-        temperature: body.temperature,
-        top_p: body.top_p,
-        seed: body.seed,
-        filter: body.filter,
-        decoding: Decoding {
-            stop: ask::stop_strings(body.stop.as_ref())?,
-            n: body.n,
-            logprobs: top_logprobs(body.logprobs, body.top_logprobs)?,
-            presence_penalty: body.presence_penalty,
-            frequency_penalty: body.frequency_penalty,
-            repetition_penalty: body.repetition_penalty,
-            no_repeat_ngram_size: body.no_repeat_ngram_size,
-            penalize_prompt: body.penalize_prompt,
-            copy_bias: body.copy_bias,
-            end_at_paragraph: body.end_at_paragraph,
-        },
+        filter: body.filter.clone(),
+        decoding: body.decoding.clone(),
+        n: body.n,
+        logprobs: top_logprobs(body.logprobs, body.top_logprobs)?,
         context: ContextAsked {
-            mode: body.context,
+            mode: body.context.clone(),
             budget: body.context_budget,
-            method: body.context_method,
-            order: body.context_order,
+            method: body.context_method.clone(),
+            order: body.context_order.clone(),
             terms: body.context_terms,
         },
         overlap: body.overlap,
@@ -390,14 +311,9 @@ pub async fn chat_completions(
     if plain {
         // The generator alone compares with other servers on the same prompt: the RAG
         // decoding defaults do not apply, only what the request asks for.
-        let neutral = llm::Sampling::default();
-        req.sampling.repetition_penalty = body
-            .repetition_penalty
-            .map_or(neutral.repetition_penalty, |v| v as f32);
-        req.sampling.no_repeat_ngram = body.no_repeat_ngram_size.unwrap_or(neutral.no_repeat_ngram);
-        req.sampling.context_bias = neutral.context_bias;
-        req.sampling.copy_bias = body.copy_bias.map_or(neutral.copy_bias, |v| v as f32);
-        req.end_at_paragraph = body.end_at_paragraph.unwrap_or(false);
+        let decoded = body.decoding.resolve(llm::Sampling::default())?;
+        req.sampling = decoded.sampling;
+        req.end_at_paragraph = decoded.end_at_paragraph.unwrap_or(false);
     }
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let model = if plain {
@@ -629,7 +545,7 @@ fn chunks(
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct EmbeddingsBody {
     pub model: String,
-    #[schema(value_type = super::openapi::EmbeddingInput)]
+    #[schema(value_type = super::schema::EmbeddingInput)]
     pub input: Value,
     pub encoding_format: Option<String>,
     pub dimensions: Option<usize>,
@@ -643,7 +559,7 @@ pub struct EmbeddingsBody {
 
 /// OpenAI embeddings (L2-normalised), floats or base64.
 #[utoipa::path(post, path = "/v1/embeddings", tag = "openai", request_body = EmbeddingsBody,
-    responses((status = 200, description = "One vector per input", body = super::openapi::EmbeddingList)))]
+    responses((status = 200, description = "One vector per input", body = super::schema::EmbeddingList)))]
 pub async fn embeddings(
     State(state): State<AppState>,
     Extension(stage): Extension<RequestStage>,
@@ -733,7 +649,7 @@ pub async fn embeddings(
 
 /// The models this server answers to.
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
-    responses((status = 200, description = "OpenAI's model list", body = super::openapi::ModelList)))]
+    responses((status = 200, description = "OpenAI's model list", body = super::schema::ModelList)))]
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
     let created = unix_now();

@@ -11,8 +11,9 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
+use super::fields::refuse_unhonoured;
 use super::json::ValidJson;
-use super::openai::{chat_messages, check_model, refuse_unhonoured, ChatMessageBody};
+use super::openai::{chat_messages, check_model, ChatMessageBody};
 use super::AppState;
 use llm::{GenerateError, Generator};
 use rag::pipeline::{Pipeline, PipelineError};
@@ -55,7 +56,7 @@ fn refuse_set(fields: &[(&str, bool)], why: &str) -> Result<(), ApiError> {
 
 /// The generator's tokenizer, in llama.cpp's shape or (with `model`) vLLM's.
 #[utoipa::path(post, path = "/tokenize", tag = "tokenizer", request_body = TokenizeBody,
-    responses((status = 200, description = "The tokens", body = super::openapi::Tokenized)))]
+    responses((status = 200, description = "The tokens", body = super::schema::Tokenized)))]
 pub async fn tokenize(
     State(state): State<AppState>,
     ValidJson(body): ValidJson<TokenizeBody>,
@@ -172,7 +173,7 @@ pub struct DetokenizeBody {
 
 /// Token ids back to text (`{content}`, or with `model` vLLM's `{prompt}`).
 #[utoipa::path(post, path = "/detokenize", tag = "tokenizer", request_body = DetokenizeBody,
-    responses((status = 200, description = "The text", body = super::openapi::Detokenized)))]
+    responses((status = 200, description = "The text", body = super::schema::Detokenized)))]
 pub async fn detokenize(
     State(state): State<AppState>,
     ValidJson(body): ValidJson<DetokenizeBody>,

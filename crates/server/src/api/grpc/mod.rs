@@ -18,7 +18,8 @@ use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use super::ask::{self, AnswerEvent, Asked, Decoding, DocumentBody};
+use super::ask::{self, AnswerEvent, Asked, DocumentBody};
+use super::decoding::Decoding;
 use super::error::ApiError;
 use super::limit::ConnectionLimit;
 use super::{AppState, Readiness, RequestStage};
@@ -198,27 +199,15 @@ impl Rag for RagService {
         let headers = request.metadata().clone().into_headers();
         let r = request.into_inner();
         let asked = Asked {
+            decoding: Decoding::from_query(&r),
             query: r.query,
             history: Vec::new(),
             top_k: r.top_k.map(|v| v as usize),
             rerank_top_n: r.rerank_top_n.map(|v| v as usize),
             max_tokens: r.max_tokens.map(|v| v as usize),
-            temperature: r.temperature,
-            top_p: r.top_p,
-            seed: r.seed,
             filter: r.filter.map(|f| Value::Object(struct_to_json(f))),
-            decoding: Decoding {
-                stop: r.stop,
-                n: None,
-                logprobs: r.logprobs.map(|k| k as usize),
-                presence_penalty: r.presence_penalty,
-                frequency_penalty: r.frequency_penalty,
-                repetition_penalty: r.repetition_penalty,
-                no_repeat_ngram_size: r.no_repeat_ngram_size.map(|n| n as usize),
-                penalize_prompt: r.penalize_prompt,
-                copy_bias: r.copy_bias,
-                end_at_paragraph: r.end_at_paragraph,
-            },
+            n: None,
+            logprobs: r.logprobs.map(|k| k as usize),
             context: ContextAsked {
                 mode: r.context,
                 budget: r.context_budget.map(|v| v as usize),

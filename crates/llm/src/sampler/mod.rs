@@ -2,7 +2,8 @@
 //! does: repetition penalties or an n-gram block over the tokens generated so far, then greedy,
 //! or temperature and nucleus sampling from a seeded RNG; optionally the log-probabilities of
 //! the model's own distribution. The generation loop ([`super::generation`]) owns one
-//! [`Sampler`] per request.
+//! [`Sampler`] per request. [`Sampling`], what it is asked for, is defined here too: a decoding
+//! setting is its field, its flag, its span attribute and its effect, in one file.
 
 use std::collections::HashMap;
 
@@ -10,7 +11,169 @@ use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::Sampling;
+use opentelemetry::KeyValue;
+use serde::{Deserialize, Serialize};
+use telemetry::names::attr;
+
+/// How the next token is chosen: the one description of a decoding setting. The API's
+/// `Decoding` fills it from a request, the server's flags below give its RAG defaults,
+/// [`Sampling::attributes`] puts it on the `chat` span and the [`Sampler`] applies it.
+/// `temperature <= 0` means greedy. [`Sampling::default`] is neutral: no penalty, no n-gram
+/// block, greedy (the plain model's and the benchmarks' settings).
+///
+/// The penalties and the n-gram block look at the tokens this request has generated, not at
+/// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too, which
+/// `penalize_prompt` asks for): a RAG answer has to copy words from its passages.
+///
+/// As flags, the fields that have one set what a RAG request gets when it leaves them out.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, clap::Args)]
+pub struct Sampling {
+    #[arg(skip)]
+    pub temperature: f64,
+    #[arg(skip)]
+    pub top_p: Option<f64>,
+    #[arg(skip)]
+    pub seed: u64,
+    /// OpenAI's `presence_penalty`: subtracted once from the logit of every token generated so far.
+    #[arg(skip)]
+    pub presence_penalty: f32,
+    /// OpenAI's `frequency_penalty`: subtracted from a token's logit once per time it was generated.
+    #[arg(skip)]
+    pub frequency_penalty: f32,
+    /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
+    /// otherwise: a generated token's positive logit is divided by it, a negative one multiplied.
+    #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    /// RAG answers never repeat an n-gram of this many tokens (0 = off) unless the request says
+    /// otherwise, as HF's `no_repeat_ngram_size`, except where the context passages hold it
+    /// more often than the answer so far.
+    #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
+    pub no_repeat_ngram: usize,
+    /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
+    #[arg(skip)]
+    pub penalize_prompt: bool,
+    /// Added to the logit of every token of a RAG answer's context passages
+    /// ([`GenerateRequest::context_tokens`](crate::GenerateRequest::context_tokens); 0 = off)
+    /// unless the request says otherwise: the small generator copies its sources' words more
+    /// often (docs/CONTEXT.md has the measurements).
+    #[serde(default)]
+    #[arg(long, env = "RAGSCOPE_CONTEXT_BIAS", default_value_t = 0.0)]
+    pub context_bias: f32,
+    /// Added to the logit of each token that continues, in a RAG answer's context passages,
+    /// the longest run of the answer's last tokens found there (0 = off) unless the request
+    /// says otherwise: the answer copies its sources' spans (an option, a command line) rather
+    /// than inventing them. With the default 3 and answers ending at their first paragraph,
+    /// 25/50 evaluation answers carry the fact against 18/50 with neither (docs/CONTEXT.md).
+    #[serde(default)]
+    #[arg(long, env = "RAGSCOPE_COPY_BIAS", default_value_t = 3.0)]
+    pub copy_bias: f32,
+}
+
+impl Sampling {
+    /// Whether any penalty or block needs the request's generated tokens.
+    pub fn penalises(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.no_repeat_ngram > 0
+            || self.context_bias != 0.0
+            || self.copy_bias != 0.0
+    }
+
+    /// Whether the context passages' tokens are needed: a bias towards them, or the n-gram
+    /// block's allowance for what they repeat.
+    pub fn reads_context(&self) -> bool {
+        self.context_bias != 0.0 || self.copy_bias != 0.0 || self.no_repeat_ngram > 0
+    }
+
+    /// The settings as `chat` span attributes: temperature and seed always, top-p when set,
+    /// and each penalty, bias or block that is not neutral.
+    pub fn attributes(&self) -> Vec<KeyValue> {
+        let mut out = vec![
+            KeyValue::new(attr::GEN_AI_REQUEST_TEMPERATURE, self.temperature),
+            KeyValue::new(attr::GEN_AI_REQUEST_SEED, self.seed as i64),
+        ];
+        if let Some(p) = self.top_p {
+            out.push(KeyValue::new(attr::GEN_AI_REQUEST_TOP_P, p));
+        }
+        let neutral = Sampling::default();
+        for (key, value, off) in [
+            (
+                attr::GEN_AI_REQUEST_PRESENCE_PENALTY,
+                self.presence_penalty,
+                neutral.presence_penalty,
+            ),
+            (
+                attr::GEN_AI_REQUEST_FREQUENCY_PENALTY,
+                self.frequency_penalty,
+                neutral.frequency_penalty,
+            ),
+            (
+                attr::REQUEST_REPETITION_PENALTY,
+                self.repetition_penalty,
+                neutral.repetition_penalty,
+            ),
+            (
+                attr::REQUEST_CONTEXT_BIAS,
+                self.context_bias,
+                neutral.context_bias,
+            ),
+            (attr::REQUEST_COPY_BIAS, self.copy_bias, neutral.copy_bias),
+        ] {
+            if value != off {
+                out.push(KeyValue::new(key, f64::from(value)));
+            }
+        }
+        if self.penalize_prompt {
+            out.push(KeyValue::new(attr::REQUEST_PENALIZE_PROMPT, true));
+        }
+        if self.no_repeat_ngram > 0 {
+            out.push(KeyValue::new(
+                attr::REQUEST_NO_REPEAT_NGRAM_SIZE,
+                self.no_repeat_ngram as i64,
+            ));
+        }
+        out
+    }
+}
+
+/// `name value` pairs of every setting, for reports (`ragscope eval`'s settings line).
+impl std::fmt::Display for Sampling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "temperature {} top_p {:?} seed {} presence_penalty {} frequency_penalty {} \
+             repetition_penalty {} no_repeat_ngram {} penalize_prompt {} context_bias {} copy_bias {}",
+            self.temperature,
+            self.top_p,
+            self.seed,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.no_repeat_ngram,
+            self.penalize_prompt,
+            self.context_bias,
+            self.copy_bias
+        )
+    }
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 0.0,
+            top_p: None,
+            seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            no_repeat_ngram: 0,
+            penalize_prompt: false,
+            context_bias: 0.0,
+            copy_bias: 0.0,
+        }
+    }
+}
 
 /// The longest run of an answer's last tokens the copy bias looks for in the context: enough
 /// to tell one option's spelling from another's.
@@ -399,283 +562,4 @@ impl Sampler {
 }
 
 #[cfg(test)]
-mod tests {
-    use candle_core::Device;
-
-    use super::*;
-
-    fn draw(sampling: Sampling, logits: &[f32], n: usize) -> Vec<u32> {
-        let logits = Logits::Device(Tensor::new(logits, &Device::Cpu).unwrap());
-        let mut s = Sampler::new(&sampling);
-        (0..n).map(|_| s.sample(&logits).unwrap()).collect()
-    }
-
-    fn sampling(temperature: f64, top_p: Option<f64>, seed: u64) -> Sampling {
-        Sampling {
-            temperature,
-            top_p,
-            seed,
-            ..Sampling::default()
-        }
-    }
-
-    /// The greedy picks after each token of `history` was generated.
-    fn greedy_after(sampling: Sampling, logits: &[f32], history: &[u32]) -> u32 {
-        let mut s = Sampler::new(&sampling);
-        if let Some(p) = &mut s.penalties {
-            history.iter().for_each(|&t| p.accept(t));
-        }
-        s.sample(&Logits::Host(logits.to_vec())).unwrap()
-    }
-
-    #[test]
-    fn presence_and_frequency_penalties_subtract_from_seen_tokens() {
-        let logits = [1.0, 0.0, 3.0, -2.0];
-        let s = Sampling {
-            presence_penalty: 0.5,
-            frequency_penalty: 0.25,
-            ..Sampling::default()
-        };
-        let mut p = Penalties::new(&s).unwrap();
-        [2, 2, 3].iter().for_each(|&t| p.accept(t));
-        let mut adjusted = logits;
-        p.apply(&mut adjusted);
-        // Token 2: seen twice, 3 - 0.5 - 2 * 0.25; token 3: once; 0 and 1 untouched.
-        assert_eq!(adjusted, [1.0, 0.0, 2.0, -2.75]);
-        // Strong enough, the penalty moves greedy off the repeated token; negative, it favours it.
-        let strong = Sampling {
-            frequency_penalty: 1.5,
-            ..Sampling::default()
-        };
-        assert_eq!(greedy_after(strong, &logits, &[2]), 2);
-        assert_eq!(greedy_after(strong, &logits, &[2, 2]), 0);
-        let negative = Sampling {
-            presence_penalty: -2.0,
-            ..Sampling::default()
-        };
-        assert_eq!(greedy_after(negative, &[3.0, 1.5], &[1]), 1);
-    }
-
-    #[test]
-    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
-        let s = Sampling {
-            repetition_penalty: 2.0,
-            ..Sampling::default()
-        };
-        let mut p = Penalties::new(&s).unwrap();
-        [0, 1, 1].iter().for_each(|&t| p.accept(t));
-        let mut adjusted = [4.0, -1.0, 3.0];
-        p.apply(&mut adjusted);
-        // Once per seen token whatever the count (HF's semantics).
-        assert_eq!(adjusted, [2.0, -2.0, 3.0]);
-        assert_eq!(greedy_after(s, &[4.0, -1.0, 3.0], &[0]), 2);
-        // Neutral settings add no work at all.
-        assert!(Penalties::new(&Sampling::default()).is_none());
-        // A prompt token counts only when asked.
-        let logits = Logits::Host(vec![4.0, -1.0, 3.0]);
-        assert_eq!(Sampler::new(&s).seeing(&[0]).sample(&logits).unwrap(), 2);
-        let plain = Sampler::new(&Sampling::default()).seeing(&[0]);
-        assert!(plain.penalties.is_none());
-    }
-
-    #[test]
-    fn the_context_bias_favours_the_contexts_tokens_only() {
-        let logits = Logits::Host(vec![3.0, 2.0, 1.5, 0.0]);
-        let s = Sampling {
-            context_bias: 1.0,
-            ..Sampling::default()
-        };
-        // Token 2 is in the context: 1.5 + 1.0 beats 2.0 but not 3.0; with 2.0 it wins.
-        let pick = |s: &Sampling, context: &[u32]| {
-            Sampler::for_request(s, &[], context, &[])
-                .pick(&logits, Some(1))
-                .unwrap()
-        };
-        assert_eq!(pick(&s, &[2, 2]).token, 0);
-        let strong = Sampling {
-            context_bias: 2.0,
-            ..s
-        };
-        let p = pick(&strong, &[2, 2]);
-        assert_eq!(p.token, 2);
-        // The reported log-probabilities are the model's own, before the bias.
-        let (lp, top) = p.logprobs.unwrap();
-        assert_eq!(top[0].0, 0);
-        assert!(lp < top[0].1);
-        // No context, or no bias: the model's own pick.
-        assert_eq!(pick(&strong, &[]).token, 0);
-        assert_eq!(pick(&Sampling::default(), &[2]).token, 0);
-    }
-
-    #[test]
-    fn the_copy_bias_favours_what_follows_the_longest_match_in_the_context() {
-        let s = Sampling {
-            copy_bias: 2.0,
-            ..Sampling::default()
-        };
-        // The context spells "5 1 2" and "7 1 3": after "7 1" the longer match says 3.
-        let context = [5, 1, 2, 9, 7, 1, 3];
-        let logits = Logits::Host(vec![0.0, 0.0, 1.0, 0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.0]);
-        let mut sampler = Sampler::for_request(&s, &[4, 4], &context, &[]);
-        let feed = |sampler: &mut Sampler, token: u32| {
-            sampler.penalties.as_mut().unwrap().accept(token);
-        };
-        // Nothing generated yet: no bias, the model's own pick.
-        assert_eq!(sampler.sample(&logits).unwrap(), 4);
-        sampler = Sampler::for_request(&s, &[4, 4], &context, &[]);
-        feed(&mut sampler, 7);
-        feed(&mut sampler, 1);
-        assert_eq!(sampler.sample(&logits).unwrap(), 3);
-        // After a lone "1" both continuations match one token long: 2 wins on its logit.
-        let mut sampler = Sampler::for_request(&s, &[], &context, &[]);
-        feed(&mut sampler, 1);
-        assert_eq!(sampler.sample(&logits).unwrap(), 2);
-        // A token the context does not hold: the model's own pick.
-        let mut sampler = Sampler::for_request(&s, &[], &context, &[]);
-        feed(&mut sampler, 8);
-        assert_eq!(sampler.sample(&logits).unwrap(), 4);
-        // The prompt, counted for the penalties, is not part of the answer being matched.
-        let counted = Sampling {
-            penalize_prompt: true,
-            ..s
-        };
-        let mut sampler = Sampler::for_request(&counted, &[7, 1], &context, &[]);
-        assert_eq!(sampler.sample(&logits).unwrap(), 4);
-    }
-
-    #[test]
-    fn no_repeat_ngram_blocks_the_token_completing_a_seen_ngram() {
-        let s = Sampling {
-            no_repeat_ngram: 3,
-            ..Sampling::default()
-        };
-        let mut p = Penalties::new(&s).unwrap();
-        // 5 6 7 ... 5 6: a 7 would repeat "5 6 7".
-        [5, 6, 7, 1, 5, 6].iter().for_each(|&t| p.accept(t));
-        let mut blocked = Vec::new();
-        p.for_each_blocked(|t| blocked.push(t));
-        assert_eq!(blocked, [7]);
-        let mut logits = vec![0.0; 8];
-        logits[7] = 5.0;
-        logits[4] = 1.0;
-        assert_eq!(greedy_after(s, &logits, &[5, 6, 7, 1, 5, 6]), 4);
-        // Not after "6 5": nothing to complete.
-        assert_eq!(greedy_after(s, &logits, &[5, 6, 7, 6, 5]), 7);
-        let unigram = Sampling {
-            no_repeat_ngram: 1,
-            ..Sampling::default()
-        };
-        assert_eq!(greedy_after(unigram, &[3.0, 2.0, 1.0], &[0, 1]), 2);
-    }
-
-    #[test]
-    fn an_ngram_the_context_repeats_may_be_repeated_as_often_as_it_does() {
-        let s = Sampling {
-            no_repeat_ngram: 3,
-            ..Sampling::default()
-        };
-        let mut host = vec![0.0; 8];
-        host[7] = 5.0;
-        host[4] = 1.0;
-        let logits = Logits::Host(host);
-        let answer = [5, 6, 7, 1, 5, 6];
-        let pick = |context: &[u32]| {
-            let mut sampler = Sampler::for_request(&s, &[], context, &[]);
-            answer
-                .iter()
-                .for_each(|&t| sampler.penalties.as_mut().unwrap().accept(t));
-            sampler.sample(&logits).unwrap()
-        };
-        // "5 6 7" twice in the context: the answer may say it a second time, not a third.
-        assert_eq!(pick(&[5, 6, 7, 2, 5, 6, 7]), 7);
-        assert_eq!(pick(&[5, 6, 7, 2]), 4);
-        assert_eq!(pick(&[]), 4);
-        let thrice = [5, 6, 7, 1, 5, 6, 7, 1, 5, 6];
-        let mut sampler = Sampler::for_request(&s, &[], &[5, 6, 7, 2, 5, 6, 7], &[]);
-        thrice
-            .iter()
-            .for_each(|&t| sampler.penalties.as_mut().unwrap().accept(t));
-        assert_eq!(sampler.sample(&logits).unwrap(), 4);
-    }
-
-    #[test]
-    fn logprobs_are_the_raw_log_softmax_with_the_top_sorted() {
-        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
-        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
-        let (chosen, top) = logprobs(&logits, 2, 3);
-        assert!((chosen as f64 - (2.0 - z.ln())).abs() < 1e-6);
-        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2]);
-        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
-        let total: f64 = (0..5)
-            .map(|i| (logprobs(&logits, i, 0).0 as f64).exp())
-            .sum();
-        assert!((total - 1.0).abs() < 1e-5, "{total}");
-        // Greedy's pick carries the largest log-probability, taken before any penalty.
-        let s = Sampling {
-            frequency_penalty: 1.0,
-            ..Sampling::default()
-        };
-        let mut sampler = Sampler::new(&s);
-        let pick = sampler
-            .pick(&Logits::Host(logits.to_vec()), Some(2))
-            .unwrap();
-        assert_eq!(pick.token, 1);
-        let (lp, top) = pick.logprobs.unwrap();
-        assert_eq!(lp, top[0].1);
-        assert!(lp <= 0.0);
-        // Token 1 is now penalised: greedy takes 3; its log-probability is still the raw one.
-        let pick = sampler
-            .pick(&Logits::Host(logits.to_vec()), Some(2))
-            .unwrap();
-        assert_eq!(pick.token, 3);
-        assert_eq!(pick.logprobs.unwrap().0, lp);
-    }
-
-    #[test]
-    fn sampler_greedy_takes_the_argmax() {
-        let logits = [0.1, 2.0, -1.0, 1.9];
-        assert_eq!(draw(sampling(0.0, None, 1), &logits, 3), [1, 1, 1]);
-        assert_eq!(draw(sampling(f64::NAN, Some(0.5), 1), &logits, 1), [1]);
-    }
-
-    #[test]
-    fn sampler_never_picks_a_banned_token() {
-        let logits = Logits::Device(Tensor::new(&[0.1f32, 2.0, -1.0, 1.9], &Device::Cpu).unwrap());
-        let mut greedy = Sampler::new(&sampling(0.0, None, 1)).banning(&[1]);
-        assert_eq!(greedy.sample(&logits).unwrap(), 3);
-        let mut sampled = Sampler::new(&sampling(1.0, Some(0.9), 5)).banning(&[1, 3]);
-        for _ in 0..200 {
-            assert!(![1, 3].contains(&sampled.sample(&logits).unwrap()));
-        }
-    }
-
-    #[test]
-    fn sampler_follows_the_softmax() {
-        // p = [0.25, 0.75]
-        let logits = [0.0, 3f32.ln()];
-        let picks = draw(sampling(1.0, None, 42), &logits, 4000);
-        let ones = picks.iter().filter(|&&i| i == 1).count() as f64 / 4000.0;
-        assert!((ones - 0.75).abs() < 0.03, "{ones}");
-        // Temperature 2 flattens it to softmax([0, ln 3 / 2]) = [0.366, 0.634].
-        let picks = draw(sampling(2.0, None, 42), &logits, 4000);
-        let ones = picks.iter().filter(|&&i| i == 1).count() as f64 / 4000.0;
-        assert!((ones - 0.634).abs() < 0.03, "{ones}");
-    }
-
-    #[test]
-    fn sampler_top_p_keeps_only_the_nucleus() {
-        // p = [0.1, 0.6, 0.3]: top_p 0.5 is {1}; 0.8 is {1, 2}.
-        let logits = [1f32.ln(), 6f32.ln(), 3f32.ln()];
-        assert!(draw(sampling(1.0, Some(0.5), 3), &logits, 500)
-            .iter()
-            .all(|&i| i == 1));
-        let picks = draw(sampling(1.0, Some(0.8), 3), &logits, 2000);
-        assert!(!picks.contains(&0));
-        let twos = picks.iter().filter(|&&i| i == 2).count() as f64 / 2000.0;
-        assert!((twos - 1.0 / 3.0).abs() < 0.04, "{twos}");
-        // Same seed, same draws; another seed differs somewhere.
-        let a = draw(sampling(1.0, Some(0.95), 9), &logits, 64);
-        assert_eq!(a, draw(sampling(1.0, Some(0.95), 9), &logits, 64));
-        assert_ne!(a, draw(sampling(1.0, Some(0.95), 10), &logits, 64));
-    }
-}
+mod tests;
