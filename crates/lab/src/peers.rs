@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::{percentile, stage, PeersArgs};
 use llm::llama::{Llama, WeightFormat};
 use llm::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
+    ChatTokenizer, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
     TokenLogprob,
 };
 use rag::embed::bert::BertEmbedder;
@@ -104,23 +104,8 @@ impl Generator for Budget<'_> {
     fn context_window(&self) -> usize {
         self.window
     }
-    fn count_tokens(&self, text: &str) -> Result<usize, GenerateError> {
-        self.inner.count_tokens(text)
-    }
-    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError> {
-        self.inner.chat_prompt(messages)
-    }
-    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError> {
-        self.inner.tokenize(text, parse_special)
-    }
-    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
-        self.inner.detokenize(tokens)
-    }
-    fn token_bytes(&self, token: u32) -> Vec<u8> {
-        self.inner.token_bytes(token)
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
+    fn tokenizer(&self) -> &dyn ChatTokenizer {
+        self.inner
     }
     fn score(
         &self,
@@ -307,7 +292,7 @@ fn build_inputs(
     let passages: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
     let prompt = rag_prompt(generator, &first.question, &passages)?;
     let prompt_text = generator
-        .tokenizer()
+        .hf_tokenizer()
         .decode(&prompt, false)
         .map_err(|e| anyhow::anyhow!("decoding the prompt: {e}"))?;
 
@@ -324,7 +309,7 @@ fn build_inputs(
     let gguf = app::gguf_in(gen_dir)?;
     let eos_tokens = ["<|im_end|>", "<|endoftext|>"]
         .iter()
-        .filter_map(|t| generator.tokenizer().token_to_id(t))
+        .filter_map(|t| generator.hf_tokenizer().token_to_id(t))
         .collect();
     Ok(PeerInputs {
         gguf: std::path::absolute(gguf)?,
@@ -483,7 +468,7 @@ mod tests {
         let tokens = rag_prompt(&model, "What does git stash do?", &passages).unwrap();
         assert!(tokens.len() <= PROMPT_TOKENS, "{}", tokens.len());
         assert!(tokens.len() > PROMPT_TOKENS - 64, "{}", tokens.len());
-        let text = model.tokenizer().decode(&tokens, false).unwrap();
+        let text = model.hf_tokenizer().decode(&tokens, false).unwrap();
         assert!(text.starts_with("<|im_start|>system\n"), "{text}");
         assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
         assert!(text.contains("Question: What does git stash do?"));

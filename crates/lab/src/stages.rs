@@ -169,10 +169,10 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
     let g = &pipeline.generator;
     let passage = "git rebase reapplies commits on top of another base tip. If the upstream is not given, the upstream configured in branch.<name>.remote and branch.<name>.merge options will be used. ";
     let mut context = String::new();
-    while g.count_tokens(&context)? < 560 {
+    while g.tokenizer().count_tokens(&context)? < 560 {
         context.push_str(passage);
     }
-    let prompt = g.chat_prompt(&[
+    let prompt = g.tokenizer().chat_prompt(&[
         ChatMessage::new("system", rag::prompt::SYSTEM),
         ChatMessage::new(
             "user",

@@ -451,7 +451,7 @@ mod tests {
         f32_model, long_prompt, max_abs_diff, model, model_path, our_logits, rag_messages, request,
         run, MAX_CONTEXT,
     };
-    use crate::{Generator, KvDtype, Sampling};
+    use crate::{ChatTokenizer, KvDtype, Sampling};
 
     /// The same GGUF with every projection matrix converted to `dtype` (the format our model
     /// holds for `format`), written to a temporary file for candle's reference implementation.
@@ -542,7 +542,7 @@ mod tests {
                 ref_tokens.len() > 8,
                 "reference stopped early: {ref_tokens:?}"
             );
-            let tokenizer = default_model.tokenizer().clone();
+            let tokenizer = default_model.hf_tokenizer().clone();
             // The reference's cache is F32; the F16 one has its own test below.
             let ours = Llama::load_with_format(&path, tokenizer, &Device::Cpu, 1024, format)
                 .and_then(|m| m.with_kv_dtype(KvDtype::F32))
@@ -610,7 +610,7 @@ mod tests {
         // Same decode weights as the GPU format: only the prefill format differs.
         let default_model = &Llama::load_with_format(
             &model_path().expect("the model file"),
-            default_model.tokenizer().clone(),
+            default_model.hf_tokenizer().clone(),
             &Device::Cpu,
             1024,
             WeightFormat::F32PrefillQ8Decode,
@@ -620,7 +620,7 @@ mod tests {
         let (out, _) = run(default_model, request(&prompt, 16, Sampling::default()));
         let f16 = Llama::load_with_format(
             &model_path().expect("the model file"),
-            default_model.tokenizer().clone(),
+            default_model.hf_tokenizer().clone(),
             &Device::Cpu,
             1024,
             WeightFormat::F16PrefillQ8Decode,
@@ -743,7 +743,7 @@ mod tests {
     /// The model in `format` with `kernel` and an F32 KV cache (as [`f32_model`], which the
     /// tests compare it with), its tokenizer taken from the shared test model.
     fn load(format: WeightFormat, kernel: Bf16Kernel) -> Llama {
-        let tokenizer = model().expect("model").tokenizer().clone();
+        let tokenizer = model().expect("model").hf_tokenizer().clone();
         let path = model_path().expect("the model file");
         Llama::load_with_kernel(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format, kernel)
             .and_then(|m| m.with_kv_dtype(KvDtype::F32))

@@ -382,7 +382,10 @@ fn per_second(n: usize, d: std::time::Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use crate::testing::{model, request, run, stage, zorbia_prompt, MAX_CONTEXT};
-    use crate::{ChatMessage, FinishReason, Flow, GenerateError, Generator, Sampling, TokenTrace};
+    use crate::{
+        ChatMessage, ChatTokenizer, FinishReason, Flow, GenerateError, Generator, Sampling,
+        TokenTrace,
+    };
     use telemetry::clock;
 
     #[test]
@@ -713,7 +716,7 @@ mod tests {
             assert_eq!(pieces.concat(), out.text);
             assert_eq!(
                 out.text,
-                model.tokenizer().decode(&out.tokens, true).unwrap()
+                model.hf_tokenizer().decode(&out.tokens, true).unwrap()
             );
             assert!(out.tokens.len() <= 40);
             if out.finish == FinishReason::Length {

@@ -20,6 +20,7 @@ mod cpu_prefill;
 pub mod device;
 mod forward;
 mod generation;
+mod generator;
 mod host_kv;
 pub mod kernels;
 mod kv_cache;
@@ -267,14 +268,9 @@ pub enum GenerateError {
     Aborted,
 }
 
-/// A causal language model with a chat template.
-pub trait Generator: Send + Sync {
-    /// Model name as clients see it, e.g. `SmolLM2-135M-Instruct`.
-    fn model_id(&self) -> &str;
-
-    /// Maximum prompt + generated tokens per request.
-    fn context_window(&self) -> usize;
-
+/// A generator's tokenizer as prompts and clients use it: text to ids and back, the chat
+/// template, and the vocabulary.
+pub trait ChatTokenizer: Send + Sync {
     fn count_tokens(&self, text: &str) -> Result<usize, GenerateError>;
 
     /// Renders the chat template (with the assistant generation prompt) and tokenizes it.
@@ -285,7 +281,7 @@ pub trait Generator: Send + Sync {
     fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError>;
 
     /// Token ids back to text, control tokens written as their text. Ids must be below
-    /// [`Generator::vocab_size`].
+    /// [`ChatTokenizer::vocab_size`].
     fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError>;
 
     /// The raw bytes of one token's text (a control token's own text); a piece of a UTF-8
@@ -294,6 +290,43 @@ pub trait Generator: Send + Sync {
 
     /// Number of token ids.
     fn vocab_size(&self) -> usize;
+}
+
+/// The prefix cache as the pipeline uses it: filled ahead of a prompt, and asked how much of
+/// one it holds.
+pub trait PrefixReuse: Send + Sync {
+    /// Prefills `head`, the start of a prompt still being built, into the prefix cache and
+    /// generates nothing, so the prompt's own prefill starts from a hit (the pipeline's
+    /// retrieval–generation overlap). `proceed` is asked once the prefill turn is held: `false`
+    /// (the request's own prefill got there first, or the request failed) skips the work.
+    /// `None`: nothing was prefilled (a head shorter than a block, skipped).
+    fn warm(
+        &self,
+        head: &[u32],
+        stage: &Stage,
+        proceed: &dyn Fn() -> bool,
+    ) -> Result<Option<Warmed>, GenerateError>;
+
+    /// How many leading tokens of `prompt` a prefill would find in the cache now; uses nothing
+    /// and counts nothing.
+    fn cached(&self, prompt: &[u32]) -> usize;
+}
+
+/// A causal language model with a chat template: its tokenizer and prefix cache are
+/// components of their own, so a stand-in implements only what it changes.
+pub trait Generator: Send + Sync {
+    /// Model name as clients see it, e.g. `SmolLM2-135M-Instruct`.
+    fn model_id(&self) -> &str;
+
+    /// Maximum prompt + generated tokens per request.
+    fn context_window(&self) -> usize;
+
+    fn tokenizer(&self) -> &dyn ChatTokenizer;
+
+    /// The prefix cache, when there is one (`--prefix-cache-mb` above 0).
+    fn prefix_cache(&self) -> Option<&dyn PrefixReuse> {
+        None
+    }
 
     /// Scores a prompt: entry `i` is the log-probability of `prompt[i + 1]` after
     /// `prompt[..=i]`, with the `top` most likely tokens at that position (at most
@@ -304,33 +337,6 @@ pub trait Generator: Send + Sync {
         top: usize,
         stage: &Stage,
     ) -> Result<Vec<TokenLogprob>, GenerateError>;
-
-    /// Prefills `head`, the start of a prompt still being built, into the prefix cache and
-    /// generates nothing, so the prompt's own prefill starts from a hit (the pipeline's
-    /// retrieval–generation overlap). `proceed` is asked once the prefill turn is held: `false`
-    /// (the request's own prefill got there first, or the request failed) skips the work.
-    /// `None`: nothing was prefilled (no prefix cache, a head shorter than a block, skipped).
-    fn warm(
-        &self,
-        head: &[u32],
-        stage: &Stage,
-        proceed: &dyn Fn() -> bool,
-    ) -> Result<Option<Warmed>, GenerateError> {
-        let _ = (head, stage, proceed);
-        Ok(None)
-    }
-
-    /// How many leading tokens of `prompt` a prefill would find in the prefix cache now; uses
-    /// nothing and counts nothing. 0 without a prefix cache.
-    fn cached_prefix(&self, prompt: &[u32]) -> usize {
-        let _ = prompt;
-        0
-    }
-
-    /// Where this generator keeps failure snapshots (`GET /debug/snapshots`), if anywhere.
-    fn snapshots(&self) -> Option<&std::sync::Arc<crate::snapshot::SnapshotStore>> {
-        None
-    }
 
     /// Generates up to `req.max_tokens` tokens. `on_token` receives each new piece of text as
     /// soon as it is complete UTF-8 and cannot be the start of a stop string, and may stop the

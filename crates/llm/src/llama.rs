@@ -22,18 +22,13 @@ use candle_core::Device;
 use tokenizers::Tokenizer;
 
 use super::forward::{self, Transformer};
-use super::generation::TextGeneration;
 use super::kv_cache::KvCache;
 use super::prefix_cache::PrefixCache;
 use super::schedule::Scheduler;
 use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
-use super::{
-    ChatMessage, Flow, GenerateError, GenerateRequest, Generated, Generator, KvDtype, Piece,
-    TokenLogprob,
-};
-use telemetry::span::Stage;
+use super::{GenerateError, KvDtype};
 
 pub use super::weights::{Bf16Kernel, Prefill, WeightFormat};
 
@@ -347,7 +342,7 @@ impl Llama {
     }
 
     /// The tokenizer (with control tokens recognised in text).
-    pub fn tokenizer(&self) -> &Tokenizer {
+    pub fn hf_tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
 
@@ -359,114 +354,19 @@ impl Llama {
     }
 }
 
-fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, GenerateError> {
+/// `text`'s token ids, special-token text left as text.
+pub(crate) fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, GenerateError> {
     tokenizer
         .encode(text, false)
         .map(|e| e.get_ids().to_vec())
         .map_err(|e| GenerateError::Tokenizer(e.to_string()))
 }
 
-impl Generator for Llama {
-    fn model_id(&self) -> &str {
-        MODEL_ID
-    }
-
-    fn context_window(&self) -> usize {
-        self.context_window
-    }
-
-    fn count_tokens(&self, text: &str) -> Result<usize, GenerateError> {
-        Ok(encode(&self.content_tokenizer, text)?.len())
-    }
-
-    /// Renders ChatML as the GGUF's template does, tokenizing turn by turn: control tokens are
-    /// inserted as ids and message text never turns into control tokens.
-    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError> {
-        let mut ids = Vec::new();
-        for (role, content) in self.template.turns(messages) {
-            ids.push(self.im_start);
-            // Role and content as one string, as in the rendered template, so BPE sees the
-            // same pre-token split.
-            ids.extend(encode(
-                &self.content_tokenizer,
-                &format!("{role}\n{content}"),
-            )?);
-            ids.push(self.im_end);
-            ids.extend_from_slice(&self.newline);
-        }
-        ids.push(self.im_start);
-        ids.extend(encode(&self.content_tokenizer, "assistant\n")?);
-        Ok(ids)
-    }
-
-    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError> {
-        match parse_special {
-            true => encode(&self.tokenizer, text),
-            false => encode(&self.content_tokenizer, text),
-        }
-    }
-
-    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
-        self.tokenizer
-            .decode(tokens, false)
-            .map_err(|e| GenerateError::Tokenizer(e.to_string()))
-    }
-
-    fn token_bytes(&self, token: u32) -> Vec<u8> {
-        match self.token_bytes.get(token) {
-            [] => self
-                .tokenizer
-                .id_to_token(token)
-                .map(String::into_bytes)
-                .unwrap_or_default(),
-            bytes => bytes.to_vec(),
-        }
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.tokenizer.get_vocab_size(true)
-    }
-
-    fn score(
-        &self,
-        prompt: &[u32],
-        top: usize,
-        stage: &Stage,
-    ) -> Result<Vec<TokenLogprob>, GenerateError> {
-        super::score::score(self, prompt, top, stage)
-    }
-
-    fn snapshots(&self) -> Option<&Arc<crate::snapshot::SnapshotStore>> {
-        self.snapshots.as_ref()
-    }
-
-    fn cached_prefix(&self, prompt: &[u32]) -> usize {
-        self.prefix.peek(prompt)
-    }
-
-    fn warm(
-        &self,
-        head: &[u32],
-        stage: &Stage,
-        proceed: &dyn Fn() -> bool,
-    ) -> Result<Option<super::Warmed>, GenerateError> {
-        super::warm::warm(self, head, stage, proceed)
-    }
-
-    fn generate(
-        &self,
-        req: GenerateRequest<'_>,
-        stage: &Stage,
-        on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
-    ) -> Result<Generated, GenerateError> {
-        TextGeneration::new(self, req, stage).run(on_token)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::testing::model;
+    use crate::{ChatMessage, ChatTokenizer};
 
     #[test]
     fn chat_prompt_renders_the_gguf_template() {
@@ -476,7 +376,7 @@ mod tests {
             system.as_deref(),
             Some("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
         );
-        let decode = |ids: &[u32]| model.tokenizer().decode(ids, false).unwrap();
+        let decode = |ids: &[u32]| model.hf_tokenizer().decode(ids, false).unwrap();
         // No system turn: the template's default is inserted.
         let ids = model
             .chat_prompt(&[ChatMessage::new("user", "What is 2+2?")])
@@ -492,7 +392,7 @@ mod tests {
             expected
         );
         // Same ids as tokenizing the rendered template in one go.
-        assert_eq!(ids, encode(model.tokenizer(), expected).unwrap());
+        assert_eq!(ids, encode(model.hf_tokenizer(), expected).unwrap());
         // An explicit system turn replaces the default.
         let ids = model
             .chat_prompt(&[

@@ -547,7 +547,7 @@ mod tests {
         long_prompt, max_abs_diff, model, model_path, rag_messages, request, run, zorbia_prompt,
         MAX_CONTEXT,
     };
-    use crate::{ChatMessage, Generator, KvDtype, Sampling};
+    use crate::{ChatMessage, ChatTokenizer, KvDtype, Sampling};
 
     /// A tiny model shape: 2 layers, 2 kv heads of 4 dims.
     fn tiny() -> Config {
@@ -768,7 +768,7 @@ mod tests {
 
     /// The default model with a prefix cache of its own.
     fn cached(format: WeightFormat) -> Llama {
-        let tokenizer = model().expect("model").tokenizer().clone();
+        let tokenizer = model().expect("model").hf_tokenizer().clone();
         let path = model_path().expect("the model file");
         Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)
             .expect("load")
@@ -832,7 +832,7 @@ mod tests {
         let mut turns = rag_messages();
         turns.push(ChatMessage::new(
             "assistant",
-            plain.tokenizer().decode(&answer, true).unwrap(),
+            plain.hf_tokenizer().decode(&answer, true).unwrap(),
         ));
         turns.push(ChatMessage::new("user", "Was it seen from space?"));
         let next = ours.chat_prompt(&turns).unwrap();

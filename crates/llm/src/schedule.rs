@@ -669,7 +669,7 @@ fn finish<S>(
 #[cfg(test)]
 mod tests {
     use crate::testing::{model, request, run};
-    use crate::{ChatMessage, Generator, Sampling};
+    use crate::{ChatMessage, ChatTokenizer, Sampling};
 
     /// Requests decoding at the same time share batched steps; each still gets exactly the
     /// tokens it gets alone (greedy), whatever it is batched with, and the decode span says so.

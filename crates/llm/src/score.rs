@@ -10,7 +10,7 @@ use opentelemetry::KeyValue;
 use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::sampler::logprobs;
-use super::{GenerateError, Generator, TokenLogprob, TopLogprob, MAX_TOP_LOGPROBS};
+use super::{ChatTokenizer, GenerateError, TokenLogprob, TopLogprob, MAX_TOP_LOGPROBS};
 use telemetry::clock;
 use telemetry::names::{attr, StageKind};
 use telemetry::span::Stage;

@@ -16,7 +16,9 @@ use candle_core::{Device, Tensor};
 use crate::kv_cache::KvCache;
 use crate::llama::{Llama, MODEL_ID};
 use crate::sampler::Logits;
-use crate::{ChatMessage, Flow, GenerateRequest, Generated, Generator, Sampling, TokenTrace};
+use crate::{
+    ChatMessage, ChatTokenizer, Flow, GenerateRequest, Generated, Generator, Sampling, TokenTrace,
+};
 use telemetry::span::Stage;
 
 /// Where the models are unpacked: `$RAGSCOPE_MODELS_DIR`, else the repository's `models/`.
@@ -84,7 +86,7 @@ pub fn f32_model() -> Option<&'static Llama> {
         .get_or_init(|| {
             let default = model()?;
             let format = crate::llama::WeightFormat::F32PrefillQ4Decode;
-            let tokenizer = default.tokenizer().clone();
+            let tokenizer = default.hf_tokenizer().clone();
             let path = model_path()?;
             Some(
                 Llama::load_with_format(&path, tokenizer, &Device::Cpu, MAX_CONTEXT, format)

@@ -55,7 +55,7 @@ pub(super) fn warm(
 mod tests {
     use super::*;
     use crate::testing::{model_path, request, run, stage, MAX_CONTEXT};
-    use crate::{ChatMessage, Generator, Sampling};
+    use crate::{ChatMessage, ChatTokenizer, Sampling};
 
     #[test]
     fn a_warmed_head_is_the_prompts_cache_hit_and_the_answer_is_unchanged() {

@@ -131,7 +131,7 @@ fn render(
         "user",
         template.user_message(question, &listed),
     ));
-    generator.chat_prompt(&messages)
+    generator.tokenizer().chat_prompt(&messages)
 }
 
 /// The head of every prompt [`build_with`] can make for this question, whatever the passages:
@@ -242,6 +242,7 @@ pub fn build_listed(
 mod tests {
     use super::*;
     use llm::testing::model as test_model;
+    use llm::ChatTokenizer;
 
     #[test]
     fn listed_passages_keep_their_source_markers_in_any_order() {

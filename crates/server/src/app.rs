@@ -194,9 +194,10 @@ pub fn load_pipeline(
         embedder,
         generator,
         reranker,
-    } = load_models_with(models, snapshots)?;
+    } = load_models_with(models, snapshots.clone())?;
     let store_handle = open_store(store, embedder.dimension())?;
     Ok(Pipeline {
+        snapshots,
         embedder,
         store: store_handle,
         reranker,

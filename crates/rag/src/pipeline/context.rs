@@ -687,7 +687,7 @@ pub fn select(
     stage: &Stage,
 ) -> Result<Selection, PipelineError> {
     let generator = models.generator;
-    let count = |t: &str| generator.count_tokens(t);
+    let count = |t: &str| generator.tokenizer().count_tokens(t);
     match settings.mode {
         ContextMode::Off | ContextMode::Passages => {
             let tokens = texts

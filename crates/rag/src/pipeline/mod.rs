@@ -59,6 +59,8 @@ pub struct Pipeline {
     /// Each recent question's last prompt, for admission's guess at whether the prefix cache
     /// holds it ([`Pipeline::warmth_of`]).
     pub prompts: PromptMemory,
+    /// Where the generator leaves failure snapshots (`GET /debug/snapshots`), if anywhere.
+    pub snapshots: Option<Arc<llm::snapshot::SnapshotStore>>,
 }
 
 impl Pipeline {
@@ -126,11 +128,16 @@ impl Pipeline {
             return Warmth::Unknown;
         }
         match self.prompts.get(question) {
-            Some(prompt) if 2 * self.generator.cached_prefix(&prompt) >= prompt.len() => {
-                Warmth::Warm
-            }
+            Some(prompt) if 2 * self.cached_prefix(&prompt) >= prompt.len() => Warmth::Warm,
             _ => Warmth::Cold,
         }
+    }
+
+    /// How many leading tokens of `prompt` the generator's prefix cache holds now (0 without).
+    fn cached_prefix(&self, prompt: &[u32]) -> usize {
+        self.generator
+            .prefix_cache()
+            .map_or(0, |cache| cache.cached(prompt))
     }
 
     /// The RAG path itself, on a worker thread.
@@ -173,7 +180,9 @@ impl Pipeline {
         // What the prompt holds of the context: passages it dropped or cut to fit are not
         // there for the answer to copy.
         let favoured = if s.reads_context() {
-            self.generator.tokenize(&built.texts.join("\n"), false)?
+            self.generator
+                .tokenizer()
+                .tokenize(&built.texts.join("\n"), false)?
         } else {
             Vec::new()
         };

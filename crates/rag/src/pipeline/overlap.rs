@@ -92,7 +92,10 @@ impl Warm {
                         .compare_exchange(PENDING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
                 };
-                let result = generator.warm(&head, &stage, &proceed);
+                let result = match generator.prefix_cache() {
+                    Some(cache) => cache.warm(&head, &stage, &proceed),
+                    None => Ok(None),
+                };
                 if let Err(e) = &result {
                     stage.fail("model", e.to_string());
                 }

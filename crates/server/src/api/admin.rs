@@ -193,7 +193,7 @@ pub async fn clear_traces() -> Response {
 /// The generator's snapshot store: 503 while models load, 404 with `--snapshots off`.
 fn snapshot_store(state: &AppState) -> Result<Arc<llm::snapshot::SnapshotStore>, ApiError> {
     let pipeline = state.pipeline()?;
-    pipeline.generator.snapshots().cloned().ok_or_else(|| {
+    pipeline.snapshots.clone().ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",

@@ -97,7 +97,10 @@ fn prompts(
             return Err(ApiError::field(param, "must not be empty"));
         }
         Ok(Prompt {
-            tokens: generator.tokenize(text, true).map_err(model_error)?,
+            tokens: generator
+                .tokenizer()
+                .tokenize(text, true)
+                .map_err(model_error)?,
             text: text.to_string(),
         })
     };
@@ -115,7 +118,10 @@ fn prompts(
             return Err(ApiError::field(param, "must not be empty"));
         }
         check_token_ids(pipeline, param, &tokens)?;
-        let text = generator.detokenize(&tokens).map_err(model_error)?;
+        let text = generator
+            .tokenizer()
+            .detokenize(&tokens)
+            .map_err(model_error)?;
         Ok(Prompt { tokens, text })
     };
     let list =
@@ -177,7 +183,7 @@ fn scored_prompt(
     scores: &[TokenLogprob],
 ) -> Vec<Scored> {
     let first = Scored {
-        bytes: generator.token_bytes(prompt[0]),
+        bytes: generator.tokenizer().token_bytes(prompt[0]),
         logprob: None,
         top: Vec::new(),
     };

@@ -255,6 +255,7 @@ pub async fn chat_completions(
     let plain_prompt = if plain {
         let prompt = pipeline
             .generator
+            .tokenizer()
             .chat_prompt(&history)
             .map_err(super::tokenize::model_error)?;
         Some(prompt)

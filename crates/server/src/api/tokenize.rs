@@ -82,6 +82,7 @@ pub async fn tokenize(
             .content
             .ok_or_else(|| ApiError::field("content", "missing: the text to tokenize"))?;
         let tokens = generator
+            .tokenizer()
             .tokenize(&content, body.parse_special.unwrap_or(true))
             .map_err(model_error)?;
         if !body.with_pieces.unwrap_or(false) {
@@ -104,7 +105,10 @@ pub async fn tokenize(
         "a llama.cpp field: leave out `model` to use that dialect",
     )?;
     let tokens = match (body.prompt, body.messages) {
-        (Some(prompt), None) => generator.tokenize(&prompt, true).map_err(model_error)?,
+        (Some(prompt), None) => generator
+            .tokenizer()
+            .tokenize(&prompt, true)
+            .map_err(model_error)?,
         (None, Some(messages)) => {
             if body.add_generation_prompt == Some(false) {
                 return Err(ApiError::field(
@@ -120,6 +124,7 @@ pub async fn tokenize(
                 ));
             }
             generator
+                .tokenizer()
                 .chat_prompt(&chat_messages(&messages)?)
                 .map_err(model_error)?
         }
@@ -144,7 +149,7 @@ pub async fn tokenize(
     if body.return_token_strs.unwrap_or(false) {
         let strs: Vec<String> = tokens
             .iter()
-            .map(|&id| String::from_utf8_lossy(&generator.token_bytes(id)).into_owned())
+            .map(|&id| String::from_utf8_lossy(&generator.tokenizer().token_bytes(id)).into_owned())
             .collect();
         out["token_strs"] = json!(strs);
     }
@@ -154,7 +159,7 @@ pub async fn tokenize(
 /// A token's text as llama.cpp's `with_pieces` gives it: a string when its bytes are UTF-8,
 /// else the bytes (a character split across tokens).
 fn piece(generator: &dyn Generator, id: u32) -> Value {
-    let bytes = generator.token_bytes(id);
+    let bytes = generator.tokenizer().token_bytes(id);
     match String::from_utf8(bytes) {
         Ok(s) => json!(s),
         Err(e) => json!(e.into_bytes()),
@@ -186,6 +191,7 @@ pub async fn detokenize(
     check_token_ids(&pipeline, "tokens", &body.tokens)?;
     let text = pipeline
         .generator
+        .tokenizer()
         .detokenize(&body.tokens)
         .map_err(model_error)?;
     let key = if body.model.is_some() {
@@ -203,7 +209,7 @@ pub fn model_error(e: GenerateError) -> ApiError {
 
 /// Refuses an id outside the vocabulary, naming it (`tokens[3]`).
 pub fn check_token_ids(pipeline: &Pipeline, param: &str, tokens: &[u32]) -> Result<(), ApiError> {
-    let vocab = pipeline.generator.vocab_size();
+    let vocab = pipeline.generator.tokenizer().vocab_size();
     match tokens.iter().position(|&t| t as usize >= vocab) {
         Some(i) => Err(ApiError::field(
             &format!("{param}[{i}]"),

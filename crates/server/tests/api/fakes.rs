@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use llm::schedule::{Batcher, StepEngine, StepInput, StepTrace};
 use llm::{
-    ChatMessage, FinishReason, Flow, GenerateError, GenerateRequest, Generated, Generator, Piece,
-    TokenLogprob, TopLogprob,
+    ChatMessage, ChatTokenizer, FinishReason, Flow, GenerateError, GenerateRequest, Generated,
+    Generator, Piece, TokenLogprob, TopLogprob,
 };
 use opentelemetry::KeyValue;
 use rag::embed::{EmbedError, Embedder};
@@ -152,13 +152,10 @@ impl FakeGenerator {
     }
 }
 
-impl Generator for FakeGenerator {
-    fn model_id(&self) -> &str {
-        "fake-generator"
-    }
-    fn context_window(&self) -> usize {
-        4096
-    }
+/// One token per word: a word's id is its length, and id `t` reads back as ` w{t}`.
+pub struct WordTokenizer;
+
+impl ChatTokenizer for WordTokenizer {
     fn count_tokens(&self, text: &str) -> Result<usize, GenerateError> {
         Ok(text.split_whitespace().count())
     }
@@ -169,7 +166,6 @@ impl Generator for FakeGenerator {
             .sum();
         Ok(vec![7; words])
     }
-    /// One token per word, the word's length as its id.
     fn tokenize(&self, text: &str, _parse_special: bool) -> Result<Vec<u32>, GenerateError> {
         Ok(text.split_whitespace().map(|w| w.len() as u32).collect())
     }
@@ -181,6 +177,18 @@ impl Generator for FakeGenerator {
     }
     fn vocab_size(&self) -> usize {
         1024
+    }
+}
+
+impl Generator for FakeGenerator {
+    fn model_id(&self) -> &str {
+        "fake-generator"
+    }
+    fn context_window(&self) -> usize {
+        4096
+    }
+    fn tokenizer(&self) -> &dyn ChatTokenizer {
+        &WordTokenizer
     }
     /// Every token gets probability 1/2, its only alternative itself.
     fn score(
@@ -194,11 +202,11 @@ impl Generator for FakeGenerator {
             .skip(1)
             .map(|&id| TokenLogprob {
                 id,
-                bytes: self.token_bytes(id),
+                bytes: WordTokenizer.token_bytes(id),
                 logprob: -std::f32::consts::LN_2,
                 top: vec![TopLogprob {
                     id,
-                    bytes: self.token_bytes(id),
+                    bytes: WordTokenizer.token_bytes(id),
                     logprob: -std::f32::consts::LN_2,
                 }],
             })
@@ -365,23 +373,8 @@ impl Generator for BatchedFakeGenerator {
     fn context_window(&self) -> usize {
         self.words.context_window()
     }
-    fn count_tokens(&self, text: &str) -> Result<usize, GenerateError> {
-        self.words.count_tokens(text)
-    }
-    fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, GenerateError> {
-        self.words.chat_prompt(messages)
-    }
-    fn tokenize(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, GenerateError> {
-        self.words.tokenize(text, parse_special)
-    }
-    fn detokenize(&self, tokens: &[u32]) -> Result<String, GenerateError> {
-        self.words.detokenize(tokens)
-    }
-    fn token_bytes(&self, token: u32) -> Vec<u8> {
-        self.words.token_bytes(token)
-    }
-    fn vocab_size(&self) -> usize {
-        self.words.vocab_size()
+    fn tokenizer(&self) -> &dyn ChatTokenizer {
+        self.words.tokenizer()
     }
     fn score(
         &self,

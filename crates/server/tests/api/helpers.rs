@@ -161,6 +161,7 @@ fn fake_pipeline_over(
         query_cache: rag::embed::cache::QueryCache::new(0),
         sentence_cache: rag::embed::cache::VectorCache::named("sentence_embedding", 0),
         prompts: rag::embed::cache::PromptMemory::uncounted(0),
+        snapshots: None,
     }
 }
 
