@@ -24,7 +24,7 @@ use telemetry::span::Stage;
 /// Prompts are prefilled in chunks of at most this many tokens, which bounds the attention
 /// scores of one chunk to `heads × PREFILL_CHUNK × context` floats (≈ 150 MB at 8192 positions)
 /// while keeping the matmuls large enough to run as GEMMs.
-pub(super) const PREFILL_CHUNK: usize = 512;
+pub(crate) const PREFILL_CHUNK: usize = 512;
 
 /// Chunk sizes must be a multiple of this: the F32 GEMMs give a row the same result only when
 /// the split falls on a multiple of 32 positions (38 = 32 + 6 prefilled in two parts matches

@@ -7,7 +7,22 @@ use candle_core::{DType, Device, Tensor};
 
 use super::host_kv::{HostKv, KvDtype};
 use super::weights::Config;
-use crate::snapshot::KvDigest;
+use serde::{Deserialize, Serialize};
+
+/// A digest of the cache's positions `0..len` (prompt, then each token fed back): what a
+/// failure snapshot keeps and its replay compares.
+///
+/// For layer `l` and position `p` the digested bytes are that position's keys of every KV head
+/// in head order (`head_dim` f32 each), then its values likewise, as little-endian f32.
+/// `layers[l]` is the sha256 of those bytes for `p = 0..len` in order; `positions[p]` is, for
+/// each layer in order, the first 4 bytes of the sha256 of position `p`'s bytes alone, as 8
+/// hex digits (`n_layer × 8` digits per position).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvDigest {
+    pub len: usize,
+    pub layers: Vec<String>,
+    pub positions: Vec<String>,
+}
 
 /// The keys and values of one request: per layer `(n_kv_head, capacity, head_dim)`, written in
 /// place. Head-major so every head's keys are one contiguous run, as the attention matmuls (and

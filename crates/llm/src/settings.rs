@@ -44,13 +44,13 @@ pub struct GeneratorArgs {
     /// Tokens per prefill chunk (a multiple of 32, 32-512). Between chunks, as between layers,
     /// other requests' batched decode steps run, so a smaller chunk bounds their time per
     /// output token while a long prompt prefills, at some cost to that prefill.
-    #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = crate::llama::Llama::MAX_PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
+    #[arg(long, env = "RAGSCOPE_PREFILL_CHUNK_TOKENS", default_value_t = crate::forward::PREFILL_CHUNK, value_parser = prefill_chunk_tokens)]
     pub prefill_chunk_tokens: usize,
     /// The generator's weight format (`WeightFormat`'s names, e.g. `Bf16PrefillQ4Decode`);
     /// unset: the device's default (`Bf16PrefillQ4Decode` on the CPU: BF16 prefill where the
     /// CPU has AVX-512 BF16, F32 elsewhere).
     #[arg(long, env = "RAGSCOPE_WEIGHT_FORMAT", value_parser = weight_format)]
-    pub weight_format: Option<crate::llama::WeightFormat>,
+    pub weight_format: Option<crate::weights::WeightFormat>,
     /// How the CPU decoder's KV cache stores keys and values: `f16` (what unset means there:
     /// half the bytes a decode step reads from the cache, as llama.cpp's default cache) or
     /// `f32` (the values exactly as computed). On a GPU the cache is F32 tensors, and `f16` is
@@ -80,7 +80,7 @@ pub struct SnapshotArgs {
 /// `--prefill-chunk-tokens`: a multiple of 32 (the split the prefill is invariant to) up to
 /// the generator's largest.
 pub fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
-    let max = crate::llama::Llama::MAX_PREFILL_CHUNK;
+    let max = crate::forward::PREFILL_CHUNK;
     v.trim()
         .parse::<usize>()
         .ok()
@@ -89,8 +89,8 @@ pub fn prefill_chunk_tokens(v: &str) -> Result<usize, String> {
 }
 
 /// `--weight-format`: one of `WeightFormat::ALL` by name.
-fn weight_format(v: &str) -> Result<crate::llama::WeightFormat, String> {
-    use crate::llama::WeightFormat;
+fn weight_format(v: &str) -> Result<crate::weights::WeightFormat, String> {
+    use crate::weights::WeightFormat;
     WeightFormat::named(v.trim()).ok_or_else(|| {
         let names: Vec<String> = WeightFormat::ALL.iter().map(|f| format!("{f:?}")).collect();
         format!("{v:?}: expected one of {}", names.join(", "))

@@ -20,6 +20,7 @@ use anyhow::{Context, Result};
 use opentelemetry::KeyValue;
 use serde::{Deserialize, Serialize};
 
+pub use crate::kv_cache::KvDigest;
 pub use crate::settings::SnapshotArgs;
 use crate::Sampling;
 use telemetry::names::attr;
@@ -106,20 +107,6 @@ pub struct SamplingFacts {
     /// The context tokens `context_bias` and `copy_bias` looked at (absent in snapshots of requests without it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub context_tokens: Vec<u32>,
-}
-
-/// The KV cache at the failure, positions `0..len` (prompt, then each token fed back).
-///
-/// For layer `l` and position `p` the digested bytes are that position's keys of every KV head
-/// in head order (`head_dim` f32 each), then its values likewise, as little-endian f32.
-/// `layers[l]` is the sha256 of those bytes for `p = 0..len` in order; `positions[p]` is, for
-/// each layer in order, the first 4 bytes of the sha256 of position `p`'s bytes alone, as 8
-/// hex digits (`n_layer × 8` digits per position).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct KvDigest {
-    pub len: usize,
-    pub layers: Vec<String>,
-    pub positions: Vec<String>,
 }
 
 /// Stage timings of the failed request, in milliseconds.
