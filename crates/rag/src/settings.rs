@@ -8,8 +8,8 @@ use clap::Args;
 use llm::settings::GeneratorArgs;
 use llm::TokenTrace;
 
-use crate::pipeline::context::{ContextMethod, ContextMode, ContextOrder};
-use crate::pipeline::Overlap;
+use crate::pipeline::context::kinds::{ContextMethod, ContextMode, ContextOrder};
+use crate::pipeline::overlap::Overlap;
 use crate::prompt::PromptTemplate;
 
 /// The models: where they are unpacked, the embedder, the reranker and the generator.

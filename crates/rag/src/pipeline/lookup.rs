@@ -20,7 +20,7 @@
 
 use std::collections::HashSet;
 
-use super::context::{entry_term, split_passage, SplitPassage};
+use super::context::passage::{entry_term, split_passage, SplitPassage};
 use crate::retrieve::lexical;
 use crate::retrieve::VectorStore;
 use crate::retrieve::{Condition, Filter, FilterField, MatchValue, ScoredChunk, StoreError};
