@@ -9,49 +9,13 @@ use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use opentelemetry::KeyValue;
 use serde::Deserialize;
 use serde_json::json;
 
 use super::auth::{Caller, Scope};
 use super::error::ApiError;
 use super::AppState;
-use rag::fault::{FaultPlan, HEADER};
-use telemetry::names::attr;
-use telemetry::span::Stage;
-
-/// The plan a request runs: its own from the header when the server allows that, else the
-/// server's. Records which one on the request span when it injects anything.
-pub fn request_faults(
-    state: &AppState,
-    headers: &HeaderMap,
-    request: &Stage,
-) -> Result<Arc<FaultPlan>, ApiError> {
-    let faults = &state.faults;
-    let (plan, source) = match headers.get(HEADER) {
-        Some(value) => {
-            if !(faults.enabled && faults.allow_header) {
-                return Err(ApiError::new(
-                    StatusCode::FORBIDDEN,
-                    "invalid_request_error",
-                    format!("{HEADER}: per-request faults are off on this server (start it with --faults true --fault-header true)"),
-                )
-                .with_code("faults_disabled"));
-            }
-            let text = value
-                .to_str()
-                .map_err(|_| ApiError::field(HEADER, "must be ASCII JSON"))?;
-            let plan = FaultPlan::parse(text).map_err(|e| ApiError::field(HEADER, e))?;
-            (Arc::new(plan), "header")
-        }
-        None if faults.enabled => (faults.current(), "server"),
-        None => return Ok(Arc::default()),
-    };
-    if !plan.is_empty() {
-        request.set(KeyValue::new(attr::FAULT_PLAN, source));
-    }
-    Ok(plan)
-}
+use rag::fault::FaultPlan;
 
 /// `GET /admin/faults`: the server's current plan.
 #[utoipa::path(get, path = "/admin/faults", tag = "debug",

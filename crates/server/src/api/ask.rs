@@ -6,7 +6,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, StatusCode};
 use futures::Stream;
 use opentelemetry::KeyValue;
 use serde::Deserialize;
@@ -16,6 +16,7 @@ use super::decoding::Decoding;
 use super::error::ApiError;
 use super::{AppState, RequestStage};
 use llm::{ChatMessage, MAX_TOP_LOGPROBS};
+use rag::fault::{FaultPlan, HEADER};
 use rag::ingest::{Document, Format};
 use rag::pipeline::context::{ContextAsked, ContextSettings};
 use rag::pipeline::{
@@ -25,6 +26,7 @@ use rag::retrieve::Filter;
 use telemetry::clock;
 use telemetry::metrics::metrics;
 use telemetry::names::{attr, StageKind};
+use telemetry::span::Stage;
 
 const MAX_EMBED_INPUTS: usize = 256;
 const MAX_DOCUMENTS: usize = 256;
@@ -174,6 +176,39 @@ impl ApiError {
     }
 }
 
+/// The plan a request runs: its own from the header when the server allows that, else the
+/// server's. Records which one on the request span when it injects anything.
+pub fn request_faults(
+    state: &AppState,
+    headers: &HeaderMap,
+    request: &Stage,
+) -> Result<Arc<FaultPlan>, ApiError> {
+    let faults = &state.faults;
+    let (plan, source) = match headers.get(HEADER) {
+        Some(value) => {
+            if !(faults.enabled && faults.allow_header) {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "invalid_request_error",
+                    format!("{HEADER}: per-request faults are off on this server (start it with --faults true --fault-header true)"),
+                )
+                .with_code("faults_disabled"));
+            }
+            let text = value
+                .to_str()
+                .map_err(|_| ApiError::field(HEADER, "must be ASCII JSON"))?;
+            let plan = FaultPlan::parse(text).map_err(|e| ApiError::field(HEADER, e))?;
+            (Arc::new(plan), "header")
+        }
+        None if faults.enabled => (faults.current(), "server"),
+        None => return Ok(Arc::default()),
+    };
+    if !plan.is_empty() {
+        request.set(KeyValue::new(attr::FAULT_PLAN, source));
+    }
+    Ok(plan)
+}
+
 /// Validates a RAG request, attaches the faults it runs under (the server's plan or its own
 /// `x-ragscope-fault` header) and records the query text when content capture is on.
 pub fn prepare(
@@ -184,7 +219,7 @@ pub fn prepare(
     asked: Asked,
 ) -> Result<RagRequest, ApiError> {
     let mut req = rag_request(pipeline, state, asked)?;
-    req.faults = super::admin::request_faults(state, headers, stage)?;
+    req.faults = request_faults(state, headers, stage)?;
     if pipeline.defaults.capture_content {
         stage.set(KeyValue::new(attr::QUERY_TEXT, req.query.clone()));
     }

@@ -318,7 +318,7 @@ pub async fn completions(
     let pipeline = state.pipeline()?;
     let plan = plan(&pipeline, &body)?;
     let mut base = generation_request(&state, &pipeline, &plan)?;
-    base.faults = super::admin::request_faults(&state, &headers, &stage)?;
+    base.faults = super::ask::request_faults(&state, &headers, &stage)?;
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     if body.stream {
         if plan.prompts.len() > 1 {

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use super::grpc::proto::QueryRequest;
+use super::proto::QueryRequest;
 use llm::Sampling;
 
 /// Most stop strings per request (OpenAI's bound), and their longest.

@@ -29,7 +29,7 @@ pub async fn create(
 ) -> Result<Json<Value>, ApiError> {
     let pipeline = state.pipeline()?;
     let docs = ask::documents(body.documents)?;
-    let faults = super::admin::request_faults(&state, &headers, &stage)?;
+    let faults = super::ask::request_faults(&state, &headers, &stage)?;
     let outcomes = pipeline.ingest(docs, faults, &stage).await?;
     Ok(Json(json!({"documents": outcomes})))
 }

@@ -19,6 +19,7 @@ pub mod native;
 pub mod openai;
 pub mod openapi;
 pub mod page;
+pub mod proto;
 pub mod schema;
 pub mod tenant;
 pub mod tokenize;

@@ -197,7 +197,7 @@ pub async fn rerank(
         }
     }
     let top_n = ask::check_rerank(&body.query, &body.documents, body.top_n)?;
-    let faults = super::admin::request_faults(&state, &headers, &stage)?;
+    let faults = super::ask::request_faults(&state, &headers, &stage)?;
     let scores = pipeline
         .rerank(body.query, body.documents.clone(), faults, &stage)
         .await?;

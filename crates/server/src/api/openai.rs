@@ -623,7 +623,7 @@ pub async fn embeddings(
         }
     };
     ask::check_embed_inputs("input", &texts)?;
-    let faults = super::admin::request_faults(&state, &headers, &stage)?;
+    let faults = super::ask::request_faults(&state, &headers, &stage)?;
     // Counted after admission: a refused request costs no tokenisation.
     let vectors = pipeline.embed(texts.clone(), faults, &stage).await?;
     let tokens = ask::embed_tokens(&pipeline, &texts);

@@ -28,15 +28,7 @@ use rag::pipeline::context::ContextAsked;
 use rag::pipeline::RagAnswer;
 use telemetry::span::Stage;
 
-/// The code generated from `proto/ragscope.proto` at build time (see `build.rs`).
-pub mod proto {
-    #![allow(clippy::all, missing_docs)]
-    tonic::include_proto!("ragscope.v1");
-
-    /// The encoded descriptors, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        tonic::include_file_descriptor_set!("ragscope_descriptor");
-}
+pub use super::proto;
 
 use proto::query_event::Event as QueryEventKind;
 use proto::rag_server::{Rag, RagServer};
@@ -172,7 +164,7 @@ impl RagService {
         stage: &RequestStage,
     ) -> Result<Arc<rag::fault::FaultPlan>, Status> {
         let headers = request.metadata().clone().into_headers();
-        Ok(super::admin::request_faults(&self.state, &headers, stage)?)
+        Ok(super::ask::request_faults(&self.state, &headers, stage)?)
     }
 }
 
