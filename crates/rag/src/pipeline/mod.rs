@@ -7,9 +7,11 @@
 
 pub mod context;
 pub mod events;
+mod generate;
 pub mod lookup;
 pub mod overlap;
 mod plain;
+mod quality;
 mod request;
 pub mod runner;
 
@@ -29,7 +31,7 @@ pub use runner::{StageRunner, StageSpec};
 
 use crate::embed::cache::{PromptMemory, QueryCache, VectorCache};
 use crate::embed::Embedder;
-use crate::fault::{FaultPlan, FaultStage};
+use crate::fault::FaultPlan;
 use crate::ingest::chunk::ChunkerConfig;
 use crate::ingest::{Document, IngestOutcome};
 use crate::prompt::{self, Prompt};
@@ -37,9 +39,8 @@ use crate::rerank::{Candidate, Reranker};
 use crate::retrieve::{ScoredChunk, VectorStore};
 use crate::worker::{Admission, JobKind, Warmth, Workers};
 use context::{ContextMode, ContextPassage};
-use llm::{Flow, GenerateRequest, Generated, Generator, Piece};
+use llm::Generator;
 use telemetry::clock::{self, millis};
-use telemetry::metrics::metrics;
 use telemetry::names::{attr, StageKind};
 use telemetry::span::Stage;
 
@@ -140,7 +141,7 @@ impl Pipeline {
             .map_or(0, |cache| cache.cached(prompt))
     }
 
-    /// The RAG path itself, on a worker thread.
+    /// The RAG path itself, on a worker thread: each step a stage of its own, below.
     fn answer(
         &self,
         req: &RagRequest,
@@ -166,45 +167,18 @@ impl Pipeline {
         }
         check_deadline(req, request)?;
 
-        let texts: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
-        let listing = req.context.listing(&context);
-        let built = self.build_prompt(&mut run, req, &texts, &listing)?;
-        self.prompts
-            .replace(&req.query, built.tokens.as_slice().into());
+        let built = self.build_prompt(&mut run, req, &context)?;
         let sources: Vec<Source> = built.kept.iter().map(|&i| kept[i].clone()).collect();
         if let Some(warm) = warm {
             warm.finish();
         }
         let gap = retrieved_at.elapsed();
-        let s = &req.sampling;
-        // What the prompt holds of the context: passages it dropped or cut to fit are not
-        // there for the answer to copy.
-        let favoured = if s.reads_context() {
-            self.generator
-                .tokenizer()
-                .tokenize(&built.texts.join("\n"), false)?
-        } else {
-            Vec::new()
-        };
-        // The template's own labels end an answer: a small model that starts a new
-        // "Question:" is past the end of its answer.
-        let stop: Vec<String> = req
-            .stop
-            .iter()
-            .cloned()
-            .chain(prompt::ANSWER_ENDS.iter().map(|s| s.to_string()))
-            .collect();
-        let generated = self.generate(
-            &mut run,
-            req,
-            &built.tokens,
-            &favoured,
-            &stop,
-            req.end_at_paragraph,
-            events,
-        )?;
+        let generated = self.answer_prompt(&mut run, req, &built, events)?;
         let window = self.generator.context_window();
-        record_quality(request, &Quality::of(&generated[0], &sources, gap, window));
+        quality::record(
+            request,
+            &quality::Quality::of(&generated[0], &sources, gap, window),
+        );
         let mut answer = self.finish(run, sources, generated);
         answer.cache = cache;
         answer.context = built.texts;
@@ -394,22 +368,24 @@ impl Pipeline {
         })
     }
 
-    /// 5. The prompt within the context window.
+    /// 5. The prompt within the context window, listing the context's passages in the
+    ///    request's order; remembered as the question's last prompt for admission.
     fn build_prompt(
         &self,
         run: &mut StageRunner,
         req: &RagRequest,
-        passages: &[&str],
-        listing: &[usize],
+        context: &[ContextPassage],
     ) -> Result<Prompt, PipelineError> {
-        run.run(StageSpec::new(StageKind::Prompt), |stage| {
+        let passages: Vec<&str> = context.iter().map(|c| c.text.as_str()).collect();
+        let listing = req.context.listing(context);
+        let built = run.run(StageSpec::new(StageKind::Prompt), |stage| {
             let built = prompt::build_listed(
                 self.generator.as_ref(),
                 self.defaults.prompt_template,
                 &req.history,
                 &req.query,
-                passages,
-                listing,
+                &passages,
+                &listing,
                 req.max_tokens,
             )?;
             stage.set_all([
@@ -419,197 +395,10 @@ impl Pipeline {
                 KeyValue::new(attr::GEN_AI_USAGE_INPUT_TOKENS, built.tokens.len() as i64),
             ]);
             Ok(built)
-        })
-    }
-
-    /// 6. The answer, one per choice (generated side by side), each piece of text streamed
-    ///    as it completes; ending at its first finished paragraph when `end_at_paragraph`.
-    #[allow(clippy::too_many_arguments)]
-    fn generate(
-        &self,
-        run: &mut StageRunner,
-        req: &RagRequest,
-        prompt: &[u32],
-        context_tokens: &[u32],
-        stop: &[String],
-        end_at_paragraph: bool,
-        events: Option<&EventSender>,
-    ) -> Result<Vec<Generated>, PipelineError> {
-        let model = self.generator.model_id();
-        let s = &req.sampling;
-        let mut attributes = s.attributes();
-        attributes.extend([
-            KeyValue::new(attr::GEN_AI_REQUEST_MAX_TOKENS, req.max_tokens as i64),
-            KeyValue::new(attr::GEN_AI_REQUEST_STREAM, events.is_some()),
-        ]);
-        if !req.stop.is_empty() {
-            let stops = req.stop.iter().map(|s| s.clone().into()).collect();
-            attributes.push(KeyValue::new(
-                attr::GEN_AI_REQUEST_STOP_SEQUENCES,
-                opentelemetry::Value::Array(opentelemetry::Array::String(stops)),
-            ));
-        }
-        if req.choices != 1 {
-            attributes.push(KeyValue::new(
-                attr::GEN_AI_REQUEST_CHOICE_COUNT,
-                req.choices as i64,
-            ));
-        }
-        let started = run.request().started();
-        let spec = StageSpec::model(StageKind::Generate, model).with(attributes);
-        run.run(spec, |stage| {
-            let token_delay = req.faults.token_delay();
-            let delayed_tokens = std::sync::atomic::AtomicUsize::new(0);
-            // An injected mid-answer failure fires at its piece of each choice.
-            let mid_answer = req.faults.mid_answer();
-            let pieces: Vec<_> = (0..req.choices.max(1))
-                .map(|_| std::sync::atomic::AtomicUsize::new(0))
-                .collect();
-            let stalled_ms = std::sync::atomic::AtomicU64::new(0);
-            let on_token = |choice: usize, piece: Piece<'_>| {
-                if let Some(fault) = mid_answer {
-                    let n = pieces[choice].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if n + 1 >= fault.at {
-                        return fault.fire(stage);
-                    }
-                }
-                if let Some(d) = token_delay {
-                    std::thread::sleep(d);
-                    delayed_tokens.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-                let streamed = || Streamed {
-                    choice,
-                    text: piece.text.to_string(),
-                    logprobs: piece.logprobs.to_vec(),
-                };
-                match events.map(|tx| tx.send(Event::Token(streamed()))) {
-                    Some(Err(SendError::Closed)) => Flow::Stop,
-                    Some(Err(SendError::Stalled(waited))) => {
-                        let ms = (waited.as_millis() as u64).max(1);
-                        stalled_ms.store(ms, std::sync::atomic::Ordering::Relaxed);
-                        Flow::Stop
-                    }
-                    _ => Flow::Continue,
-                }
-            };
-            let requests = (0..req.choices.max(1))
-                .map(|i| GenerateRequest {
-                    prompt,
-                    max_tokens: req.max_tokens,
-                    sampling: llm::Sampling {
-                        seed: s.seed.wrapping_add(i as u64),
-                        ..*s
-                    },
-                    token_trace: self.defaults.token_trace,
-                    deadline: Some(req.deadline),
-                    ignore_eos: false,
-                    stop,
-                    end_at_paragraph,
-                    logprobs: req.logprobs,
-                    context_tokens,
-                })
-                .collect();
-            let generated =
-                llm::generate_choices(self.generator.as_ref(), requests, stage, &on_token)
-                    .map_err(|e| match e {
-                        llm::GenerateError::Aborted => {
-                            PipelineError::Injected(crate::fault::Injected(FaultStage::Chat))
-                        }
-                        e => e.into(),
-                    })?;
-            let stalled = stalled_ms.load(std::sync::atomic::Ordering::Relaxed);
-            if stalled > 0 {
-                // The client stopped reading: say so on the span, since the finish reason
-                // (`cancelled`) is the same as for a client that went away.
-                stage.set(KeyValue::new(attr::STREAM_STALLED_MS, stalled as i64));
-                metrics().stream_stalls.add(1, &[]);
-            }
-            if let Some(d) = token_delay {
-                let delayed = delayed_tokens.load(std::sync::atomic::Ordering::Relaxed);
-                stage.set_all([
-                    KeyValue::new(attr::FAULT_TOKEN_DELAY_MS, millis(d)),
-                    KeyValue::new(attr::FAULT_DELAYED_TOKENS, delayed as i64),
-                ]);
-                crate::fault::count(FaultStage::Chat, "token_delay");
-            }
-            let finishes: Vec<&str> = generated.iter().map(|g| g.finish.as_str()).collect();
-            let output: usize = generated.iter().map(|g| g.tokens.len()).sum();
-            stage.set_all([
-                KeyValue::new(attr::GEN_AI_RESPONSE_MODEL, model.to_string()),
-                KeyValue::new(attr::GEN_AI_RESPONSE_FINISH_REASONS, finishes.join(",")),
-                KeyValue::new(
-                    attr::GEN_AI_USAGE_INPUT_TOKENS,
-                    generated[0].prompt_tokens as i64,
-                ),
-                KeyValue::new(attr::GEN_AI_USAGE_OUTPUT_TOKENS, output as i64),
-            ]);
-            if let Some(ttft) = time_to_first_token(&generated[0], started) {
-                stage.set(KeyValue::new(
-                    attr::GEN_AI_SERVER_TIME_TO_FIRST_TOKEN,
-                    ttft / 1e3,
-                ));
-            }
-            if self.defaults.capture_content {
-                stage.set(KeyValue::new(attr::ANSWER_TEXT, generated[0].text.clone()));
-            }
-            Ok(generated)
-        })
-    }
-
-    /// 7. The answer with its timings (the first choice's); generation's metrics recorded.
-    fn finish(
-        &self,
-        run: StageRunner,
-        sources: Vec<Source>,
-        generated: Vec<Generated>,
-    ) -> RagAnswer {
-        let request = run.request();
-        let first = &generated[0];
-        let mut timings = run.timings();
-        timings.record(StageKind::Prefill, millis(first.prefill));
-        timings.record(StageKind::Decode, millis(first.decode));
-        timings.ttft_ms = time_to_first_token(first, request.started()).unwrap_or_default();
-        timings.total_ms = millis(request.elapsed());
-        record_generation(&timings, first);
-        for g in &generated[1..] {
-            metrics().tokens.add(
-                g.tokens.len() as u64,
-                &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "output")],
-            );
-        }
-        let prompt_tokens = first.prompt_tokens;
-        // The prompt is counted once however many choices share it.
-        let cached_tokens = first.cached_tokens;
-        let completion_tokens = generated.iter().map(|g| g.tokens.len()).sum();
-        crate::tenant::charge(prompt_tokens + completion_tokens);
-        let choices: Vec<Choice> = generated
-            .into_iter()
-            .map(|g| Choice {
-                text: g.text.trim().to_string(),
-                finish_reason: g.finish,
-                completion_tokens: g.tokens.len(),
-                logprobs: g.logprobs,
-                end_logprob: g.end_logprob,
-            })
-            .collect();
-        let first = &choices[0];
-        RagAnswer {
-            answer: first.text.clone(),
-            sources,
-            usage: Usage {
-                prompt_tokens,
-                completion_tokens,
-                total_tokens: prompt_tokens + completion_tokens,
-                prompt_tokens_details: PromptTokensDetails { cached_tokens },
-            },
-            timings,
-            cache: CacheUse::default(),
-            finish_reason: first.finish_reason,
-            logprobs: first.logprobs.clone(),
-            choices,
-            context: Vec::new(),
-            finished_at: clock::now(),
-        }
+        })?;
+        self.prompts
+            .replace(&req.query, built.tokens.as_slice().into());
+        Ok(built)
     }
 
     /// Embeds texts for the embeddings endpoint.
@@ -742,101 +531,10 @@ fn check_deadline(req: &RagRequest, request: &Stage) -> Result<(), PipelineError
     Ok(())
 }
 
-/// Milliseconds from the request's start to the first generated token.
-fn time_to_first_token(generated: &Generated, started: std::time::Instant) -> Option<f64> {
-    generated
-        .first_token_at
-        .map(|t| millis(t.saturating_duration_since(started)))
-}
-
 /// Dot products of unit vectors with the query's: their cosine similarity.
 pub(crate) fn cosines(query: &[f32], vectors: &[Vec<f32>]) -> Vec<f32> {
     vectors
         .iter()
         .map(|v| v.iter().zip(query).map(|(a, b)| a * b).sum())
         .collect()
-}
-
-/// Generation's metrics: its two stages, time to first token, time per output token, tokens.
-/// What one RAG answer was made of (issue #17's per-request metrics).
-#[derive(Debug, Clone, PartialEq)]
-struct Quality {
-    output_tokens: usize,
-    /// Prompt plus answer tokens over the context window.
-    context_fill: f64,
-    /// Prompt tokens from the prefix cache over all prompt tokens.
-    prefix_hit_ratio: f64,
-    /// End of retrieval to the start of generation (rerank, context, prompt).
-    retrieval_gap: std::time::Duration,
-    /// Mean retrieval score (cosine similarity) of the passages the prompt kept; none kept: none.
-    context_relevance: Option<f64>,
-    /// Mean log-probability of the answer's tokens; only when the request asked for logprobs.
-    answer_confidence: Option<f64>,
-}
-
-impl Quality {
-    fn of(
-        g: &Generated,
-        kept: &[Source],
-        retrieval_gap: std::time::Duration,
-        window: usize,
-    ) -> Quality {
-        let mean = |v: &mut dyn Iterator<Item = f64>| {
-            let (sum, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-            (n > 0).then(|| sum / n as f64)
-        };
-        Quality {
-            output_tokens: g.tokens.len(),
-            context_fill: (g.prompt_tokens + g.tokens.len()) as f64 / window.max(1) as f64,
-            prefix_hit_ratio: g.cached_tokens as f64 / g.prompt_tokens.max(1) as f64,
-            retrieval_gap,
-            context_relevance: mean(&mut kept.iter().map(|s| f64::from(s.retrieval_score))),
-            answer_confidence: mean(&mut g.logprobs.iter().map(|l| f64::from(l.logprob))),
-        }
-    }
-}
-
-/// Writes the quality figures on the request span and into their histograms.
-fn record_quality(request: &Stage, q: &Quality) {
-    let m = &metrics().quality;
-    let gap_ms = millis(q.retrieval_gap);
-    request.set_all([
-        KeyValue::new(attr::QUALITY_OUTPUT_TOKENS, q.output_tokens as i64),
-        KeyValue::new(attr::QUALITY_CONTEXT_FILL_RATIO, q.context_fill),
-        KeyValue::new(attr::QUALITY_PREFIX_CACHE_HIT_RATIO, q.prefix_hit_ratio),
-        KeyValue::new(attr::QUALITY_RETRIEVAL_TO_GENERATION_GAP_MS, gap_ms),
-    ]);
-    m.output_tokens.record(q.output_tokens as f64, &[]);
-    m.context_fill.record(q.context_fill, &[]);
-    m.prefix_hit_ratio.record(q.prefix_hit_ratio, &[]);
-    m.retrieval_gap.record(q.retrieval_gap.as_secs_f64(), &[]);
-    if let Some(r) = q.context_relevance {
-        request.set(KeyValue::new(attr::QUALITY_CONTEXT_RELEVANCE, r));
-        m.context_relevance.record(r, &[]);
-    }
-    if let Some(c) = q.answer_confidence {
-        request.set(KeyValue::new(attr::QUALITY_ANSWER_CONFIDENCE, c));
-        m.answer_confidence.record(c, &[]);
-    }
-}
-
-fn record_generation(t: &Timings, generated: &Generated) {
-    let m = metrics();
-    m.stage(StageKind::Prefill, generated.prefill);
-    m.stage(StageKind::Decode, generated.decode);
-    if generated.first_token_at.is_some() {
-        m.time_to_first_token.record(t.ttft_ms / 1e3, &[]);
-    }
-    if generated.tokens.len() > 1 {
-        let per_token = t.decode_ms / 1e3 / (generated.tokens.len() - 1) as f64;
-        m.time_per_output_token.record(per_token, &[]);
-    }
-    m.tokens.add(
-        generated.prompt_tokens as u64,
-        &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "input")],
-    );
-    m.tokens.add(
-        generated.tokens.len() as u64,
-        &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "output")],
-    );
 }

@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
+use super::generate::Given;
 use super::{check_deadline, EventSender, Pipeline, PipelineError, RagAnswer, RagRequest};
 use super::{StageRunner, StageSpec};
 use crate::fault::FaultPlan;
@@ -47,15 +48,12 @@ impl Pipeline {
         let mut run = StageRunner::new(request, &req.faults);
         run.timings_mut().queue_ms = millis(request.elapsed());
         check_deadline(req, request)?;
-        let generated = self.generate(
-            &mut run,
-            req,
+        let given = Given {
             prompt,
-            &[],
-            &req.stop,
-            req.end_at_paragraph,
-            events,
-        )?;
+            context_tokens: &[],
+            stop: &req.stop,
+        };
+        let generated = self.generate(&mut run, req, given, events)?;
         let texts: Vec<String> = generated.iter().map(|g| g.text.clone()).collect();
         let mut answer = self.finish(run, Vec::new(), generated);
         for (choice, text) in answer.choices.iter_mut().zip(texts) {
