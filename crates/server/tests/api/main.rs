@@ -27,6 +27,7 @@ mod overload;
 mod page;
 mod prefix_cache;
 mod profile;
+mod promql;
 mod qdrant_wire;
 mod quality;
 mod query;
