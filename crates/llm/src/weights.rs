@@ -2,7 +2,6 @@
 //! the projections in the chosen [`WeightFormat`], once per process and read-only. The candle
 //! forward ([`super::forward`]) and the CPU decoder ([`super::cpu_decode`]) compute with them.
 
-use std::borrow::Cow;
 use std::io::BufReader;
 use std::path::Path;
 use std::sync::Arc;
@@ -25,11 +24,12 @@ use crate::kernels::{
 /// Prefill is a GEMM and dense F32 wins; decode is one row per matmul and reads every weight,
 /// so the fewest bytes win: the file's own Q4_1 blocks through our kernels, without candle's
 /// per-op overhead. The default holds both (about 490 MB in all, fine for 135 M parameters).
-/// `ragscope bench --weight-formats` measures every format; docs/PERFORMANCE.md has the figures.
+/// The formats beside the two defaults were measured once against each other (the journal of
+/// 2026-11-30 and 2026-12-02 has the figures); Q8_0 and F32 stay as the bridges to candle's
+/// reference model in the forward's tests, F32PrefillQ8Decode as the CPU stand-in for the GPU
+/// default's decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightFormat {
-    /// The file's own quantisation (Q4_1): slow kernels, kept for comparison.
-    Shipped,
     /// Requantised to Q8_0 for prefill and decode.
     Q8_0,
     /// Dequantised to dense F32 for prefill and decode.
@@ -57,8 +57,7 @@ pub enum WeightFormat {
 
 impl WeightFormat {
     /// Every format a name can pick (its `Debug` name, e.g. `F32PrefillQ8Decode`).
-    pub const ALL: [WeightFormat; 7] = [
-        WeightFormat::Shipped,
+    pub const ALL: [WeightFormat; 6] = [
         WeightFormat::Q8_0,
         WeightFormat::F32,
         WeightFormat::F32PrefillQ8Decode,
@@ -656,24 +655,6 @@ fn proj(
         Ok(QMatMul::Tensor(dense.to_device(device)?))
     };
     let (prefill, decode) = match format {
-        WeightFormat::Shipped => {
-            // Quantised blocks never span rows, so stacking rows is concatenating their bytes.
-            let dtype = parts[0].dtype();
-            let k = parts[0].shape().dims()[1];
-            let mut bytes = Vec::new();
-            let mut rows = 0;
-            for p in parts {
-                if p.dtype() != dtype || p.shape().dims()[1] != k {
-                    candle_core::bail!("cannot stack {:?} with {:?}", p, parts[0]);
-                }
-                rows += p.shape().dims()[0];
-                bytes.extend_from_slice(&p.data()?);
-            }
-            let storage = QStorage::from_data(Cow::Owned(bytes), &cpu, dtype)?;
-            let q = move_q(QTensor::new(storage, (rows, k))?, device)?;
-            let m = QMatMul::QTensor(Arc::new(q));
-            (m.clone(), m)
-        }
         WeightFormat::Q8_0 => {
             let m = q8(&dense()?)?;
             (m.clone(), m)
