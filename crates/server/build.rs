@@ -1,5 +1,5 @@
 //! Generates the gRPC server and client code from `proto/ragscope.proto` into `OUT_DIR` (see
-//! `src/api/grpc/mod.rs`). The protobuf compiler comes from the `protoc-bin-vendored` crate, so
+//! `src/api/proto.rs`). The protobuf compiler comes from the `protoc-bin-vendored` crate, so
 //! building needs no `protoc` on the machine; the generated code never goes stale because it is
 //! never committed.
 

@@ -25,8 +25,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use llm::settings::prefill_chunk_tokens;
-use rag::pipeline::PipelineArgs;
-use ragscope::config::{ModelArgs, ServerArgs, StoreArgs};
+use ragscope::config::{LoadArgs, ServerArgs};
 use telemetry::names::span;
 use telemetry::span::Stage;
 use telemetry::TelemetryArgs;
@@ -84,11 +83,7 @@ pub struct Setup {
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]
-    pub models: ModelArgs,
-    #[command(flatten)]
-    pub store: StoreArgs,
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
+    pub load: LoadArgs,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -160,7 +155,25 @@ struct EmbedAbArgs {
     setup: Setup,
 }
 
+impl Experiment {
+    /// The server settings the measurement loads with, if it loads any.
+    fn setup(&self) -> Option<&Setup> {
+        match self {
+            Experiment::Stages(a) => Some(&a.setup),
+            Experiment::Overhead(a) => Some(&a.setup),
+            Experiment::Peers(a) | Experiment::Prefill(a) => Some(&a.setup),
+            Experiment::Streams(a) => Some(&a.peers.setup),
+            Experiment::Interference(a) => Some(&a.peers.setup),
+            Experiment::DecodeStep(setup) => Some(setup),
+            Experiment::EmbedAb(a) => Some(&a.setup),
+            Experiment::Kernels => None,
+        }
+    }
+}
+
 fn main() -> Result<()> {
+    // As the server does: before any thread exists, the heap keeps what models free.
+    llm::device::keep_freed_memory();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -170,6 +183,11 @@ fn main() -> Result<()> {
 async fn run() -> Result<()> {
     let args = Cli::parse();
     let _telemetry = telemetry::init(&args.telemetry)?;
+    // Every measurement runs the kernels at the level `--cpu-level` asks for, as `serve` does.
+    if let Some(setup) = args.command.setup() {
+        llm::cpu::set_cap(setup.load.generator.cpu_level).map_err(anyhow::Error::msg)?;
+    }
+    eprintln!("{}", llm::cpu::describe());
     let blocking = |f: Box<dyn FnOnce() -> Result<()> + Send>| tokio::task::spawn_blocking(f);
     match args.command {
         Experiment::Stages(a) => {

@@ -28,10 +28,10 @@ pub fn kernels() -> Result<()> {
 
 /// One CPU decode step of the generator and its parts.
 pub fn decode_step(args: &Setup) -> Result<()> {
-    let m = &args.models;
-    let dir = llm::models::resolve(&m.generator.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let (m, g) = (&args.load.models, &args.load.generator);
+    let dir = llm::models::resolve(&g.gen_model, &m.models_dir, &[], m.fetch_models)?;
     let path = ragscope::app::gguf_in(&dir)?;
-    let s = llm::probe::decode_step(&path, m.generator.kv_cache_dtype.unwrap_or_default())?;
+    let s = llm::probe::decode_step(&path, g.kv_cache_dtype.unwrap_or_default())?;
     println!(
         "step {:.2} ms (at 10-60 positions {:.2} ms), layer matmuls {:.2} ms, output head {:.2} ms",
         s.step_ms, s.short_step_ms, s.layer_matmuls_ms, s.output_head_ms
@@ -56,7 +56,7 @@ pub fn embed_ab(args: &Setup, inputs_dir: &Path, only: Option<&str>) -> Result<(
     let sentences: Vec<&str> = inputs.sentences.iter().map(String::as_str).collect();
     let queries = &inputs.queries;
 
-    let m = &args.models;
+    let m = &args.load.models;
     let dir = llm::models::resolve(
         &m.embed_model,
         &m.models_dir,

@@ -61,7 +61,7 @@ async fn start(variant: &Variant, binary: &Path, args: &Setup, data: &Path) -> R
     .arg("--data-dir")
     .arg(data.join(variant.name.replace(['+', ' '], "_")))
     .arg("--models-dir")
-    .arg(&args.models.models_dir)
+    .arg(&args.load.models.models_dir)
     .stdout(Stdio::null())
     .stderr(Stdio::null());
     for key in [

@@ -140,21 +140,20 @@ pub enum Mode {
 
 pub fn run(peers: &PeersArgs, mode: Mode) -> Result<()> {
     let (args, dir) = (&peers.setup, peers.inputs.as_path());
-    let m = &args.models;
-    let device = llm::device::device(&m.generator.device)?;
+    let (m, g) = (&args.load.models, &args.load.generator);
+    let device = llm::device::device(&g.device)?;
     let embed_dir =
         llm::models::resolve(&m.embed_model, &m.models_dir, &EMBED_FILES, m.fetch_models)?;
     let embedder = BertEmbedder::load(&embed_dir, &m.embed_model, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
-    let gen_dir = llm::models::resolve(&m.generator.gen_model, &m.models_dir, &[], m.fetch_models)?;
-    let format = m
-        .generator
+    let gen_dir = llm::models::resolve(&g.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let format = g
         .weight_format
         .unwrap_or_else(|| WeightFormat::for_device(&device));
-    let generator = app::load_generator_as(&gen_dir, &device, m.generator.max_context, format)
+    let generator = app::load_generator_as(&gen_dir, &device, g.max_context, format)
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
-        .with_prefill_chunk(m.generator.prefill_chunk_tokens);
-    let generator = match m.generator.kv_cache_dtype {
+        .with_prefill_chunk(g.prefill_chunk_tokens);
+    let generator = match g.kv_cache_dtype {
         Some(dtype) => generator.with_kv_dtype(dtype)?,
         None => generator,
     };
@@ -280,7 +279,7 @@ fn build_inputs(
     let Some(first) = questions.first() else {
         bail!("eval/questions.jsonl has no questions");
     };
-    let mut docs = ingest::corpus::load(&args.server.corpus, &args.store.data_dir)?;
+    let mut docs = ingest::corpus::load(&args.server.corpus, &args.load.store.data_dir)?;
     docs.sort_by(|a, b| a.id.cmp(&b.id));
     let Some(doc) = docs.iter().find(|d| d.id == first.doc) else {
         bail!(
@@ -288,7 +287,7 @@ fn build_inputs(
             first.doc
         );
     };
-    let chunks = ingest::plan_chunks(doc, embedder, app::chunker(&args.store))?;
+    let chunks = ingest::plan_chunks(doc, embedder, app::chunker(&args.load.store))?;
     let passages: Vec<&str> = chunks.iter().map(|c| c.text.as_str()).collect();
     let prompt = rag_prompt(generator, &first.question, &passages)?;
     let prompt_text = generator

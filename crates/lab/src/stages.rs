@@ -20,9 +20,9 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
     let rounds = args.rounds.max(1);
     // Every round prefills the same prompt: with prefix reuse on, all but the first would copy
     // it from the cache. The bench measures whole prefills, comparable across runs and peers.
-    let mut models = args.models.clone();
-    models.generator.prefix_cache_mb = 0;
-    let pipeline = app::load_with_corpus(&models, &args.store, &args.server, &args.pipeline)?;
+    let mut load = args.load.clone();
+    load.generator.prefix_cache_mb = 0;
+    let pipeline = app::load_with_corpus(&load, &args.server)?;
     let questions =
         ragscope::eval::first_questions(std::path::Path::new("eval/questions.jsonl"), 10)
             .unwrap_or_else(|_| vec!["How do I undo the last commit?".to_string(); 10]);
@@ -81,7 +81,7 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
             let t = Instant::now();
             pipeline
                 .store
-                .search(v, args.pipeline.top_k, None, &stage())?;
+                .search(v, args.load.pipeline.top_k, None, &stage())?;
             lat.push(t.elapsed());
         }
     }
@@ -90,7 +90,7 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
         "{:<44} {:>9.3} ms",
         format!(
             "retrieve top-{} at {corpus_size} chunks, p50",
-            args.pipeline.top_k
+            args.load.pipeline.top_k
         ),
         percentile(&mut lat, 50.0)
     );
@@ -98,7 +98,7 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
         "{:<44} {:>9.3} ms",
         format!(
             "retrieve top-{} at {corpus_size} chunks, p99",
-            args.pipeline.top_k
+            args.load.pipeline.top_k
         ),
         percentile(&mut lat, 99.0)
     );
@@ -138,7 +138,7 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
         for _ in 0..rounds * 20 {
             for v in &vectors {
                 let t = Instant::now();
-                store.search(v, args.pipeline.top_k, None, &stage())?;
+                store.search(v, args.load.pipeline.top_k, None, &stage())?;
                 lat.push(t.elapsed());
             }
         }
@@ -155,12 +155,18 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
         );
         println!(
             "{:<44} {:>9.3} ms",
-            format!("retrieve top-{} at {n} chunks, p50", args.pipeline.top_k),
+            format!(
+                "retrieve top-{} at {n} chunks, p50",
+                args.load.pipeline.top_k
+            ),
             percentile(&mut lat, 50.0)
         );
         println!(
             "{:<44} {:>9.3} ms",
-            format!("retrieve top-{} at {n} chunks, p99", args.pipeline.top_k),
+            format!(
+                "retrieve top-{} at {n} chunks, p99",
+                args.load.pipeline.top_k
+            ),
             percentile(&mut lat, 99.0)
         );
     }
@@ -216,7 +222,7 @@ pub fn run(args: &Setup, synthetic_chunks: usize, handle: &tokio::runtime::Handl
     let mut ttft = Vec::new();
     for q in questions.iter().take(5) {
         let root = Arc::new(stage());
-        let req = RagRequest::with_defaults(q.clone(), &args.pipeline, args.server.request_timeout);
+        let req = RagRequest::with_defaults(q.clone(), &pipeline, args.server.request_timeout);
         let t = Instant::now();
         let a = handle.block_on(pipeline.start_query(req, &root, None)?)?;
         e2e.push(t.elapsed());

@@ -49,7 +49,7 @@ use telemetry::span::Stage;
 
 pub use host_kv::KvDtype;
 pub use prefix_cache::DEFAULT_MB as PREFIX_CACHE_DEFAULT_MB;
-pub use sampler::Sampling;
+pub use sampler::{Sampling, SamplingArgs};
 
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -233,7 +233,7 @@ impl Llama {
     }
 
     /// [`Llama::with_prefill_chunk`] on a loaded model, for the prefills that start from now
-    /// on (`ragscope bench --prefill-interference` switches sizes between rounds). Returns the
+    /// on (`ragscope-lab interference` switches sizes between rounds). Returns the
     /// size set.
     pub fn set_prefill_chunk(&self, tokens: usize) -> usize {
         let m = forward::PREFILL_CHUNK_MULTIPLE;

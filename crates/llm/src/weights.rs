@@ -44,7 +44,7 @@ pub enum WeightFormat {
     /// The CPU default: as [`WeightFormat::F32PrefillQ4Decode`], but the prefill projections
     /// multiply in BF16 with F32 accumulation (AVX-512 BF16 `vdpbf16ps`, the embedder's GEMM)
     /// where the CPU has it (1.6× faster prefill than F32 on a Zen 5, no faster on an Intel
-    /// Xeon: docs/PERFORMANCE.md, "Prefill in BF16"); elsewhere
+    /// Xeon: docs/PERFORMANCE.md and the journal); elsewhere
     /// they stay dense F32 (candle's GEMM), bit for bit [`WeightFormat::F32PrefillQ4Decode`].
     /// Attention, norms, RoPE, softmax and the output head stay F32. [`Prefill`] says which ran.
     #[default]

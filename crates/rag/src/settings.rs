@@ -1,18 +1,19 @@
-//! The RAG layer's settings, flattened by the binary into the commands that need them: which
-//! embedder and reranker (beside the generator's own settings), the store, the pipeline's
-//! defaults, fault injection and tenant quotas. Every flag has a `RAGSCOPE_*` variable.
+//! The RAG layer's settings, flattened by the binary into the commands that need them (beside
+//! the generator's and the sampler's, which are `llm`'s): which embedder and reranker, the
+//! store, the pipeline's defaults, fault injection and tenant quotas. Every flag has a
+//! `RAGSCOPE_*` variable.
 
 use std::path::PathBuf;
 
 use clap::Args;
-use llm::settings::GeneratorArgs;
 use llm::TokenTrace;
 
 use crate::pipeline::context::kinds::{ContextMethod, ContextMode, ContextOrder};
 use crate::pipeline::overlap::Overlap;
 use crate::prompt::PromptTemplate;
 
-/// The models: where they are unpacked, the embedder, the reranker and the generator.
+/// The models: where they are unpacked, the embedder and the reranker (the generator's own
+/// settings are `llm`'s, beside these).
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
     /// Where models are unpacked (one directory per model).
@@ -28,8 +29,6 @@ pub struct ModelArgs {
     /// Fetch missing models on start.
     #[arg(long, env = "RAGSCOPE_FETCH_MODELS", default_value_t = true, action = clap::ArgAction::Set)]
     pub fetch_models: bool,
-    #[command(flatten)]
-    pub generator: GeneratorArgs,
 }
 
 /// The vector store: the embedded engine's directory or a Qdrant server, and how documents
@@ -108,9 +107,6 @@ pub struct PipelineArgs {
     /// scores best (docs/CONTEXT.md). The reordering needs a reranker.
     #[arg(long, env = "RAGSCOPE_ENTRY_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
     pub entry_lookup: bool,
-    /// The decoding a RAG answer gets for what its request leaves out.
-    #[command(flatten)]
-    pub sampling: llm::Sampling,
     /// RAG answers end at their first finished paragraph (a blank line after a sentence or a
     /// closed code block) as at a stop string: what the small generator writes after it is a
     /// new, unasked-for answer (docs/CONTEXT.md).

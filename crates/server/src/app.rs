@@ -13,7 +13,7 @@ use anyhow::{Context, Result};
 use tokio::net::TcpListener;
 
 use crate::api::{self, AppState, Readiness};
-use crate::config::{ModelArgs, PipelineArgs, ServeArgs, ServerArgs, StoreArgs};
+use crate::config::{GeneratorArgs, LoadArgs, ModelArgs, ServeArgs, ServerArgs, StoreArgs};
 use llm::llama::{Llama, WeightFormat};
 use llm::models;
 use llm::tokenizer;
@@ -42,16 +42,16 @@ pub struct Models {
 
 /// Loads the embedder, generator and reranker named in `args`, fetching manifest models when
 /// allowed.
-pub fn load_models(args: &ModelArgs) -> Result<Models> {
-    load_models_with(args, None)
+pub fn load_models(args: &ModelArgs, generator: &GeneratorArgs) -> Result<Models> {
+    load_models_with(args, generator, None)
 }
 
 /// [`load_models`], with a generator that leaves failure snapshots in `snapshots`.
 pub fn load_models_with(
     args: &ModelArgs,
+    g: &GeneratorArgs,
     snapshots: Option<Arc<llm::snapshot::SnapshotStore>>,
 ) -> Result<Models> {
-    let g = &args.generator;
     llm::cpu::set_cap(g.cpu_level).map_err(anyhow::Error::msg)?;
     tracing::info!("{}", llm::cpu::describe());
     let device = llm::device::device(&g.device)?;
@@ -183,18 +183,14 @@ pub fn chunker(args: &StoreArgs) -> ChunkerConfig {
 }
 
 /// Everything loaded and assembled.
-pub fn load_pipeline(
-    models: &ModelArgs,
-    store: &StoreArgs,
-    server: &ServerArgs,
-    pipeline: &PipelineArgs,
-) -> Result<Pipeline> {
+pub fn load_pipeline(load: &LoadArgs, server: &ServerArgs) -> Result<Pipeline> {
+    let (store, pipeline) = (&load.store, &load.pipeline);
     let snapshots = llm::snapshot::SnapshotStore::open(&server.snapshots, &store.data_dir)?;
     let Models {
         embedder,
         generator,
         reranker,
-    } = load_models_with(models, snapshots.clone())?;
+    } = load_models_with(&load.models, &load.generator, snapshots.clone())?;
     let store_handle = open_store(store, embedder.dimension())?;
     Ok(Pipeline {
         snapshots,
@@ -205,6 +201,7 @@ pub fn load_pipeline(
         workers: Workers::new(server.workers, server.queue_capacity)
             .with_max_wait(server.max_queue_wait(), server.queue_wait_headroom),
         defaults: pipeline.clone(),
+        sampling: load.sampling.defaults(),
         chunker: chunker(store),
         query_cache: rag::embed::cache::QueryCache::new(pipeline.query_cache),
         sentence_cache: rag::embed::cache::VectorCache::named(
@@ -216,17 +213,12 @@ pub fn load_pipeline(
 }
 
 /// The pipeline with the configured corpus ingested (evaluation, benchmarks).
-pub fn load_with_corpus(
-    models: &ModelArgs,
-    store: &StoreArgs,
-    server: &ServerArgs,
-    pipeline: &PipelineArgs,
-) -> Result<Arc<Pipeline>> {
-    let loaded = Arc::new(load_pipeline(models, store, server, pipeline)?);
+pub fn load_with_corpus(load: &LoadArgs, server: &ServerArgs) -> Result<Arc<Pipeline>> {
+    let loaded = Arc::new(load_pipeline(load, server)?);
     ingest_corpus(
         &loaded,
         &server.corpus,
-        &store.data_dir,
+        &load.store.data_dir,
         &Readiness::default(),
     )?;
     Ok(loaded)
@@ -473,23 +465,23 @@ pub async fn serve(
     // may come back, so then the server stays up and `/ready` reports the failure.
     let fatal = Arc::new((tokio::sync::Notify::new(), OnceLock::<String>::new()));
     let embedded = args
+        .load
         .store
         .qdrant_url
         .as_deref()
         .is_none_or(|u| u.trim().is_empty());
     let on_fatal = fatal.clone();
     tokio::task::spawn_blocking(move || {
-        let result = load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
-            .and_then(|p| {
-                let p = Arc::new(p);
-                let _ = loading.pipeline.set(p.clone());
-                ingest_corpus(
-                    &p,
-                    &args.server.corpus,
-                    &args.store.data_dir,
-                    &loading.readiness,
-                )
-            });
+        let result = load_pipeline(&args.load, &args.server).and_then(|p| {
+            let p = Arc::new(p);
+            let _ = loading.pipeline.set(p.clone());
+            ingest_corpus(
+                &p,
+                &args.server.corpus,
+                &args.load.store.data_dir,
+                &loading.readiness,
+            )
+        });
         match result {
             Ok(()) => {
                 loading.readiness.set_ready();

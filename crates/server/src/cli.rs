@@ -54,7 +54,7 @@ pub fn verify_models(args: &ModelArgs) -> Result<()> {
 
 pub async fn ingest(args: IngestArgs) -> Result<()> {
     tokio::task::spawn_blocking(move || -> Result<()> {
-        let embedder = app::load_models(&args.models)?.embedder;
+        let embedder = app::load_models(&args.models, &args.generator)?.embedder;
         let store = app::open_store(&args.store, embedder.dimension())?;
         let docs = read_paths(&args.paths)?;
         let chunker = app::chunker(&args.store);

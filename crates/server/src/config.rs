@@ -253,16 +253,28 @@ impl std::fmt::Debug for AuthArgs {
     }
 }
 
+/// What loading the models, the store and the pipeline reads, each crate's own settings side
+/// by side: what `serve`, `eval` and the lab's benchmarks share.
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    #[command(flatten)]
+    pub models: ModelArgs,
+    #[command(flatten)]
+    pub generator: GeneratorArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub pipeline: PipelineArgs,
+    #[command(flatten)]
+    pub sampling: llm::SamplingArgs,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]
-    pub models: ModelArgs,
-    #[command(flatten)]
-    pub store: StoreArgs,
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
+    pub load: LoadArgs,
     #[command(flatten)]
     pub faults: FaultArgs,
     #[command(flatten)]
@@ -298,6 +310,8 @@ pub struct IngestArgs {
     pub paths: Vec<PathBuf>,
     #[command(flatten)]
     pub models: ModelArgs,
+    #[command(flatten)]
+    pub generator: GeneratorArgs,
     #[command(flatten)]
     pub store: StoreArgs,
 }
@@ -340,11 +354,7 @@ pub struct EvalArgs {
     #[command(flatten)]
     pub server: ServerArgs,
     #[command(flatten)]
-    pub models: ModelArgs,
-    #[command(flatten)]
-    pub store: StoreArgs,
-    #[command(flatten)]
-    pub pipeline: PipelineArgs,
+    pub load: LoadArgs,
 }
 
 #[derive(Debug, Clone, Args)]

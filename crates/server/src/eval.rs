@@ -79,8 +79,9 @@ pub async fn run(args: EvalArgs) -> Result<()> {
 
 fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     let questions = load_questions(&args.questions)?;
-    let pipeline = app::load_with_corpus(&args.models, &args.store, &args.server, &args.pipeline)?;
+    let pipeline = app::load_with_corpus(&args.load, &args.server)?;
     let top_k = args
+        .load
         .pipeline
         .top_k
         .max(args.k.iter().copied().max().unwrap_or(1));
@@ -110,7 +111,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
     ];
     let mut scores = vec![RankScores::default(); variants.len()];
     let root = || Stage::root(span::EVAL);
-    let lexical_top_k = args.pipeline.lexical_top_k.min(top_k);
+    let lexical_top_k = args.load.pipeline.lexical_top_k.min(top_k);
     for q in &questions {
         let stage = root();
         let vector = pipeline.embedder.embed(&[&q.question], &stage)?.remove(0);
@@ -172,7 +173,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
         println!(
             "\nanswers (reranker: {}; {}):",
             pipeline.reranker.as_ref().map_or("none", |r| r.model_id()),
-            settings(&args.pipeline)
+            settings(&args.load.pipeline, &args.load.sampling.defaults())
         );
         let mut tally = AnswerTally::default();
         let mut dump = args
@@ -266,7 +267,7 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
             );
         }
         report.push(json!({
-            "settings": settings(&args.pipeline),
+            "settings": settings(&args.load.pipeline, &args.load.sampling.defaults()),
             "answer_contains_rate": tally.correct as f64 / n,
             "mean_prompt_tokens": tally.prompt_tokens as f64 / n,
             "mean_answer_tokens": tally.answer_tokens as f64 / n,
@@ -297,16 +298,13 @@ fn ask(
     question: &str,
 ) -> Result<RagAnswer> {
     let stage = Arc::new(Stage::root(span::EVAL));
-    let req = RagRequest::with_defaults(
-        question.to_string(),
-        &args.pipeline,
-        args.server.request_timeout,
-    );
+    let req =
+        RagRequest::with_defaults(question.to_string(), pipeline, args.server.request_timeout);
     Ok(handle.block_on(pipeline.start_query(req, &stage, None)?)?)
 }
 
 /// The settings an answer run used, for its report line.
-fn settings(p: &PipelineArgs) -> String {
+fn settings(p: &PipelineArgs, sampling: &llm::Sampling) -> String {
     format!(
         "context {} budget {}/passage method {} order {} terms {} entry_lookup {} template {:?} \
          rerank_top_n {} max_tokens {} {} end_at_paragraph {}",
@@ -319,7 +317,7 @@ fn settings(p: &PipelineArgs) -> String {
         p.prompt_template,
         p.rerank_top_n,
         p.max_tokens,
-        p.sampling,
+        sampling,
         p.end_at_paragraph
     )
 }

@@ -1,7 +1,7 @@
 //! Every name the server's telemetry uses, in one place: the stages of a request, the other span
 //! names, attribute keys and metric names. Code refers to these constants, never to a string
 //! literal, so a name is spelled once and the README's span and metric catalogues can be checked
-//! against this file (`tests/api/catalogue.rs`).
+//! against this file (`crates/server/tests/api/catalogue.rs`).
 //!
 //! Attribute keys follow the OpenTelemetry conventions where one exists (`gen_ai.*`, `db.*`,
 //! `http.*`, `rpc.*`, `server.*`, `error.type`); `rag.*` keys are this server's own.

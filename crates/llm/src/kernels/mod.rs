@@ -1,4 +1,4 @@
-//! Compute kernels for the CPU BERT forward ([`super::cpu_bert`]): a matrix multiply against
+//! Compute kernels for the CPU BERT forward (`rag::embed::cpu_bert`) and the generator's prefill: a matrix multiply against
 //! weights packed once at load, in BF16 on AVX-512 BF16 (`vdpbf16ps`, F32 accumulation) or in
 //! F32 through the `gemm` crate anywhere else, and the row-wise pieces around it (LayerNorm,
 //! exact-erf GELU, attention with softmax). The x86 paths are chosen at run time, so one binary

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use telemetry::names::attr;
 
 /// How the next token is chosen: the one description of a decoding setting. The API's
-/// `Decoding` fills it from a request, the server's flags below give its RAG defaults,
+/// `Decoding` fills it from a request, [`SamplingArgs`] gives its RAG defaults,
 /// [`Sampling::attributes`] puts it on the `chat` span and the [`Sampler`] applies it.
 /// `temperature <= 0` means greedy. [`Sampling::default`] is neutral: no penalty, no n-gram
 /// block, greedy (the plain model's and the benchmarks' settings).
@@ -24,39 +24,49 @@ use telemetry::names::attr;
 /// The penalties and the n-gram block look at the tokens this request has generated, not at
 /// the prompt (OpenAI's semantics; HF and llama.cpp count the prompt too, which
 /// `penalize_prompt` asks for): a RAG answer has to copy words from its passages.
-///
-/// As flags, the fields that have one set what a RAG request gets when it leaves them out.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, clap::Args)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Sampling {
-    #[arg(skip)]
     pub temperature: f64,
-    #[arg(skip)]
     pub top_p: Option<f64>,
-    #[arg(skip)]
     pub seed: u64,
     /// OpenAI's `presence_penalty`: subtracted once from the logit of every token generated so far.
-    #[arg(skip)]
     pub presence_penalty: f32,
     /// OpenAI's `frequency_penalty`: subtracted from a token's logit once per time it was generated.
-    #[arg(skip)]
     pub frequency_penalty: f32,
+    /// HF / llama.cpp's `repetition_penalty` (1 = off): a generated token's positive logit is
+    /// divided by it, a negative one multiplied.
+    pub repetition_penalty: f32,
+    /// Never generate an n-gram of this many tokens twice (0 = off), as HF's
+    /// `no_repeat_ngram_size`, except where the context passages hold it more often than the
+    /// answer so far.
+    pub no_repeat_ngram: usize,
+    /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
+    pub penalize_prompt: bool,
+    /// Added to the logit of every token of the request's context passages
+    /// ([`GenerateRequest::context_tokens`](crate::GenerateRequest::context_tokens); 0 = off).
+    #[serde(default)]
+    pub context_bias: f32,
+    /// Added to the logit of each token that continues, in the context passages, the longest
+    /// run of the answer's last tokens found there (0 = off): the answer is pulled towards
+    /// copying its sources' spans instead of inventing them.
+    #[serde(default)]
+    pub copy_bias: f32,
+}
+
+/// The sampler's flags: what a RAG answer gets for the settings its request leaves out.
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct SamplingArgs {
     /// RAG answers' repetition penalty (HF / llama.cpp's; 1 = off) unless the request says
-    /// otherwise: a generated token's positive logit is divided by it, a negative one multiplied.
+    /// otherwise.
     #[arg(long, env = "RAGSCOPE_REPETITION_PENALTY", default_value_t = 1.0)]
     pub repetition_penalty: f32,
     /// RAG answers never repeat an n-gram of this many tokens (0 = off) unless the request says
-    /// otherwise, as HF's `no_repeat_ngram_size`, except where the context passages hold it
-    /// more often than the answer so far.
+    /// otherwise.
     #[arg(long, env = "RAGSCOPE_NO_REPEAT_NGRAM", default_value_t = 3)]
     pub no_repeat_ngram: usize,
-    /// Count the prompt's tokens as already generated for the penalties and the n-gram block.
-    #[arg(skip)]
-    pub penalize_prompt: bool,
-    /// Added to the logit of every token of a RAG answer's context passages
-    /// ([`GenerateRequest::context_tokens`](crate::GenerateRequest::context_tokens); 0 = off)
-    /// unless the request says otherwise: the small generator copies its sources' words more
-    /// often (docs/CONTEXT.md has the measurements).
-    #[serde(default)]
+    /// Added to the logit of every token of a RAG answer's context passages (0 = off) unless
+    /// the request says otherwise: the small generator copies its sources' words more often
+    /// (docs/CONTEXT.md has the measurements).
     #[arg(long, env = "RAGSCOPE_CONTEXT_BIAS", default_value_t = 0.0)]
     pub context_bias: f32,
     /// Added to the logit of each token that continues, in a RAG answer's context passages,
@@ -64,9 +74,21 @@ pub struct Sampling {
     /// says otherwise: the answer copies its sources' spans (an option, a command line) rather
     /// than inventing them. With the default 3 and answers ending at their first paragraph,
     /// 25/50 evaluation answers carry the fact against 18/50 with neither (docs/CONTEXT.md).
-    #[serde(default)]
     #[arg(long, env = "RAGSCOPE_COPY_BIAS", default_value_t = 3.0)]
     pub copy_bias: f32,
+}
+
+impl SamplingArgs {
+    /// The sampling a RAG request gets for what it does not set: greedy, with these controls.
+    pub fn defaults(&self) -> Sampling {
+        Sampling {
+            repetition_penalty: self.repetition_penalty,
+            no_repeat_ngram: self.no_repeat_ngram,
+            context_bias: self.context_bias,
+            copy_bias: self.copy_bias,
+            ..Sampling::default()
+        }
+    }
 }
 
 impl Sampling {

@@ -5,7 +5,7 @@
 //! normalisation. Candle's `BertModel` stays for other devices and as the reference in tests.
 //!
 //! BF16 vectors stay within cosine 0.999 of candle's F32 model (a test holds it to that);
-//! `ragscope bench --embed-ab` times the forwards against each other, and docs/PERFORMANCE.md
+//! `ragscope-lab embed-ab` times the forwards against each other, and docs/PERFORMANCE.md
 //! has the figures against PyTorch.
 
 use std::ops::Range;

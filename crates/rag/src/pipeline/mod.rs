@@ -53,6 +53,9 @@ pub struct Pipeline {
     pub generator: Arc<dyn Generator>,
     pub workers: Workers,
     pub defaults: PipelineArgs,
+    /// The decoding a RAG answer gets for what its request leaves out (`--repetition-penalty`,
+    /// `--copy-bias`, …: the sampler's flags).
+    pub sampling: llm::Sampling,
     pub chunker: ChunkerConfig,
     pub query_cache: QueryCache,
     /// Sentence vectors of the context stage.

@@ -9,7 +9,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::context::ContextSettings;
-use super::PipelineArgs;
+use super::Pipeline;
 use crate::embed::EmbedError;
 use crate::fault::{FaultPlan, Injected};
 use crate::ingest::IngestError;
@@ -48,15 +48,16 @@ pub struct RagRequest {
 }
 
 impl RagRequest {
-    /// A question with the server's default settings (evaluation, benchmarks).
-    pub fn with_defaults(query: String, defaults: &PipelineArgs, timeout: Duration) -> RagRequest {
+    /// A question with `pipeline`'s default settings (evaluation, benchmarks).
+    pub fn with_defaults(query: String, pipeline: &Pipeline, timeout: Duration) -> RagRequest {
+        let defaults = &pipeline.defaults;
         RagRequest {
             query,
             history: Vec::new(),
             top_k: defaults.top_k,
             rerank_top_n: defaults.rerank_top_n,
             max_tokens: defaults.max_tokens,
-            sampling: defaults.sampling,
+            sampling: pipeline.sampling,
             stop: Vec::new(),
             logprobs: None,
             choices: 1,

@@ -17,7 +17,7 @@ use super::lexical::{self, Terms};
 use super::{Chunk, Condition, Filter, FilterField, MatchValue, StoreError};
 
 /// Payload fields with a keyword index: the filters the API exposes first, and the page title
-/// that entry lookup searches within (`src/pipeline/lookup.rs`; without the index that search
+/// that entry lookup searches within (`pipeline::lookup`; without the index that search
 /// read every payload, ~15 ms over the git-doc corpus).
 pub const INDEXED_KEYWORDS: [&str; 3] = ["doc_id", "source", "metadata.title"];
 

@@ -116,7 +116,7 @@ pub fn rag_request(
     }
     // The server's decoding defaults (`--repetition-penalty`, `--copy-bias`, …) where the
     // request leaves a setting out.
-    let decoded = decoding.resolve(defaults.sampling)?;
+    let decoded = decoding.resolve(pipeline.sampling)?;
     check_choices(n, logprobs)?;
     let filter = match filter.as_ref() {
         None | Some(Value::Null) => None,

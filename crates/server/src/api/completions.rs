@@ -477,8 +477,7 @@ fn generation_request(
     plan: &Plan,
 ) -> Result<RagRequest, ApiError> {
     let decoded = plan.decoding.resolve(Sampling::default())?;
-    let mut req =
-        RagRequest::with_defaults(String::new(), &pipeline.defaults, state.request_timeout);
+    let mut req = RagRequest::with_defaults(String::new(), pipeline, state.request_timeout);
     req.max_tokens = plan.max_tokens;
     req.sampling = decoded.sampling;
     req.stop = decoded.stop;

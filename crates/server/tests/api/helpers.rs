@@ -82,9 +82,7 @@ async fn start(data_dir: &Path, extra: &[&str], tmp: Option<tempfile::TempDir>) 
     let args = serve_args(data_dir, extra);
     let pipeline = tokio::task::spawn_blocking({
         let args = args.clone();
-        move || {
-            ragscope::app::load_pipeline(&args.models, &args.store, &args.server, &args.pipeline)
-        }
+        move || ragscope::app::load_pipeline(&args.load, &args.server)
     })
     .await
     .unwrap()
@@ -156,8 +154,9 @@ fn fake_pipeline_over(
         reranker: Some(Arc::new(rag::rerank::fusion::FusionReranker::default())),
         generator: Arc::new(generator),
         workers: rag::worker::Workers::new(1, 64),
-        defaults: args.pipeline.clone(),
-        chunker: ragscope::app::chunker(&args.store),
+        defaults: args.load.pipeline.clone(),
+        sampling: args.load.sampling.defaults(),
+        chunker: ragscope::app::chunker(&args.load.store),
         query_cache: rag::embed::cache::QueryCache::new(0),
         sentence_cache: rag::embed::cache::VectorCache::named("sentence_embedding", 0),
         prompts: rag::embed::cache::PromptMemory::uncounted(0),

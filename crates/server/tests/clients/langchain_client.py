@@ -1,5 +1,5 @@
 """LangChain's OpenAI integration against a running ragscope server: `ChatOpenAI` invoke and
-stream, `OpenAIEmbeddings`. Run by tests/api/clients.rs; by hand:
+stream, `OpenAIEmbeddings`. Run by crates/server/tests/api/clients.rs; by hand:
 
     RAGSCOPE_BASE_URL=http://127.0.0.1:8080/v1 python tests/clients/langchain_client.py
 """

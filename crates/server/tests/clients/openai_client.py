@@ -1,6 +1,6 @@
 """The `openai` Python client against a running ragscope server: chat (plain and streamed),
 `n`, `stop`, `logprobs`, legacy completions with echoed logprobs, embeddings, and errors that
-name the field. Run by tests/api/clients.rs; by hand:
+name the field. Run by crates/server/tests/api/clients.rs; by hand:
 
     RAGSCOPE_BASE_URL=http://127.0.0.1:8080/v1 python tests/clients/openai_client.py
 

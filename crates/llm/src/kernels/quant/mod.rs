@@ -386,8 +386,8 @@ const ROW_TILE: usize = 4;
 /// Below this many row × sequence dot products, waking the other threads costs more than it saves.
 const PARALLEL_MIN_WORK: usize = 64;
 
-/// Weight rows per kernel call for a tile of `n` activations. Measured (`ragscope bench
-/// --kernels`, 2 threads): Q4_1 with one activation runs 1.6 ms with four rows per call against
+/// Weight rows per kernel call for a tile of `n` activations. Measured (`ragscope-lab
+/// kernels`, 2 threads): Q4_1 with one activation runs 1.6 ms with four rows per call against
 /// 2.1 ms with one; Q8_0 the other way round (5.6 ms with four rows, 2.2 ms with one).
 fn row_tile(format: BlockFormat, n: usize) -> usize {
     match (format, n) {
@@ -614,7 +614,7 @@ mod x86 {
     }
 
     /// How far ahead of the blocks being multiplied the kernel asks for the weights (bytes).
-    /// Measured on the decode step (`ragscope bench --decode-step`, Zen 5, medians of six
+    /// Measured on the decode step (`ragscope-lab decode-step`, Zen 5, medians of six
     /// interleaved runs), the layer matmuls: 2.85 ms at 4 KiB, 2.73 at 8 KiB, 3.26 at 2 KiB,
     /// against 4.88 when only the tile's first row was prefetched (1 KiB ahead), which left
     /// three quarters of its bytes to the hardware prefetchers.

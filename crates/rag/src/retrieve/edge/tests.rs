@@ -54,7 +54,7 @@ fn sample() -> (Vec<Chunk>, Vec<Vec<f32>>) {
 }
 
 // What every store must do (search, filters, ids, deletes, bad input, reopening) is the
-// conformance suite's, in tests/api/store_conformance.rs; these tests are about the engine.
+// conformance suite's, in crates/server/tests/api/store_conformance.rs; these tests are about the engine.
 
 /// Chunk `position` of `doc_id` with the given text.
 fn text_chunk(doc_id: &str, position: u32, text: &str) -> Chunk {
