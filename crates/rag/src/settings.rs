@@ -11,6 +11,7 @@ use llm::TokenTrace;
 use crate::pipeline::context::kinds::{ContextMethod, ContextMode, ContextOrder};
 use crate::pipeline::overlap::Overlap;
 use crate::prompt::PromptTemplate;
+use crate::retrieve::cluster::{Cluster, ReadConsistency, WriteOrdering};
 
 /// The models: where they are unpacked, the embedder and the reranker (the generator's own
 /// settings are `llm`'s, beside these).
@@ -49,12 +50,57 @@ pub struct StoreArgs {
     /// API key for the Qdrant server, sent as `api-key` metadata.
     #[arg(long, env = "RAGSCOPE_QDRANT_API_KEY", hide_env_values = true)]
     pub qdrant_api_key: Option<String>,
+    /// Shards of a collection ragscope creates on a Qdrant cluster; unset: Qdrant's own choice
+    /// (one per peer).
+    #[arg(long, env = "RAGSCOPE_QDRANT_SHARDS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub qdrant_shards: Option<u32>,
+    /// Copies of each shard of a collection ragscope creates: with 2 or more, one dead peer
+    /// loses nothing and reads answer on (a single server keeps one).
+    #[arg(long, env = "RAGSCOPE_QDRANT_REPLICATION_FACTOR", default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub qdrant_replication_factor: u32,
+    /// Copies that must have applied a write before Qdrant acknowledges it (at most the
+    /// replication factor; writes fail while fewer copies are up).
+    #[arg(long, env = "RAGSCOPE_QDRANT_WRITE_CONSISTENCY", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub qdrant_write_consistency: u32,
+    /// Copies a read asks: a number, or `all`, `majority`, `quorum`.
+    #[arg(long, env = "RAGSCOPE_QDRANT_READ_CONSISTENCY", default_value = "1", value_parser = ReadConsistency::parse)]
+    pub qdrant_read_consistency: ReadConsistency,
+    /// Qdrant's write ordering: `weak` (fastest), `medium` or `strong` (through the permanent
+    /// leader; writes wait while it is down).
+    #[arg(
+        long,
+        env = "RAGSCOPE_QDRANT_WRITE_ORDERING",
+        value_enum,
+        default_value = "weak"
+    )]
+    pub qdrant_write_ordering: WriteOrdering,
+    /// The longest one Qdrant call may take, in milliseconds.
+    #[arg(long, env = "RAGSCOPE_QDRANT_TIMEOUT_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub qdrant_timeout_ms: u64,
+    /// Further tries of a Qdrant call that found the server or a peer unreachable.
+    #[arg(long, env = "RAGSCOPE_QDRANT_RETRIES", default_value_t = 2)]
+    pub qdrant_retries: u32,
     /// Largest chunk, in embedder tokens.
     #[arg(long, env = "RAGSCOPE_CHUNK_TOKENS", default_value_t = 200)]
     pub chunk_tokens: usize,
     /// Tokens each chunk repeats from the end of the previous one.
     #[arg(long, env = "RAGSCOPE_CHUNK_OVERLAP", default_value_t = 40)]
     pub chunk_overlap: usize,
+}
+
+impl StoreArgs {
+    /// The remote store's cluster settings.
+    pub fn cluster(&self) -> Cluster {
+        Cluster {
+            shards: self.qdrant_shards,
+            replication_factor: self.qdrant_replication_factor,
+            write_consistency_factor: self.qdrant_write_consistency,
+            read_consistency: self.qdrant_read_consistency,
+            write_ordering: self.qdrant_write_ordering,
+            timeout: std::time::Duration::from_millis(self.qdrant_timeout_ms),
+            retries: self.qdrant_retries,
+        }
+    }
 }
 
 /// What a request gets for what it does not set, and how the pipeline runs.

@@ -159,11 +159,12 @@ fn model_name(spec: &str) -> String {
 /// Blocking: call it from a blocking or worker thread, not from async code.
 pub fn open_store(args: &StoreArgs, dimension: usize) -> Result<Arc<dyn VectorStore>> {
     if let Some(url) = args.qdrant_url.as_deref().filter(|u| !u.trim().is_empty()) {
-        let store = RemoteStore::open(
+        let store = RemoteStore::open_with(
             url,
             args.qdrant_api_key.as_deref(),
             &args.collection,
             dimension,
+            args.cluster(),
         )
         .with_context(|| format!("opening collection `{}` on {url}", args.collection))?;
         return Ok(Arc::new(store));

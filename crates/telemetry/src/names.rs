@@ -284,6 +284,16 @@ names! {
         RETRIEVAL_LEXICAL_HITS = "rag.retrieval.lexical.hits",
         RETRIEVAL_LEXICAL_ADDED = "rag.retrieval.lexical.added",
         RETRIEVAL_LOOKUP_ADDED = "rag.retrieval.lookup.added",
+        // A Qdrant server or cluster: how collections are laid out, written and read, and
+        // how a call is tried (`retrieve::cluster`); tries beyond the first a call needed.
+        QDRANT_SHARDS = "rag.qdrant.shards",
+        QDRANT_REPLICATION_FACTOR = "rag.qdrant.replication_factor",
+        QDRANT_WRITE_CONSISTENCY_FACTOR = "rag.qdrant.write_consistency_factor",
+        QDRANT_READ_CONSISTENCY = "rag.qdrant.read_consistency",
+        QDRANT_WRITE_ORDERING = "rag.qdrant.write_ordering",
+        QDRANT_TIMEOUT_MS = "rag.qdrant.timeout_ms",
+        QDRANT_RETRIES = "rag.qdrant.retries",
+        QDRANT_RETRIED = "rag.qdrant.retried",
         // Prompt and generation.
         CONTEXT_MODE = "rag.context.mode",
         CONTEXT_METHOD = "rag.context.method",

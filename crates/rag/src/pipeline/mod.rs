@@ -246,6 +246,9 @@ impl Pipeline {
             attributes.push(KeyValue::new(attr::SERVER_ADDRESS, server.address.clone()));
             attributes.push(KeyValue::new(attr::SERVER_PORT, i64::from(server.port)));
         }
+        if let Some(cluster) = &info.cluster {
+            attributes.extend(cluster.attributes());
+        }
         let lexical_top_k = self.defaults.lexical_top_k.min(req.top_k);
         attributes.push(KeyValue::new(
             attr::RETRIEVAL_LEXICAL_TOP_K,

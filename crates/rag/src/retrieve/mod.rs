@@ -8,6 +8,7 @@
 //! store bridges to its own async runtime), never on the HTTP server's async threads.
 
 pub mod audit;
+pub mod cluster;
 mod damage;
 pub mod edge;
 pub mod lexical;
@@ -213,6 +214,9 @@ pub struct StoreInfo {
     /// `server.address` / `server.port` of a remote store; `None` in process.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server: Option<ServerAddress>,
+    /// A remote store's layout, consistency, timeout and retries; `None` in process.
+    #[serde(skip)]
+    pub cluster: Option<cluster::Cluster>,
 }
 
 /// Where a remote store lives, as the OpenTelemetry `server.*` attributes name it.

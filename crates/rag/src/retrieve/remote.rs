@@ -30,17 +30,18 @@ use serde_json::Map;
 use tokio::runtime::Runtime;
 use tonic::Code;
 
+use super::cluster::Cluster;
 use super::lexical::{Terms, LEXICAL_VECTOR};
 use super::payload::{self, chunk_from_payload, PointKey, WriteLock, INDEXED_KEYWORDS};
 use super::{
     Chunk, Filter, MatchValue, ScoredChunk, ServerAddress, StoreError, StoreInfo, VectorStore,
 };
+use opentelemetry::KeyValue;
+use telemetry::names::attr;
 use telemetry::span::Stage;
 
 /// Longest wait for a TCP/TLS connection to the server.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// Longest wait for one call (an upsert batch waits until the server has applied it).
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// How old the point count and index state in [`VectorStore::info`] may get.
 const STATS_MAX_AGE: Duration = Duration::from_secs(2);
 
@@ -63,6 +64,8 @@ pub struct RemoteStore {
     /// Serialises this process's writes, so that `delete_document`'s count is the number it
     /// removed. (Replicas sharing the collection are not serialised with each other.)
     writer: WriteLock,
+    /// Layout, consistency, timeout and retries ([`Cluster`]).
+    cluster: Cluster,
 }
 
 #[derive(Debug, Clone)]
@@ -95,6 +98,18 @@ impl RemoteStore {
         collection: &str,
         dimension: usize,
     ) -> Result<RemoteStore, StoreError> {
+        RemoteStore::open_with(url, api_key, collection, dimension, Cluster::default())
+    }
+
+    /// [`RemoteStore::open`] with the cluster settings `cluster` (a collection it creates gets
+    /// their layout).
+    pub fn open_with(
+        url: &str,
+        api_key: Option<&str>,
+        collection: &str,
+        dimension: usize,
+        cluster: Cluster,
+    ) -> Result<RemoteStore, StoreError> {
         payload::check_positive_dimension(collection, dimension)?;
         let server = server_address(url)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -106,7 +121,7 @@ impl RemoteStore {
         let client = Qdrant::from_url(url)
             .api_key(api_key.map(str::to_string))
             .connect_timeout(CONNECT_TIMEOUT)
-            .timeout(REQUEST_TIMEOUT)
+            .timeout(cluster.timeout)
             .skip_compatibility_check()
             .build()
             .map_err(|e| StoreError::Backend(format!("Qdrant URL {url}: {e}")))?;
@@ -125,6 +140,7 @@ impl RemoteStore {
                 refreshing: false,
             })),
             writer: WriteLock::default(),
+            cluster,
         };
         let info = store.ensure_collection()?;
         store.lexical = info
@@ -159,13 +175,17 @@ impl RemoteStore {
                     LEXICAL_VECTOR,
                     SparseVectorParamsBuilder::default().modifier(Modifier::Idf),
                 );
-                let created = self.run(None, |c| async move {
-                    c.create_collection(
-                        CreateCollectionBuilder::new(name)
-                            .vectors_config(VectorParamsBuilder::new(dim, Distance::Cosine))
-                            .sparse_vectors_config(sparse),
-                    )
-                    .await
+                let mut create = CreateCollectionBuilder::new(name)
+                    .vectors_config(VectorParamsBuilder::new(dim, Distance::Cosine))
+                    .sparse_vectors_config(sparse)
+                    .replication_factor(self.cluster.replication_factor)
+                    .write_consistency_factor(self.cluster.write_consistency_factor);
+                if let Some(shards) = self.cluster.shards {
+                    create = create.shard_number(shards);
+                }
+                let created = self.run(None, move |c| {
+                    let create = create.clone();
+                    async move { c.create_collection(create).await }
                 });
                 match (created, self.collection_info()?) {
                     (_, Some(info)) => info, // ours, or another replica's that won the race
@@ -185,12 +205,12 @@ impl RemoteStore {
                 continue;
             }
             let name = self.collection.clone();
-            self.run(None, |c| async move {
-                c.create_field_index(
-                    CreateFieldIndexCollectionBuilder::new(name, field, FieldType::Keyword)
-                        .wait(true),
-                )
-                .await
+            let index = CreateFieldIndexCollectionBuilder::new(name, field, FieldType::Keyword)
+                .wait(true)
+                .ordering(self.cluster.write_ordering.to_qdrant());
+            self.run(None, move |c| {
+                let index = index.clone();
+                async move { c.create_field_index(index).await }
             })
             .map_err(|e| self.fail(&format!("creating the keyword index on `{field}`"), e))?;
         }
@@ -200,7 +220,10 @@ impl RemoteStore {
     /// The collection's info, `None` if it does not exist.
     fn collection_info(&self) -> Result<Option<CollectionInfo>, StoreError> {
         let name = self.collection.clone();
-        match self.run(None, |c| async move { c.collection_info(name).await }) {
+        match self.run(None, move |c| {
+            let name = name.clone();
+            async move { c.collection_info(name).await }
+        }) {
             Ok(response) => Ok(response.result),
             Err(QdrantError::ResponseError { status }) if status.code() == Code::NotFound => {
                 Ok(None)
@@ -237,9 +260,14 @@ impl RemoteStore {
     }
 
     /// Runs one client call on this store's runtime, with `stage`'s trace context as metadata.
+    /// The call has [`Cluster::timeout`] in all: a call that finds the server or a peer
+    /// unreachable is tried again, up to [`Cluster::retries`] times after growing pauses
+    /// (every call here is idempotent), while the time left allows; a server that does not
+    /// answer at all (a hung peer) costs the timeout once, never once per try. The tries
+    /// beyond the first go on the stage as `rag.qdrant.retried`.
     fn run<T, F, Fut>(&self, stage: Option<&Stage>, call: F) -> Result<T, QdrantError>
     where
-        F: FnOnce(Qdrant) -> Fut,
+        F: Fn(Qdrant) -> Fut,
         Fut: Future<Output = Result<T, QdrantError>>,
     {
         let mut client = self.client.clone();
@@ -249,10 +277,37 @@ impl RemoteStore {
                 .custom_headers
                 .extend(telemetry::inject_context(stage.context()));
         }
-        self.runtime
-            .as_ref()
-            .expect("the runtime lives until drop")
-            .block_on(call(client))
+        let runtime = self.runtime.as_ref().expect("the runtime lives until drop");
+        let deadline = Instant::now() + self.cluster.timeout;
+        let mut retried = 0;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            // The timer is made inside the runtime: it needs the runtime's clock.
+            let attempt = call(client.clone());
+            let result = runtime
+                .block_on(async { tokio::time::timeout(left, attempt).await })
+                .unwrap_or_else(|_| {
+                    Err(QdrantError::ResponseError {
+                        status: tonic::Status::deadline_exceeded(format!(
+                            "no answer within {} ms",
+                            self.cluster.timeout.as_millis()
+                        )),
+                    })
+                });
+            let pause = Cluster::backoff(retried + 1);
+            let again = matches!(&result, Err(QdrantError::ResponseError { status })
+                    if unreachable(status) && status.code() != Code::DeadlineExceeded)
+                && retried < self.cluster.retries
+                && Instant::now() + pause < deadline;
+            if !again {
+                if let Some(stage) = stage.filter(|_| retried > 0) {
+                    stage.set(KeyValue::new(attr::QDRANT_RETRIED, i64::from(retried)));
+                }
+                return result;
+            }
+            retried += 1;
+            std::thread::sleep(pause);
+        }
     }
 
     /// What a failed call means for the caller: unreachable servers are `Unavailable` (503).
@@ -312,14 +367,14 @@ impl RemoteStore {
         let _writer = self.writer.hold();
         let name = self.collection.clone();
         let count_filter = filter.clone();
+        let count = CountPointsBuilder::new(name)
+            .filter(count_filter)
+            .exact(true)
+            .read_consistency(self.cluster.read_consistency.to_qdrant());
         let removed = self
-            .run(Some(stage), |c| async move {
-                c.count(
-                    CountPointsBuilder::new(name)
-                        .filter(count_filter)
-                        .exact(true),
-                )
-                .await
+            .run(Some(stage), move |c| {
+                let count = count.clone();
+                async move { c.count(count).await }
             })
             .map_err(|e| self.fail(&format!("counting chunks of `{doc_id}`"), e))?
             .result
@@ -328,9 +383,13 @@ impl RemoteStore {
             return Ok(0);
         }
         let name = self.collection.clone();
-        self.run(Some(stage), |c| async move {
-            c.delete_points(DeletePointsBuilder::new(name).points(filter).wait(true))
-                .await
+        let delete = DeletePointsBuilder::new(name)
+            .points(filter)
+            .wait(true)
+            .ordering(self.cluster.write_ordering.to_qdrant());
+        self.run(Some(stage), move |c| {
+            let delete = delete.clone();
+            async move { c.delete_points(delete).await }
         })
         .map_err(|e| self.fail(&format!("deleting chunks of `{doc_id}`"), e))?;
         Ok(removed)
@@ -372,6 +431,7 @@ impl VectorStore for RemoteStore {
             index: stats.index,
             points: stats.points,
             server: Some(self.server.clone()),
+            cluster: Some(self.cluster),
         }
     }
 
@@ -400,9 +460,12 @@ impl VectorStore for RemoteStore {
         for batch in payload::batches(points) {
             let name = self.collection.clone();
             // `wait`: the call returns once the server has applied and logged the batch.
-            self.run(Some(stage), |c| async move {
-                c.upsert_points(UpsertPointsBuilder::new(name, batch).wait(true))
-                    .await
+            let upsert = UpsertPointsBuilder::new(name, batch)
+                .wait(true)
+                .ordering(self.cluster.write_ordering.to_qdrant());
+            self.run(Some(stage), move |c| {
+                let upsert = upsert.clone();
+                async move { c.upsert_points(upsert).await }
             })
             .map_err(|e| self.fail("upserting points", e))?;
         }
@@ -422,12 +485,16 @@ impl VectorStore for RemoteStore {
         let mut query = QueryPointsBuilder::new(self.collection.clone())
             .query(vector.to_vec())
             .limit(top_k as u64)
-            .with_payload(true);
+            .with_payload(true)
+            .read_consistency(self.cluster.read_consistency.to_qdrant());
         if let Some(filter) = filter.map(to_qdrant_filter).transpose()?.flatten() {
             query = query.filter(filter);
         }
         let response = self
-            .run(Some(stage), |c| async move { c.query(query).await })
+            .run(Some(stage), move |c| {
+                let query = query.clone();
+                async move { c.query(query).await }
+            })
             .map_err(|e| self.fail("searching", e))?;
         scored_chunks(response.result)
     }
@@ -464,9 +531,13 @@ impl VectorStore for RemoteStore {
             .add_prefetch(lexical)
             .query(vector.to_vec())
             .limit(top_k as u64)
-            .with_payload(true);
+            .with_payload(true)
+            .read_consistency(self.cluster.read_consistency.to_qdrant());
         let response = self
-            .run(Some(stage), |c| async move { c.query(query).await })
+            .run(Some(stage), move |c| {
+                let query = query.clone();
+                async move { c.query(query).await }
+            })
             .map_err(|e| self.fail("searching by terms", e))?;
         scored_chunks(response.result)
     }
@@ -475,14 +546,14 @@ impl VectorStore for RemoteStore {
         payload::stored_ids(ids, |keys| {
             let point_ids: Vec<PointId> = keys.into_iter().map(to_point_id).collect();
             let name = self.collection.clone();
+            let get = GetPointsBuilder::new(name, point_ids)
+                .with_payload(false)
+                .with_vectors(false)
+                .read_consistency(self.cluster.read_consistency.to_qdrant());
             let response = self
-                .run(Some(stage), |c| async move {
-                    c.get_points(
-                        GetPointsBuilder::new(name, point_ids)
-                            .with_payload(false)
-                            .with_vectors(false),
-                    )
-                    .await
+                .run(Some(stage), move |c| {
+                    let get = get.clone();
+                    async move { c.get_points(get).await }
                 })
                 .map_err(|e| self.fail("looking up ids", e))?;
             Ok(response
@@ -520,8 +591,11 @@ impl VectorStore for RemoteStore {
     fn count(&self) -> Result<usize, StoreError> {
         let name = self.collection.clone();
         let response = self
-            .run(None, |c| async move {
-                c.count(CountPointsBuilder::new(name).exact(true)).await
+            .run(None, move |c| {
+                let count = CountPointsBuilder::new(name.clone())
+                    .exact(true)
+                    .read_consistency(self.cluster.read_consistency.to_qdrant());
+                async move { c.count(count).await }
             })
             .map_err(|e| self.fail("counting points", e))?;
         Ok(response.result.map_or(0, |r| r.count as usize))
@@ -551,11 +625,21 @@ fn store_stats(shared: &Mutex<Stats>, info: &CollectionInfo) {
 }
 
 /// Connection failures and timeouts: the server is down or unreachable, not the request wrong.
+/// On a cluster the peer that takes a call may itself fail to reach the peer holding a shard;
+/// it answers `Internal` ("1 of 1 read operations failed: … tcp connect error …"), which is a
+/// dead peer, not a bug.
 fn unreachable(status: &tonic::Status) -> bool {
     match status.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled => true,
-        // The client reports a failed connect as `Internal`.
-        Code::Internal => status.message().starts_with("Failed to connect"),
+        Code::Internal => {
+            let m = status.message();
+            // The client reports a failed connect as `Internal`, too.
+            m.starts_with("Failed to connect")
+                || m.contains("operations failed")
+                || m.contains("connect error")
+                || m.contains("transport error")
+                || m.contains("No active replica")
+        }
         _ => false,
     }
 }

@@ -140,6 +140,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Seconds a client is told to wait after a vector store failure.
+const STORE_RETRY_AFTER_S: u64 = 5;
+
 impl From<PipelineError> for ApiError {
     fn from(e: PipelineError) -> ApiError {
         let message = e.to_string();
@@ -158,12 +161,25 @@ impl From<PipelineError> for ApiError {
                 ..ApiError::field("max_tokens", message)
             },
             PipelineError::Ingest(IngestError::Empty(_)) => ApiError::field("documents", message),
-            PipelineError::Store(StoreError::Unavailable(_))
-            | PipelineError::Ingest(IngestError::Store(StoreError::Unavailable(_))) => ApiError {
-                retry_after_s: Some(5),
-                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
-                    .with_code("store_unavailable")
-            },
+            // The store is upstream: its failure is a 503 the client may retry. The cause
+            // (which server, which peer, Qdrant's own words) is for the operator: it is on
+            // the failing span and in the log, never in the body.
+            PipelineError::Store(e) | PipelineError::Ingest(IngestError::Store(e)) => {
+                tracing::warn!(error = %e, "vector store call failed");
+                let (what, code) = match e {
+                    StoreError::Unavailable(_) => ("unavailable", "store_unavailable"),
+                    _ => ("failing", "store_error"),
+                };
+                ApiError {
+                    retry_after_s: Some(STORE_RETRY_AFTER_S),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "server_error",
+                        format!("the vector store is {what}; retry after {STORE_RETRY_AFTER_S} s"),
+                    )
+                    .with_code(code)
+                }
+            }
             PipelineError::Embed(EmbedError::Tokenizer(_))
             | PipelineError::Generate(GenerateError::Tokenizer(_)) => ApiError::new(
                 StatusCode::UNPROCESSABLE_ENTITY,
@@ -261,6 +277,33 @@ mod tests {
         let empty = grpc(PipelineError::Ingest(IngestError::Empty("a".into())));
         assert_eq!(empty.code(), Code::InvalidArgument);
         assert!(empty.message().starts_with("documents: "));
+    }
+
+    /// A store failure, however it is worded upstream, reaches the client as a 503 to retry,
+    /// without the cause's addresses or Qdrant's own text.
+    #[test]
+    fn store_failures_are_503s_that_name_no_upstream_detail() {
+        let cause = "searching on Qdrant at http://10.1.2.3:6334: Internal: 1 of 1 read \
+                     operations failed: tcp connect error 10.1.2.4:6335";
+        type Kind = fn(String) -> StoreError;
+        let kinds: [(Kind, &str); 2] = [
+            (StoreError::Unavailable, "store_unavailable"),
+            (StoreError::Backend, "store_error"),
+        ];
+        for (error, code) in kinds {
+            for api in [
+                ApiError::from(PipelineError::Store(error(cause.into()))),
+                ApiError::from(PipelineError::Ingest(IngestError::Store(error(
+                    cause.into(),
+                )))),
+            ] {
+                assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE, "{api:?}");
+                assert_eq!(api.code, Some(code));
+                assert_eq!(api.retry_after_s, Some(STORE_RETRY_AFTER_S));
+                assert!(!api.message.contains("10.1.2"), "{}", api.message);
+                assert!(!api.message.contains("Qdrant"), "{}", api.message);
+            }
+        }
     }
 
     #[test]

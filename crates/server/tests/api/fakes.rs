@@ -64,6 +64,7 @@ impl VectorStore for FakeStore {
             index: "plain",
             points: self.chunks.lock().unwrap().len(),
             server: None,
+            cluster: None,
         }
     }
     fn upsert(
@@ -273,6 +274,7 @@ impl VectorStore for DownStore {
             index: "plain",
             points: 0,
             server: None,
+            cluster: None,
         }
     }
     fn upsert(&self, _: &[Chunk], _: &[Vec<f32>], _: &Stage) -> Result<(), StoreError> {

@@ -384,6 +384,7 @@ impl VectorStore for EdgeStore {
             },
             points: info.points_count,
             server: None,
+            cluster: None,
         }
     }
 
