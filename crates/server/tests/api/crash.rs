@@ -10,7 +10,7 @@ use serde_json::Value;
 use crate::helpers::{models_dir, repo_dir};
 
 /// The Python with grpcio that `scripts/test` sets up, else the system's (HTTP clients only).
-fn python() -> PathBuf {
+pub fn python() -> PathBuf {
     let cache = std::env::var_os("RAGSCOPE_CACHE").map_or_else(
         || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/ragscope"),
         PathBuf::from,

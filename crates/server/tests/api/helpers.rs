@@ -352,3 +352,14 @@ pub fn fixtures() -> Value {
         }
     ])
 }
+
+/// Sends `request`: its status, `Retry-After` header and JSON body (null if none).
+pub async fn send_for_retry(request: reqwest::RequestBuilder) -> (u16, Option<String>, Value) {
+    let r = request.send().await.unwrap();
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    (status, retry, r.json().await.unwrap_or(Value::Null))
+}

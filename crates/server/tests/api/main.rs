@@ -28,6 +28,8 @@ mod page;
 mod prefix_cache;
 mod profile;
 mod promql;
+mod qdrant_cluster;
+mod qdrant_server;
 mod qdrant_wire;
 mod quality;
 mod query;

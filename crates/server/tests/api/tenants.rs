@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use tonic::{Code, Request};
 
 use crate::fakes::FakeGenerator;
-use crate::helpers::{spawn_fake_app_with, TestApp};
+use crate::helpers::{send_for_retry, spawn_fake_app_with, TestApp};
 
 const NOISY: &str = "noisy-key-51c0";
 const QUIET: &str = "quiet-key-8e2a";
@@ -30,13 +30,7 @@ async fn ask(
     if let Some(b) = baggage {
         r = r.header("baggage", b);
     }
-    let r = r.send().await.unwrap();
-    let status = r.status().as_u16();
-    let retry = r
-        .headers()
-        .get("retry-after")
-        .map(|v| v.to_str().unwrap().to_string());
-    (status, retry, r.json().await.unwrap_or(Value::Null))
+    send_for_retry(r).await
 }
 
 #[tokio::test]
