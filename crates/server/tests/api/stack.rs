@@ -18,8 +18,13 @@ pub(crate) fn read(rel: &str) -> String {
     std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
 }
 
+/// The file as JSON, with YAML merge keys (`<<: *anchor`) applied as compose applies them.
 pub(crate) fn yaml(rel: &str) -> Value {
-    serde_yaml_ng::from_str(&read(rel)).unwrap_or_else(|e| panic!("{rel} is not valid YAML: {e}"))
+    let mut doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&read(rel))
+        .unwrap_or_else(|e| panic!("{rel} is not valid YAML: {e}"));
+    doc.apply_merge()
+        .unwrap_or_else(|e| panic!("{rel}: merge keys: {e}"));
+    serde_yaml_ng::from_value(doc).unwrap_or_else(|e| panic!("{rel}: {e}"))
 }
 
 pub(crate) fn json_file(rel: &str) -> Value {
@@ -469,11 +474,42 @@ fn compose_services_are_pinned_and_their_files_and_ports_documented() {
         .collect();
     assert_eq!(deps, BTreeSet::from(["qdrant", "jaeger"]));
     assert_eq!(services["loadgen"]["profiles"], json!(["loadgen"]));
-    // Plain `docker compose up` is the full stack: only the light server and loadgen are gated.
+    // The cluster profile: two replicas behind their own gateway on three Qdrant peers, with
+    // the layout that survives one peer (3 shards x 2 copies), publishing nothing but the
+    // gateway's ports.
+    let cluster = [
+        "ragscope-cluster",
+        "gateway-cluster",
+        "qdrant-0",
+        "qdrant-1",
+        "qdrant-2",
+    ];
+    for name in cluster {
+        assert_eq!(services[name]["profiles"], json!(["cluster"]), "{name}");
+    }
+    let replicas = &services["ragscope-cluster"];
+    assert_eq!(replicas["deploy"]["replicas"], json!(2));
+    assert!(
+        replicas["ports"].is_null(),
+        "cluster replicas publish nothing"
+    );
+    let env = &replicas["environment"];
+    assert_eq!(env["RAGSCOPE_QDRANT_SHARDS"], json!(3));
+    assert_eq!(env["RAGSCOPE_QDRANT_REPLICATION_FACTOR"], json!(2));
+    for peer in ["qdrant-1", "qdrant-2"] {
+        let command = services[peer]["command"].as_array().unwrap();
+        assert!(
+            command.contains(&json!("--bootstrap")),
+            "{peer} joins the cluster"
+        );
+    }
+    // Plain `docker compose up` is the full stack: only the light server, loadgen and the
+    // cluster profile are gated.
     for (name, svc) in services {
         if !svc["profiles"].is_null() {
             assert!(
-                ["ragscope-light", "loadgen"].contains(&name.as_str()),
+                ["ragscope-light", "loadgen"].contains(&name.as_str())
+                    || cluster.contains(&name.as_str()),
                 "{name} has a profile"
             );
         }
@@ -509,7 +545,7 @@ fn compose_file_passes_docker_compose_config() {
         println!("SKIPPED docker-compose config: neither docker-compose nor docker compose is installed (scripts/test installs Debian's docker-compose)");
         return;
     };
-    for profiles in [&[][..], &["light"], &["loadgen"]] {
+    for profiles in [&[][..], &["light"], &["loadgen"], &["cluster"]] {
         let mut c = Command::new(&cmd[0]);
         c.args(&cmd[1..]).args(["-f", COMPOSE]);
         for p in profiles {
