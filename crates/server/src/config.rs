@@ -398,6 +398,11 @@ pub struct AttributeArgs {
     /// The end-to-end SLO for --window, in milliseconds: requests slower than this violate it.
     #[arg(long, default_value_t = 5000.0)]
     pub slo_ms: f64,
+    /// A Prometheus that scrapes the Qdrant peers' /metrics (e.g. http://127.0.0.1:9090): set
+    /// Qdrant's own time for the calls it answered beside the `retrieval` spans' time, for the
+    /// window the traces cover.
+    #[arg(long)]
+    pub prometheus: Option<String>,
 }
 
 /// A socket address, or `off` for a listener that is not started.

@@ -13,6 +13,7 @@
 pub mod batch;
 mod compare;
 pub mod source;
+pub mod store_side;
 mod tables;
 
 pub use compare::{compare, Comparison, StageChange};
@@ -557,6 +558,15 @@ pub async fn run(args: AttributeArgs) -> Result<()> {
         let comparison = compare(&baseline, &report);
         print!("{}", comparison_table(&comparison));
         out["comparison"] = serde_json::to_value(&comparison)?;
+    }
+    if let Some(url) = &args.prometheus {
+        match store_side::measure(url, &spans).await? {
+            Some(side) => {
+                print!("{}", store_side::table(&side));
+                out["store_side"] = serde_json::to_value(&side)?;
+            }
+            None => eprintln!("--prometheus: no `retrieval` spans, so nothing to compare"),
+        }
     }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&out)?)

@@ -65,7 +65,7 @@ pub async fn load(args: &AttributeArgs) -> Result<Vec<SpanRecord>> {
     Ok(spans)
 }
 
-async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value> {
+pub(super) async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value> {
     let response = client
         .get(url)
         .header("accept", "application/json")

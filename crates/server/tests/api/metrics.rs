@@ -10,16 +10,26 @@ use serde_json::json;
 use crate::helpers::spawn_app;
 
 pub(crate) fn promtool() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PROMTOOL") {
+    prometheus_tool("promtool", "PROMTOOL")
+}
+
+/// The Prometheus server from the same package.
+pub(crate) fn prometheus() -> Option<PathBuf> {
+    prometheus_tool("prometheus", "PROMETHEUS")
+}
+
+/// `$VAR`, else the binary `scripts/test` unpacked from Debian's package, else one on PATH.
+fn prometheus_tool(name: &str, var: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(var) {
         return Some(PathBuf::from(p));
     }
     let home = PathBuf::from(std::env::var_os("HOME")?);
-    let unpacked = home.join(".cache/ragscope/prometheus/usr/bin/promtool");
+    let unpacked = home.join(".cache/ragscope/prometheus/usr/bin").join(name);
     if unpacked.exists() {
         return Some(unpacked);
     }
-    Command::new("promtool").arg("--version").output().ok()?;
-    Some(PathBuf::from("promtool"))
+    Command::new(name).arg("--version").output().ok()?;
+    Some(PathBuf::from(name))
 }
 
 #[tokio::test]

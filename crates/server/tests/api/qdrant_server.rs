@@ -62,6 +62,8 @@ fn rand_u16() -> u16 {
 pub struct Peers {
     pub dir: tempfile::TempDir,
     pub grpc: Vec<String>,
+    /// REST URLs (and `/metrics`), peer by peer.
+    pub rest: Vec<String>,
     pub pids: Vec<i32>,
 }
 
@@ -90,6 +92,10 @@ impl Peers {
         };
         Peers {
             grpc: value("QDRANT_GRPC_URLS")
+                .split_whitespace()
+                .map(str::to_string)
+                .collect(),
+            rest: value("QDRANT_REST_URLS")
                 .split_whitespace()
                 .map(str::to_string)
                 .collect(),
@@ -162,7 +168,7 @@ impl Drop for Peers {
     }
 }
 
-async fn open(url: &str, timeout: Duration) -> Result<Arc<RemoteStore>, String> {
+pub async fn open(url: &str, timeout: Duration) -> Result<Arc<RemoteStore>, String> {
     let url = url.to_string();
     let cluster = Cluster {
         timeout,
@@ -255,4 +261,160 @@ async fn a_dead_or_hung_qdrant_is_a_clear_503_and_its_return_needs_no_restart() 
         .err()
         .expect("nothing listens now");
     assert!(err.contains("unavailable") && err.contains(&url), "{err}");
+}
+
+/// A Prometheus scraping `targets` every second, stopped when dropped.
+struct Prometheus {
+    child: std::process::Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    async fn start(binary: &std::path::Path, targets: &[String]) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("prometheus.yml");
+        let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+        std::fs::write(
+            &config,
+            format!(
+                "global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: qdrant\n    \
+                 static_configs: [{{targets: [{}]}}]\n",
+                targets.join(", ")
+            ),
+        )
+        .unwrap();
+        let port = StdListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(binary)
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("prometheus starts");
+        let url = format!("http://127.0.0.1:{port}");
+        let client = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = client.get(format!("{url}/-/ready")).send().await;
+            if ready.is_ok_and(|r| r.status() == 200) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "prometheus not ready in 30 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Its scrape manager takes up new targets every 5 s: wait for the first scrape.
+        loop {
+            let up = client
+                .get(format!("{url}/api/v1/query?query=up"))
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap();
+            if up["data"]["result"][0]["value"][1] == "1" {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "prometheus did not scrape in 30 s: {up}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        Prometheus {
+            child,
+            url,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `attribute --prometheus`: a real Prometheus scrapes a real Qdrant while requests run, and
+/// the report sets Qdrant's own search time beside the retrieval spans of those requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn attribute_sets_qdrants_own_time_beside_the_retrieval_spans() {
+    const REQUESTS: usize = 20;
+    if !qdrant_available("attribute_sets_qdrants_own_time") {
+        return;
+    }
+    let Some(binary) = crate::metrics::prometheus() else {
+        assert!(
+            std::env::var_os("RAGSCOPE_REQUIRE_QDRANT").is_none(),
+            "no prometheus binary (scripts/test unpacks Debian's)"
+        );
+        eprintln!("attribute_sets_qdrants_own_time: SKIPPED, no prometheus binary");
+        return;
+    };
+    let peers = Peers::start(1);
+    let target = peers.rest[0].trim_start_matches("http://").to_string();
+    let prometheus = Prometheus::start(&binary, &[target]).await;
+    // Spans go to the trace buffer that /debug/traces reads.
+    let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+    let provider = telemetry::tracer_provider(exporter, telemetry::resource());
+    opentelemetry::global::set_tracer_provider(provider);
+    let store = open(&peers.grpc[0], Duration::from_secs(10)).await.unwrap();
+    let app = spawn_fake_app_with_store(FakeGenerator::new(3), store).await;
+    app.ingest(json!([{"id": "d", "text": "Some text to find."}]))
+        .await;
+    // A scrape between the ingest and the first request, so the window holds queries only.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let r = app.client.delete(app.url("/debug/traces")).send().await;
+    assert_eq!(r.unwrap().status(), 200);
+    for i in 0..REQUESTS {
+        let (status, body) = app
+            .post(
+                "/v1/rag/query",
+                &json!({"query": format!("find {i}?"), "max_tokens": 4}),
+            )
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (_, traces) = app.get("/debug/traces").await;
+    let spans = ragscope::attribute::source::parse_otlp(&traces).unwrap();
+    // And one after the last.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let side = ragscope::attribute::store_side::measure(&prometheus.url, &spans)
+        .await
+        .unwrap()
+        .expect("retrieval spans");
+    eprintln!("{}", ragscope::attribute::store_side::table(&side));
+    assert_eq!(side.retrievals, REQUESTS);
+    let query = side
+        .endpoints
+        .iter()
+        .find(|e| e.endpoint == "/qdrant.Points/Query")
+        .expect("Qdrant answered queries in the window");
+    assert!(
+        query.calls >= REQUESTS as f64 && query.calls <= 3.0 * REQUESTS as f64,
+        "{side:?}"
+    );
+    assert!(
+        side.endpoints
+            .iter()
+            .all(|e| e.endpoint != "/qdrant.Points/Upsert"),
+        "the ingest was before the window: {side:?}"
+    );
+    // Qdrant's time is inside the span's: it cannot be longer.
+    assert!(
+        side.server_ms_per_retrieval > 0.0 && side.server_ms_per_retrieval < side.retrieval_mean_ms,
+        "{side:?}"
+    );
+    app.stop().await;
 }
