@@ -74,7 +74,7 @@ pub struct StoreArgs {
         default_value = "weak"
     )]
     pub qdrant_write_ordering: WriteOrdering,
-    /// The longest one Qdrant call may take, in milliseconds.
+    /// The longest one Qdrant call may take, its retries included, in milliseconds.
     #[arg(long, env = "RAGSCOPE_QDRANT_TIMEOUT_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub qdrant_timeout_ms: u64,
     /// Further tries of a Qdrant call that found the server or a peer unreachable.
