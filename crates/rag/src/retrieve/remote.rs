@@ -183,10 +183,11 @@ impl RemoteStore {
                 if let Some(shards) = self.cluster.shards {
                     create = create.shard_number(shards);
                 }
-                let created = self.run(None, move |c| {
-                    let create = create.clone();
-                    async move { c.create_collection(create).await }
-                });
+                let created = self.run(
+                    None,
+                    create,
+                    |c, r| async move { c.create_collection(r).await },
+                );
                 match (created, self.collection_info()?) {
                     (_, Some(info)) => info, // ours, or another replica's that won the race
                     (Err(e), None) => return Err(self.fail("creating the collection", e)),
@@ -200,6 +201,7 @@ impl RemoteStore {
             }
         };
         self.check_compatible(&info)?;
+        self.warn_on_other_layout(&info);
         for field in INDEXED_KEYWORDS {
             if info.payload_schema.contains_key(field) {
                 continue;
@@ -208,10 +210,11 @@ impl RemoteStore {
             let index = CreateFieldIndexCollectionBuilder::new(name, field, FieldType::Keyword)
                 .wait(true)
                 .ordering(self.cluster.write_ordering.to_qdrant());
-            self.run(None, move |c| {
-                let index = index.clone();
-                async move { c.create_field_index(index).await }
-            })
+            self.run(
+                None,
+                index,
+                |c, r| async move { c.create_field_index(r).await },
+            )
             .map_err(|e| self.fail(&format!("creating the keyword index on `{field}`"), e))?;
         }
         Ok(info)
@@ -220,10 +223,7 @@ impl RemoteStore {
     /// The collection's info, `None` if it does not exist.
     fn collection_info(&self) -> Result<Option<CollectionInfo>, StoreError> {
         let name = self.collection.clone();
-        match self.run(None, move |c| {
-            let name = name.clone();
-            async move { c.collection_info(name).await }
-        }) {
+        match self.run(None, name, |c, r| async move { c.collection_info(r).await }) {
             Ok(response) => Ok(response.result),
             Err(QdrantError::ResponseError { status }) if status.code() == Code::NotFound => {
                 Ok(None)
@@ -255,19 +255,61 @@ impl RemoteStore {
         )
     }
 
+    /// The layout settings apply only to a collection this store creates: an existing one
+    /// keeps its own, and the log says where it differs from what was asked.
+    fn warn_on_other_layout(&self, info: &CollectionInfo) {
+        let Some(params) = info.config.as_ref().and_then(|c| c.params.as_ref()) else {
+            return;
+        };
+        let asked = [
+            (
+                "--qdrant-shards",
+                self.cluster.shards,
+                Some(params.shard_number),
+            ),
+            (
+                "--qdrant-replication-factor",
+                Some(self.cluster.replication_factor),
+                params.replication_factor,
+            ),
+            (
+                "--qdrant-write-consistency",
+                Some(self.cluster.write_consistency_factor),
+                params.write_consistency_factor,
+            ),
+        ];
+        for (flag, want, has) in asked {
+            if let (Some(want), Some(has)) = (want, has) {
+                if want != has {
+                    tracing::warn!(collection = %self.collection,
+                        "{flag} is {want}, but the existing collection has {has}: the setting \
+                         applies when ragscope creates a collection; change an existing one \
+                         with Qdrant's own API");
+                }
+            }
+        }
+    }
+
     fn record_stats(&self, info: &CollectionInfo) {
         store_stats(&self.stats, info);
     }
 
-    /// Runs one client call on this store's runtime, with `stage`'s trace context as metadata.
+    /// Runs one client call (`call` with `request`, cloned for each try) on this store's
+    /// runtime, with `stage`'s trace context as metadata.
     /// The call has [`Cluster::timeout`] in all: a call that finds the server or a peer
     /// unreachable is tried again, up to [`Cluster::retries`] times after growing pauses
     /// (every call here is idempotent), while the time left allows; a server that does not
     /// answer at all (a hung peer) costs the timeout once, never once per try. The tries
     /// beyond the first go on the stage as `rag.qdrant.retried`.
-    fn run<T, F, Fut>(&self, stage: Option<&Stage>, call: F) -> Result<T, QdrantError>
+    fn run<R, T, F, Fut>(
+        &self,
+        stage: Option<&Stage>,
+        request: R,
+        call: F,
+    ) -> Result<T, QdrantError>
     where
-        F: Fn(Qdrant) -> Fut,
+        R: Clone,
+        F: Fn(Qdrant, R) -> Fut,
         Fut: Future<Output = Result<T, QdrantError>>,
     {
         let mut client = self.client.clone();
@@ -283,7 +325,7 @@ impl RemoteStore {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             // The timer is made inside the runtime: it needs the runtime's clock.
-            let attempt = call(client.clone());
+            let attempt = call(client.clone(), request.clone());
             let result = runtime
                 .block_on(async { tokio::time::timeout(left, attempt).await })
                 .unwrap_or_else(|_| {
@@ -372,10 +414,7 @@ impl RemoteStore {
             .exact(true)
             .read_consistency(self.cluster.read_consistency.to_qdrant());
         let removed = self
-            .run(Some(stage), move |c| {
-                let count = count.clone();
-                async move { c.count(count).await }
-            })
+            .run(Some(stage), count, |c, r| async move { c.count(r).await })
             .map_err(|e| self.fail(&format!("counting chunks of `{doc_id}`"), e))?
             .result
             .map_or(0, |r| r.count as usize);
@@ -387,9 +426,8 @@ impl RemoteStore {
             .points(filter)
             .wait(true)
             .ordering(self.cluster.write_ordering.to_qdrant());
-        self.run(Some(stage), move |c| {
-            let delete = delete.clone();
-            async move { c.delete_points(delete).await }
+        self.run(Some(stage), delete, |c, r| async move {
+            c.delete_points(r).await
         })
         .map_err(|e| self.fail(&format!("deleting chunks of `{doc_id}`"), e))?;
         Ok(removed)
@@ -463,9 +501,8 @@ impl VectorStore for RemoteStore {
             let upsert = UpsertPointsBuilder::new(name, batch)
                 .wait(true)
                 .ordering(self.cluster.write_ordering.to_qdrant());
-            self.run(Some(stage), move |c| {
-                let upsert = upsert.clone();
-                async move { c.upsert_points(upsert).await }
+            self.run(Some(stage), upsert, |c, r| async move {
+                c.upsert_points(r).await
             })
             .map_err(|e| self.fail("upserting points", e))?;
         }
@@ -491,10 +528,7 @@ impl VectorStore for RemoteStore {
             query = query.filter(filter);
         }
         let response = self
-            .run(Some(stage), move |c| {
-                let query = query.clone();
-                async move { c.query(query).await }
-            })
+            .run(Some(stage), query, |c, r| async move { c.query(r).await })
             .map_err(|e| self.fail("searching", e))?;
         scored_chunks(response.result)
     }
@@ -534,10 +568,7 @@ impl VectorStore for RemoteStore {
             .with_payload(true)
             .read_consistency(self.cluster.read_consistency.to_qdrant());
         let response = self
-            .run(Some(stage), move |c| {
-                let query = query.clone();
-                async move { c.query(query).await }
-            })
+            .run(Some(stage), query, |c, r| async move { c.query(r).await })
             .map_err(|e| self.fail("searching by terms", e))?;
         scored_chunks(response.result)
     }
@@ -551,10 +582,11 @@ impl VectorStore for RemoteStore {
                 .with_vectors(false)
                 .read_consistency(self.cluster.read_consistency.to_qdrant());
             let response = self
-                .run(Some(stage), move |c| {
-                    let get = get.clone();
-                    async move { c.get_points(get).await }
-                })
+                .run(
+                    Some(stage),
+                    get,
+                    |c, r| async move { c.get_points(r).await },
+                )
                 .map_err(|e| self.fail("looking up ids", e))?;
             Ok(response
                 .result
@@ -589,14 +621,11 @@ impl VectorStore for RemoteStore {
     }
 
     fn count(&self) -> Result<usize, StoreError> {
-        let name = self.collection.clone();
+        let count = CountPointsBuilder::new(self.collection.clone())
+            .exact(true)
+            .read_consistency(self.cluster.read_consistency.to_qdrant());
         let response = self
-            .run(None, move |c| {
-                let count = CountPointsBuilder::new(name.clone())
-                    .exact(true)
-                    .read_consistency(self.cluster.read_consistency.to_qdrant());
-                async move { c.count(count).await }
-            })
+            .run(None, count, |c, r| async move { c.count(r).await })
             .map_err(|e| self.fail("counting points", e))?;
         Ok(response.result.map_or(0, |r| r.count as usize))
     }

@@ -82,29 +82,34 @@ impl Peers {
             "qdrant did not start: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let env = std::fs::read_to_string(dir.path().join("peers.env")).unwrap();
-        let value = |key: &str| {
+        let mut peers = Peers {
+            dir,
+            grpc: Vec::new(),
+            rest: Vec::new(),
+            pids: Vec::new(),
+        };
+        peers.read_env();
+        peers
+    }
+
+    /// URLs and pids from the `peers.env` that `start` writes (again on every restart).
+    fn read_env(&mut self) {
+        let env = std::fs::read_to_string(self.dir.path().join("peers.env")).unwrap();
+        let list = |key: &str| -> Vec<String> {
             env.lines()
                 .find_map(|l| l.strip_prefix(&format!("{key}=")))
                 .unwrap_or_else(|| panic!("{key} in {env}"))
                 .trim_matches('"')
-                .to_string()
+                .split_whitespace()
+                .map(str::to_string)
+                .collect()
         };
-        Peers {
-            grpc: value("QDRANT_GRPC_URLS")
-                .split_whitespace()
-                .map(str::to_string)
-                .collect(),
-            rest: value("QDRANT_REST_URLS")
-                .split_whitespace()
-                .map(str::to_string)
-                .collect(),
-            pids: value("QDRANT_PIDS")
-                .split_whitespace()
-                .map(|p| p.parse().unwrap())
-                .collect(),
-            dir,
-        }
+        self.grpc = list("QDRANT_GRPC_URLS");
+        self.rest = list("QDRANT_REST_URLS");
+        self.pids = list("QDRANT_PIDS")
+            .iter()
+            .map(|p| p.parse().unwrap())
+            .collect();
     }
 
     pub fn signal(&self, peer: usize, signal: &str) {
@@ -141,16 +146,7 @@ impl Peers {
             "restart: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let env = std::fs::read_to_string(self.dir.path().join("peers.env")).unwrap();
-        let pids = env
-            .lines()
-            .find_map(|l| l.strip_prefix("QDRANT_PIDS="))
-            .unwrap()
-            .trim_matches('"');
-        self.pids = pids
-            .split_whitespace()
-            .map(|p| p.parse().unwrap())
-            .collect();
+        self.read_env();
     }
 }
 
