@@ -49,7 +49,8 @@ enum Experiment {
     /// prefill computes its whole prompt).
     Stages(StagesArgs),
     /// What telemetry costs: the same load against three `ragscope serve` processes (telemetry
-    /// off, spans and metrics exported, profiling too), in interleaved rounds.
+    /// off, spans and metrics exported, profiling too), in rounds of a fresh random order,
+    /// caches off (or equally warm): each cost with its 95% interval.
     Overhead(OverheadArgs),
     /// Generation and embedding on the fixed inputs of the comparison with llama.cpp and
     /// PyTorch (`scripts/bench-peers`), built into `DIR/inputs.json` first if absent.
@@ -97,12 +98,26 @@ struct StagesArgs {
 
 #[derive(Debug, Clone, Args)]
 struct OverheadArgs {
-    /// Requests per variant per round.
+    /// Requests per variant per round (the same questions for each variant in a round).
     #[arg(long, default_value_t = 24)]
     requests: usize,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
+    /// How the servers' caches stand: `off` (each request does all its work) or `warm` (every
+    /// question sent to every server first).
+    #[arg(long, value_enum, default_value = "off")]
+    caches: overhead::Caches,
+    /// Seed of each round's variant order.
+    #[arg(long, default_value_t = 17)]
+    seed: u64,
+    /// Question files (JSON lines with a `question`), asked in turn.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_values = ["eval/questions.jsonl", "eval/heldout.jsonl", "eval/howto.jsonl", "eval/named.jsonl"]
+    )]
+    questions: Vec<PathBuf>,
     /// The server binary to measure (default: `ragscope` beside this binary).
     #[arg(long, value_name = "FILE")]
     server_binary: Option<PathBuf>,
@@ -198,7 +213,15 @@ async fn run() -> Result<()> {
             .await?
         }
         Experiment::Overhead(a) => {
-            overhead::run(&a.setup, a.requests, a.concurrency, a.server_binary).await
+            let plan = overhead::Plan {
+                requests: a.requests,
+                concurrency: a.concurrency,
+                caches: a.caches,
+                seed: a.seed,
+                questions: a.questions,
+                binary: a.server_binary,
+            };
+            overhead::run(&a.setup, plan).await
         }
         Experiment::Peers(a) => {
             blocking(Box::new(move || peers::run(&a, peers::Mode::Compare))).await?

@@ -139,6 +139,23 @@ pub fn runnable() -> Vec<Level> {
         .collect()
 }
 
+/// The CPU's model and family as `/proc/cpuinfo` names them (`AMD EPYC (family 25)`), for
+/// printing beside a measured figure: the machines under these figures change.
+pub fn model() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == key))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    match (field("model name"), field("cpu family")) {
+        (Some(name), Some(family)) => format!("{name} (family {family})"),
+        (Some(name), None) => name,
+        _ => "an unnamed CPU".to_string(),
+    }
+}
+
 /// One line for logs and test output: the level in force, the CPU's best and the cap.
 pub fn describe() -> String {
     let capped = match cap() {

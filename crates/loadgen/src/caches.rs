@@ -12,9 +12,12 @@ use serde::{Deserialize, Serialize};
 use crate::record::{QueryKind, RequestRecord};
 use measure::stats::{percentile, Percentiles};
 
-/// The two caches a request can hit.
+/// The caches a request can hit: its query's vector, its context's sentence vectors, its
+/// prompt's prefix KV, and its whole prompt (the prefix cache held all of it: no prefill).
 pub const QUERY_EMBEDDING: &str = "query_embedding";
+pub const SENTENCE_VECTORS: &str = "sentence_vectors";
 pub const PREFIX_KV: &str = "prefix_kv";
+pub const WHOLE_PROMPT: &str = "whole_prompt";
 
 /// Server timing keys that sum other stages (not a stage of their own).
 const AGGREGATES: [&str; 2] = ["ttft_ms", "total_ms"];
@@ -33,6 +36,12 @@ pub struct CacheRow {
     pub miss_minus_hit_ms: BTreeMap<String, f64>,
     /// The stage with the largest growth on a miss: the one that missed.
     pub missed_stage: Option<String>,
+    /// For a cache of many items per request (sentences, prompt tokens): the share of all
+    /// items looked up that it held, over the run, and what the items are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub item_share: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub items: Option<String>,
 }
 
 /// Requests of one kind the mix drew.
@@ -63,6 +72,43 @@ pub fn embedding_hit(r: &RequestRecord) -> Option<bool> {
     r.embedding_cached
 }
 
+/// A sentence-cache hit: most of the context's sentence vectors came from the cache. `None`
+/// when the context looked up none (passage mode, or a server that does not say).
+pub fn sentence_hit(r: &RequestRecord) -> Option<bool> {
+    let (looked_up, held) = (r.sentences?, r.sentences_cached?);
+    (looked_up > 0).then_some(held * 2 > looked_up)
+}
+
+/// A whole-prompt hit: every prompt token came from the prefix cache, so nothing was prefilled.
+pub fn whole_prompt_hit(r: &RequestRecord) -> Option<bool> {
+    let (cached, prompt) = (r.cached_tokens?, r.prompt_tokens?);
+    (prompt > 0).then_some(cached >= prompt)
+}
+
+/// Items held over items looked up, over `ok` records, for the caches of many items per request.
+fn item_share(name: &str, ok: &[&RequestRecord]) -> Option<(f64, &'static str)> {
+    let (held, looked_up, items) = match name {
+        SENTENCE_VECTORS => (
+            ok.iter().filter_map(|r| r.sentences_cached).sum::<u64>(),
+            ok.iter().filter_map(|r| r.sentences).sum::<u64>(),
+            "sentences",
+        ),
+        PREFIX_KV => (
+            ok.iter()
+                .filter(|r| r.prompt_tokens.is_some())
+                .filter_map(|r| r.cached_tokens)
+                .sum::<u64>(),
+            ok.iter()
+                .filter(|r| r.cached_tokens.is_some())
+                .filter_map(|r| r.prompt_tokens)
+                .sum::<u64>(),
+            "prompt tokens",
+        ),
+        _ => return None,
+    };
+    (looked_up > 0).then(|| (held as f64 / looked_up as f64, items))
+}
+
 impl CacheReport {
     /// `None` when no record carries a cache outcome or a query kind (an older server, a run
     /// without the mix against one).
@@ -73,7 +119,9 @@ impl CacheReport {
                 QUERY_EMBEDDING,
                 embedding_hit as fn(&RequestRecord) -> Option<bool>,
             ),
+            (SENTENCE_VECTORS, sentence_hit),
             (PREFIX_KV, prefix_hit),
+            (WHOLE_PROMPT, whole_prompt_hit),
         ]
         .into_iter()
         .filter_map(|(name, hit)| row(name, &ok, hit))
@@ -96,6 +144,45 @@ impl CacheReport {
             })
             .collect();
         (!caches.is_empty() || !kinds.is_empty()).then_some(CacheReport { caches, kinds })
+    }
+
+    /// The run's cache state at a glance: each cache's hit rate (and for the caches of many
+    /// items, the share of items it held), and whether that makes the run hot, cold or mixed:
+    /// a run's latencies mean little without it (a second run of the same questions finds its
+    /// prompts cached and looks several times faster).
+    pub fn state(&self) -> Option<String> {
+        if self.caches.is_empty() {
+            return None;
+        }
+        let parts: Vec<String> = self
+            .caches
+            .iter()
+            .map(|c| match (c.item_share, &c.items) {
+                (Some(share), Some(items)) => format!(
+                    "{} {:.0}% of requests ({:.0}% of {items})",
+                    c.cache,
+                    c.hit_rate * 100.0,
+                    share * 100.0
+                ),
+                _ => format!("{} {:.0}%", c.cache, c.hit_rate * 100.0),
+            })
+            .collect();
+        let rate = |name: &str| {
+            self.caches
+                .iter()
+                .find(|c| c.cache == name)
+                .map(|c| c.hit_rate)
+        };
+        let heaviest = rate(PREFIX_KV).or(rate(QUERY_EMBEDDING)).unwrap_or(0.0);
+        let highest = self.caches.iter().map(|c| c.hit_rate).fold(0.0, f64::max);
+        let verdict = if heaviest >= 0.5 {
+            "a hot run: most prompts were served from the caches"
+        } else if highest <= 0.1 {
+            "a cold run: nearly every request did all its work"
+        } else {
+            "a mixed run"
+        };
+        Some(format!("cache state: {}; {verdict}", parts.join(", ")))
     }
 
     /// Console lines: one per cache, one per kind.
@@ -162,7 +249,10 @@ fn row(
         .filter(|(_, d)| **d > 0.0)
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(s, _)| s.clone());
+    let share = item_share(name, ok);
     Some(CacheRow {
+        item_share: share.map(|s| s.0),
+        items: share.map(|s| s.1.to_string()),
         cache: name.into(),
         known,
         hits: hits.len(),
@@ -236,6 +326,8 @@ pub(crate) mod tests {
             perturbation: None,
             embedding_cached: Some(embed_hit),
             cached_tokens: Some(cached),
+            sentences: Some(20),
+            sentences_cached: Some(if embed_hit { 20 } else { 0 }),
             retried: false,
         }
     }
@@ -262,9 +354,23 @@ pub(crate) mod tests {
         assert!((emb.miss_minus_hit_ms["embed_ms"] - 7.9).abs() < 1e-9);
         assert_eq!(emb.miss_minus_hit_ms["rerank_ms"], 0.0);
         assert!(!emb.miss_minus_hit_ms.contains_key("ttft_ms"));
-        let pre = &r.caches[1];
+        let sentences = &r.caches[1];
+        assert_eq!(sentences.cache, SENTENCE_VECTORS);
+        assert_eq!(sentences.item_share, Some(0.95));
+        let pre = &r.caches[2];
         assert_eq!(pre.cache, PREFIX_KV);
         assert_eq!(pre.hits, 95);
+        // 95 × 390 + 5 × 40 of 100 × 400 prompt tokens.
+        assert!((pre.item_share.unwrap() - 37_250.0 / 40_000.0).abs() < 1e-9);
+        let whole = &r.caches[3];
+        assert_eq!((whole.cache.as_str(), whole.hits), (WHOLE_PROMPT, 0));
+        let state = r.state().unwrap();
+        assert!(
+            state.contains("prefix_kv 95% of requests (93% of prompt tokens)")
+                && state.contains("whole_prompt 0%")
+                && state.ends_with("a hot run: most prompts were served from the caches"),
+            "{state}"
+        );
         assert_eq!(r.kinds.len(), 2);
         assert_eq!(r.kinds[1].kind, QueryKind::Cold);
         assert_eq!(r.kinds[1].requests, 5);
@@ -285,5 +391,24 @@ pub(crate) mod tests {
         r.cached_tokens = None;
         assert_eq!(prefix_hit(&r), None);
         assert!(CacheReport::of(&[]).is_none());
+        // Every token cached: a whole-prompt hit; a context without sentence vectors says nothing.
+        let mut r = rec(0, 1.0, true, 400, QueryKind::Hot);
+        assert_eq!(whole_prompt_hit(&r), Some(true));
+        r.sentences = Some(0);
+        assert_eq!(sentence_hit(&r), None);
+        // Cold: no cache held anything.
+        let cold: Vec<RequestRecord> = (0..10)
+            .map(|i| {
+                let mut r = rec(i, 900.0, false, 0, QueryKind::Cold);
+                r.sentences_cached = Some(0);
+                r
+            })
+            .collect();
+        let refs: Vec<&RequestRecord> = cold.iter().collect();
+        let state = CacheReport::of(&refs).unwrap().state().unwrap();
+        assert!(
+            state.ends_with("a cold run: nearly every request did all its work"),
+            "{state}"
+        );
     }
 }

@@ -221,6 +221,13 @@ pub struct Target {
     #[arg(long)]
     #[serde(default)]
     pub retry_refused: bool,
+    /// Before measuring, send every question of the query set once, one at a time (not
+    /// recorded): the run then meets the server's caches the way a second run would, so a run
+    /// and its baseline compare warm against warm instead of a cold first run against a hot
+    /// second one.
+    #[arg(long)]
+    #[serde(default)]
+    pub warm: bool,
 }
 
 /// How the load arrives and how long it lasts.

@@ -41,6 +41,9 @@ pub struct Outcome {
     pub embedding_cached: Option<bool>,
     /// `usage.prompt_tokens_details.cached_tokens`: prompt tokens from the prefix KV cache.
     pub cached_tokens: Option<u64>,
+    /// `done.cache.sentences` and `.sentences_cached`: sentence vectors the context stage
+    /// looked up, and how many of them the sentence cache held.
+    pub sentences: Option<(u64, u64)>,
     /// The connection refused the first attempt; this is the second.
     pub retried: bool,
 }
@@ -310,6 +313,10 @@ pub fn rag_event(event: &SseEvent, out: &mut Outcome) -> Step {
             let v: Value = serde_json::from_str(&event.data).unwrap_or(Value::Null);
             usage(&v["usage"], out);
             out.embedding_cached = v["cache"]["query_embedding"].as_bool();
+            let cache = &v["cache"];
+            out.sentences = cache["sentences"]
+                .as_u64()
+                .zip(cache["sentences_cached"].as_u64());
             if let Some(t) = v["timings"].as_object() {
                 out.server_timings = Some(
                     t.iter()
@@ -404,7 +411,8 @@ mod tests {
             Step::Token
         );
         let done = r#"{"usage":{"prompt_tokens":300,"completion_tokens":7,"total_tokens":307,
-            "prompt_tokens_details":{"cached_tokens":288}},"cache":{"query_embedding":true},
+            "prompt_tokens_details":{"cached_tokens":288}},
+            "cache":{"query_embedding":true,"sentences":40,"sentences_cached":30},
             "timings":{"queue_ms":1.5,"embed_ms":9.0,"decode_ms":120.0},"finish_reason":"stop"}"#;
         assert_eq!(
             rag_event(&SseEvent::new("done", done), &mut out),
@@ -413,6 +421,7 @@ mod tests {
         assert_eq!(out.tokens, 7);
         assert_eq!(out.cached_tokens, Some(288));
         assert_eq!(out.embedding_cached, Some(true));
+        assert_eq!(out.sentences, Some((40, 30)));
         assert_eq!(out.prompt_tokens, Some(300));
         let t = out.server_timings.unwrap();
         assert_eq!(t["embed_ms"], 9.0);

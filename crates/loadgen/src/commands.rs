@@ -84,6 +84,27 @@ pub async fn tails(a: &TailsArgs) -> anyhow::Result<Vec<experiment::Arm>> {
     Ok(arms)
 }
 
+/// Sends every question of the runner's query set once, one at a time; an error names `what`
+/// when any of them failed (a cache warmed with errors is not warm).
+async fn send_each_once(runner: &Arc<Runner>, what: &str) -> anyhow::Result<()> {
+    let sent = runner.send_each().await;
+    let failed = sent.iter().filter(|r| !r.ok).count();
+    if failed > 0 {
+        bail!("{what}: {failed} of {} requests failed", sent.len());
+    }
+    Ok(())
+}
+
+/// `--warm`: the query set once before anything is measured, so the caches stand as they would
+/// for a second run.
+async fn warm_if_asked(runner: &Arc<Runner>, target: &Target) -> anyhow::Result<()> {
+    if target.warm {
+        eprintln!("--warm: sending each question of the query set once before measuring");
+        send_each_once(runner, "--warm").await?;
+    }
+    Ok(())
+}
+
 /// `experiment cold`: an all-hot baseline arm, then one arm per cold share, each a closed-loop
 /// run after the hot set has been sent once (so its hits are hits).
 pub async fn cold_experiment(a: &ColdArgs) -> anyhow::Result<Vec<cold::ColdArm>> {
@@ -99,14 +120,7 @@ pub async fn cold_experiment(a: &ColdArgs) -> anyhow::Result<Vec<cold::ColdArm>>
         queries.len()
     );
     let warm = Runner::new(cold::hot_target(&a.target), queries)?;
-    let warmed = warm.send_each().await;
-    let failed = warmed.iter().filter(|r| !r.ok).count();
-    if failed > 0 {
-        bail!(
-            "warming the hot set: {failed} of {} requests failed",
-            warmed.len()
-        );
-    }
+    send_each_once(&warm, "warming the hot set").await?;
     let mut arms = Vec::new();
     for share in cold::shares(&a.cold_shares) {
         let args = cold::arm_args(a, share);
@@ -316,6 +330,7 @@ pub async fn run_load_mirrored(
     };
     let runner = Runner::new(a.target.clone(), queries)?;
     stop_on_ctrl_c(&runner);
+    warm_if_asked(&runner, &a.target).await?;
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let plan = Plan::from_shape(s, a.target.seed);
@@ -403,6 +418,9 @@ pub async fn run(a: &RunArgs) -> anyhow::Result<Summary> {
     if let Some(s) = &summary.steady {
         print_steady(s);
     }
+    if let Some(state) = summary.caches.as_ref().and_then(CacheReport::state) {
+        println!("  {state}");
+    }
     if let Some(c) = &summary.caches {
         for line in c.lines() {
             println!("  {line}");
@@ -444,6 +462,7 @@ pub async fn knee(a: &KneeArgs) -> anyhow::Result<Summary> {
     let queries = load_queries(&a.target.queries)?;
     let runner = Runner::new(a.target.clone(), queries)?;
     stop_on_ctrl_c(&runner);
+    warm_if_asked(&runner, &a.target).await?;
     let printer = ProgressPrinter::start(Arc::clone(&runner.progress), a.quiet);
     let started_unix_ms = unix_ms();
     let sampler = start_isolation(&a.target.url, &a.isolation).await?;
@@ -567,6 +586,10 @@ pub async fn gate(a: &GateArgs) -> anyhow::Result<Decision> {
     let (mut summary, records) = run_load(&args).await?;
     let steady = summary.steady.clone().context("no steady phase")?;
     print_steady(&steady);
+    // A gate decided on a cold run against a hot baseline (or the reverse) decides on caches.
+    if let Some(state) = summary.caches.as_ref().and_then(CacheReport::state) {
+        println!("  {state}");
+    }
     if let Some(i) = &summary.isolation {
         print_isolation(i);
     }

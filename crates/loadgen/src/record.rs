@@ -79,6 +79,12 @@ pub struct RequestRecord {
     /// Prompt tokens the server took from its prefix KV cache.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_tokens: Option<u64>,
+    /// Sentence vectors the server's context stage looked up, and of those the ones its
+    /// sentence cache held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sentences: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sentences_cached: Option<u64>,
     /// Sent a second time because its connection refused the first (`--retry-refused`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub retried: bool,

@@ -747,6 +747,8 @@ fn record(
         perturbation: drawn.perturbation,
         embedding_cached: o.embedding_cached,
         cached_tokens: o.cached_tokens,
+        sentences: o.sentences.map(|s| s.0),
+        sentences_cached: o.sentences.map(|s| s.1),
         retried: o.retried,
     }
 }

@@ -133,6 +133,8 @@ mod tests {
             perturbation: None,
             embedding_cached: None,
             cached_tokens: None,
+            sentences: None,
+            sentences_cached: None,
             retried: false,
         }
     }

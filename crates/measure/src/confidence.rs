@@ -321,9 +321,118 @@ pub fn error_rate_at_most(limit: f64, errors: u64, n: u64) -> f64 {
     )
 }
 
+/// The `p` quantile of Student's t with `df` degrees of freedom, by bisection on its CDF (the
+/// regularised incomplete beta): the factor a mean's interval needs when it rests on a few
+/// rounds rather than thousands of requests (2.26 for 10 rounds at 95%, where the normal
+/// quantile would say 1.96 and claim more than the data hold).
+pub fn student_t_quantile(p: f64, df: f64) -> f64 {
+    if p == 0.5 {
+        return 0.0;
+    }
+    if p < 0.5 {
+        return -student_t_quantile(1.0 - p, df);
+    }
+    // P(T ≤ t) for t ≥ 0.
+    let cdf = |t: f64| 1.0 - 0.5 * beta_cdf(df / (df + t * t), df / 2.0, 0.5);
+    let (mut lo, mut hi) = (0.0, 1.0);
+    while cdf(hi) < p && hi < 1e9 {
+        hi *= 2.0;
+    }
+    for _ in 0..200 {
+        let mid = (lo + hi) / 2.0;
+        if cdf(mid) < p {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+        if hi - lo < 1e-12 * hi.max(1.0) {
+            break;
+        }
+    }
+    (lo + hi) / 2.0
+}
+
+/// A mean with its t interval: the mean of `values` and the range that covers the true mean
+/// with the asked confidence, assuming the values are independent draws. `None` for fewer than
+/// two values (no spread to judge by).
+pub fn mean_interval(values: &[f64], confidence: f64) -> Option<(f64, Interval)> {
+    let n = values.len();
+    if n < 2 {
+        return None;
+    }
+    let mean = values.iter().sum::<f64>() / n as f64;
+    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
+    let half =
+        student_t_quantile((1.0 + confidence) / 2.0, (n - 1) as f64) * (var / n as f64).sqrt();
+    Some((
+        mean,
+        Interval {
+            lo: mean - half,
+            hi: mean + half,
+        },
+    ))
+}
+
+/// How `b` compares with `a` when each round measured both on the same machine, the same
+/// questions and the same minute: the geometric mean of the per-round ratios `b / a`, with its
+/// t interval (taken on the log scale, so a ratio and its inverse get mirror intervals). Pairing
+/// takes out what a round shares (the questions it drew, the box's state then), which is most
+/// of the spread between rounds. `None` for fewer than two usable rounds.
+pub fn paired_ratio(pairs: &[(f64, f64)], confidence: f64) -> Option<(f64, Interval)> {
+    let logs: Vec<f64> = pairs
+        .iter()
+        .filter(|(a, b)| *a > 0.0 && *b > 0.0 && a.is_finite() && b.is_finite())
+        .map(|(a, b)| (b / a).ln())
+        .collect();
+    let (mean, interval) = mean_interval(&logs, confidence)?;
+    Some((
+        mean.exp(),
+        Interval {
+            lo: interval.lo.exp(),
+            hi: interval.hi.exp(),
+        },
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn student_t_matches_the_tables_and_tends_to_the_normal() {
+        // Two-sided 95%: 12.706 at 1 df, 2.262 at 9, 2.042 at 30; 1.96 in the limit.
+        assert!((student_t_quantile(0.975, 1.0) - 12.706_2).abs() < 1e-3);
+        assert!((student_t_quantile(0.975, 9.0) - 2.262_2).abs() < 1e-3);
+        assert!((student_t_quantile(0.975, 30.0) - 2.042_3).abs() < 1e-3);
+        assert!((student_t_quantile(0.975, 1e6) - normal_quantile(0.975)).abs() < 1e-3);
+        assert!((student_t_quantile(0.025, 9.0) + 2.262_2).abs() < 1e-3);
+        assert_eq!(student_t_quantile(0.5, 4.0), 0.0);
+    }
+
+    #[test]
+    fn a_paired_ratio_sees_through_what_rounds_share() {
+        assert!(mean_interval(&[1.0], 0.95).is_none());
+        let (mean, i) = mean_interval(&[1.0, 2.0, 3.0], 0.95).unwrap();
+        // sd 1, n 3: half-width t(0.975, 2) / sqrt(3) = 4.303 / 1.732.
+        assert!((mean - 2.0).abs() < 1e-12);
+        assert!((i.half_width() - 4.302_65 / 3f64.sqrt()).abs() < 1e-3);
+        // Rounds differ by 2x among themselves, but b is 1% slower than a in every one: the
+        // pairs say so exactly, where the two columns' own spreads would hide it.
+        let pairs: Vec<(f64, f64)> = (0..8)
+            .map(|r| {
+                let a = 1.0 + r as f64 / 8.0;
+                (a, a * 0.99 * if r % 2 == 0 { 1.001 } else { 0.999 })
+            })
+            .collect();
+        let (ratio, i) = paired_ratio(&pairs, 0.95).unwrap();
+        assert!((ratio - 0.99).abs() < 1e-3, "{ratio}");
+        assert!(i.lo < ratio && ratio < i.hi && i.hi < 1.0, "{i:?}");
+        // Noise around no difference: the interval spans 1.
+        let noisy = [(1.0, 1.02), (1.0, 0.97), (2.0, 2.03), (2.0, 1.99)];
+        let (_, i) = paired_ratio(&noisy, 0.95).unwrap();
+        assert!(i.lo < 1.0 && 1.0 < i.hi, "{i:?}");
+        assert!(paired_ratio(&[(1.0, 0.0), (0.0, 1.0)], 0.95).is_none());
+    }
 
     #[test]
     fn normal_quantile_matches_the_tables() {

@@ -95,6 +95,11 @@ pub fn render(
     if let Some(s) = &summary.steady {
         let _ = write!(h, "<h2>Steady phase</h2>");
         headline(&mut h, s);
+        // Beside the latencies, what they rest on: a hot run and a cold one differ by the
+        // whole prefill.
+        if let Some(state) = summary.caches.as_ref().and_then(|c| c.state()) {
+            let _ = write!(h, "<p class=\"cache-state\">{}</p>", escape(&state));
+        }
     }
     if let Some(c) = &summary.caches {
         caches_section(&mut h, c);
@@ -256,19 +261,24 @@ const PERCENTILE_HEAD: &str = "<tr><th>ms</th><th>count</th><th>mean</th><th>p50
 fn caches_section(h: &mut String, c: &crate::caches::CacheReport) {
     let _ = write!(
         h,
-        "<h2>Caches: hit and miss (steady phase)</h2><p class=\"note\">As each response said: <code>cache.query_embedding</code>, and a prefix hit when more than half the prompt's tokens came from the prefix KV cache (<code>cached_tokens</code>).</p><table><tr><th>cache</th><th>hit rate</th><th>hits / known</th><th>a miss costs most in</th></tr>"
+        "<h2>Caches: hit and miss (steady phase)</h2><p class=\"note\">As each response said: <code>cache.query_embedding</code>; a sentence-vector hit when more than half the context's sentence vectors came from the sentence cache (<code>cache.sentences_cached</code>); a prefix hit when more than half the prompt's tokens came from the prefix KV cache (<code>cached_tokens</code>), a whole-prompt hit when all of them did.</p><table><tr><th>cache</th><th>hit rate</th><th>hits / known</th><th>items held</th><th>a miss costs most in</th></tr>"
     );
     for r in &c.caches {
         let missed = r.missed_stage.as_ref().map_or("–".into(), |s| {
             format!("{s} (+{:.1} ms at the median)", r.miss_minus_hit_ms[s])
         });
+        let held = match (r.item_share, &r.items) {
+            (Some(share), Some(items)) => format!("{:.1}% of {items}", share * 100.0),
+            _ => "–".into(),
+        };
         let _ = write!(
             h,
-            "<tr><td>{}</td><td>{:.1}%</td><td>{} / {}</td><td>{}</td></tr>",
+            "<tr><td>{}</td><td>{:.1}%</td><td>{} / {}</td><td>{}</td><td>{}</td></tr>",
             escape(&r.cache),
             r.hit_rate * 100.0,
             r.hits,
             r.known,
+            escape(&held),
             escape(&missed)
         );
     }

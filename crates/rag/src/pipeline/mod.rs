@@ -157,12 +157,12 @@ impl Pipeline {
 
         // Dropped on an early return: a warm that has not started computing is called off.
         let warm = self.start_warm(req, request);
-        let (vector, cache) = self.embed_query(&mut run, req)?;
+        let (vector, mut cache) = self.embed_query(&mut run, req)?;
         let hits = self.retrieve(&mut run, req, &vector)?;
         let retrieved_at = std::time::Instant::now();
         let mut ranked = self.rank(&mut run, &req.query, hits)?;
         ranked.truncate(req.rerank_top_n);
-        let context = self.select_context(&mut run, req, &vector, &ranked)?;
+        let context = self.select_context(&mut run, req, &vector, &ranked, &mut cache)?;
         // The sources are the passages the context kept, in the order of the prompt's markers.
         let kept: Vec<Source> = context.iter().map(|c| ranked[c.source].clone()).collect();
         if let Some(tx) = events {
@@ -209,6 +209,7 @@ impl Pipeline {
         let cached = self.query_cache.get(&req.query);
         let cache = CacheUse {
             query_embedding: cached.is_some(),
+            ..CacheUse::default()
         };
         let spec = StageSpec::model(StageKind::Embed, self.embedder.model_id())
             .with([KeyValue::new(attr::CACHE_HIT, cached.is_some())])
@@ -321,6 +322,7 @@ impl Pipeline {
         req: &RagRequest,
         vector: &[f32],
         ranked: &[Source],
+        cache: &mut CacheUse,
     ) -> Result<Vec<ContextPassage>, PipelineError> {
         let settings = req.context;
         let embeds = settings.mode == ContextMode::Sentences && settings.method.needs_vectors();
@@ -349,6 +351,10 @@ impl Pipeline {
                 sentences: &self.sentence_cache,
             };
             let chosen = context::select(settings, &req.query, vector, &texts, &models, stage)?;
+            if embeds {
+                cache.sentences = chosen.sentences_in;
+                cache.sentences_cached = chosen.sentences_cached;
+            }
             stage.set_all([
                 KeyValue::new(attr::CONTEXT_SENTENCES_IN, chosen.sentences_in as i64),
                 KeyValue::new(attr::CONTEXT_SENTENCES_OUT, chosen.sentences_out as i64),

@@ -120,6 +120,11 @@ pub struct PromptTokensDetails {
 pub struct CacheUse {
     /// The query's vector came from the query-embedding cache (the embedder did not run).
     pub query_embedding: bool,
+    /// Sentences whose vectors the context stage looked up in the sentence cache (0 when the
+    /// context needed no sentence vectors).
+    pub sentences: usize,
+    /// Of those, the ones the cache held (the rest were embedded).
+    pub sentences_cached: usize,
 }
 
 /// Milliseconds per stage, equal to the durations of the stage spans.

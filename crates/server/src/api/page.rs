@@ -398,6 +398,7 @@ mod tests {
             faults: Vec::new(),
             status_code: None,
             step: None,
+            cache: None,
         }
     }
 

@@ -293,6 +293,7 @@ mod tests {
                 busy_ns: None,
                 members,
             }),
+            cache: None,
         }
     }
 

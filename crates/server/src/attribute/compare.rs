@@ -1,9 +1,12 @@
 //! Two runs against each other (`attribute --baseline`): each stage's change in its median
-//! owned time, with a bootstrap interval, and the stage that explains the end-to-end change.
+//! owned time, with a bootstrap interval, and the stage that explains the end-to-end change;
+//! and where a stage's cache held a different share in the two runs, that too, so a prefill
+//! made fast by the prefix cache is named as a cache effect, not a change in the code.
 
 use measure::confidence::{self, Interval};
 use serde::Serialize;
 
+use super::caches::CacheShift;
 use super::Report;
 
 /// How one stage changed between two runs.
@@ -21,6 +24,17 @@ pub struct StageChange {
     pub significant: bool,
     /// The change over the interval's half-width: how far out of its own noise it moved.
     pub signal_to_noise: f64,
+    /// The stage's cache held a different share of its lookups in the two runs (at least
+    /// [`super::caches::SHIFT`] apart).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheShift>,
+}
+
+impl StageChange {
+    /// The cache shift that went the way the stage's time went: the likely cause of its change.
+    pub fn cache_effect(&self) -> Option<&CacheShift> {
+        self.cache.as_ref().filter(|c| c.coincides)
+    }
 }
 
 /// The comparison of a run against a baseline.
@@ -40,6 +54,11 @@ pub struct Comparison {
     pub largest_move: Option<String>,
     /// The stage moving most at p99.
     pub p99_explained_by: Option<String>,
+    /// When the stage that explains the change moved with its cache: the significant change
+    /// furthest out of its noise among the stages whose caches held the same share in both runs
+    /// (in either direction), i.e. what changed besides the caches.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub apart_from_caches: Option<String>,
     /// False when a report lacks per-request samples: then nothing is judged significant.
     pub samples: bool,
 }
@@ -87,6 +106,7 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
                 None
             };
             StageChange {
+                cache: CacheShift::between(b.cache, r.cache, delta),
                 stage: name.clone(),
                 self_p50_delta_ms: r.self_ms.p50 - b.self_ms.p50,
                 self_p99_delta_ms: r.self_ms.p99 - b.self_ms.p99,
@@ -124,6 +144,20 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
         .map(|s| (s.stage.clone(), s.critical_p50_delta_ms));
     // Owned time, not self time: a span waiting alongside the work (`stream`) must not lead.
     let p99 = pick(|s| s.critical_p99_delta_ms, e2e_p99);
+    let cache_led = significant.as_ref().is_some_and(|(name, _)| {
+        stages
+            .iter()
+            .any(|s| &s.stage == name && s.cache_effect().is_some())
+    });
+    let apart_from_caches = cache_led
+        .then(|| {
+            stages
+                .iter()
+                .filter(|s| s.significant && s.cache_effect().is_none())
+                .max_by(|a, b| a.signal_to_noise.abs().total_cmp(&b.signal_to_noise.abs()))
+                .map(|s| s.stage.clone())
+        })
+        .flatten();
     Comparison {
         end_to_end_p50_delta_ms: e2e_p50,
         end_to_end_p99_delta_ms: e2e_p99,
@@ -140,6 +174,7 @@ pub fn compare(baseline: &Report, run: &Report) -> Comparison {
         explained_by: significant.map(|(s, _)| s),
         largest_move: largest.map(|(s, _)| s),
         p99_explained_by: p99.map(|(s, _)| s),
+        apart_from_caches,
         stages,
         samples,
     }

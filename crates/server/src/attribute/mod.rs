@@ -11,6 +11,7 @@
 //! up to the request exactly.
 
 pub mod batch;
+pub mod caches;
 mod compare;
 pub mod source;
 pub mod store_side;
@@ -42,6 +43,8 @@ pub struct SpanRecord {
     pub status_code: Option<i64>,
     /// Whom a batched decode step ran for, when the span is one (`decode_step`).
     pub step: Option<batch::StepRecord>,
+    /// What a cache held for the span, when it says (`embeddings`, `context`, `prefill`).
+    pub cache: Option<caches::SpanCache>,
 }
 
 /// Percentiles in milliseconds.
@@ -100,6 +103,10 @@ pub struct StageReport {
     /// resamples to tell a real change from this stage's own noise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub critical_samples_ms: Vec<f64>,
+    /// What the stage's cache held over the run, when its spans say (for `--baseline` to tell
+    /// a cache effect from a change in the stage).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<caches::StageCache>,
 }
 
 /// The stage that made the slowest requests slow.
@@ -166,6 +173,8 @@ struct TraceTimes {
     /// stage → (self, inclusive, owned) in ms.
     stages: HashMap<String, (f64, f64, f64)>,
     faults: HashMap<String, Vec<(String, String)>>,
+    /// stage → what its cache held in this request (summed over its spans).
+    caches: HashMap<String, caches::SpanCache>,
     path: Vec<(String, f64)>,
     /// When each stage first started, ms after the request began (for ordering the report).
     offsets: HashMap<String, f64>,
@@ -335,6 +344,15 @@ fn trace_times(spans: &[&SpanRecord], ids: &HashMap<&str, usize>, root: usize) -
         let entry = t.stages.entry(path.clone()).or_default();
         entry.0 += ms(inclusive - covered);
         entry.1 += ms(inclusive);
+        if let Some(used) = s.cache {
+            t.caches
+                .entry(path.clone())
+                .and_modify(|c| {
+                    c.looked_up += used.looked_up;
+                    c.held += used.held;
+                })
+                .or_insert(used);
+        }
         if !s.faults.is_empty() {
             t.faults
                 .entry(path.clone())
@@ -449,6 +467,10 @@ fn summarise(traces: &[TraceTimes], failed: usize) -> Report {
                 }
             }
             let total = |f: fn(&(f64, f64, f64)) -> f64| runs.iter().map(|r| f(r)).sum::<f64>();
+            let mut cache = None;
+            for used in traces.iter().filter_map(|t| t.caches.get(name)) {
+                caches::StageCache::add(&mut cache, *used);
+            }
             StageReport {
                 stage: name.clone(),
                 count: runs.len(),
@@ -459,6 +481,7 @@ fn summarise(traces: &[TraceTimes], failed: usize) -> Report {
                 critical_path_share: ratio(total(|r| r.2), total_e2e),
                 faults,
                 critical_samples_ms: column(|r| r.2),
+                cache,
             }
         })
         .collect();

@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use super::SpanRecord;
+use super::{caches, SpanRecord};
 use crate::config::AttributeArgs;
 
 /// Reads every span the arguments point at.
@@ -137,12 +137,21 @@ fn otlp_span(s: &Value) -> Result<SpanRecord> {
     };
     let mut faults = Vec::new();
     let mut status_code = None;
-    for a in s["attributes"].as_array().into_iter().flatten() {
-        let key = a["key"].as_str().unwrap_or_default();
-        let value = otlp_value(&a["value"]);
+    let attributes: Vec<(&str, String)> = s["attributes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| {
+            (
+                a["key"].as_str().unwrap_or_default(),
+                otlp_value(&a["value"]),
+            )
+        })
+        .collect();
+    for (key, value) in &attributes {
         if key.starts_with("rag.fault.") {
             faults.push((key.to_string(), value.clone()));
-        } else if key == "http.response.status_code" {
+        } else if *key == "http.response.status_code" {
             status_code = value.parse().ok();
         }
     }
@@ -156,6 +165,7 @@ fn otlp_span(s: &Value) -> Result<SpanRecord> {
         faults,
         status_code,
         step: super::batch::from_otlp(s["attributes"].as_array()),
+        cache: caches::from_attributes(attributes.into_iter()),
     })
 }
 
@@ -194,15 +204,22 @@ pub fn parse_jaeger(doc: &Value) -> Result<Vec<SpanRecord>> {
                 .unwrap_or_default();
             let mut faults = Vec::new();
             let mut status_code = None;
-            for tag in s["tags"].as_array().into_iter().flatten() {
-                let key = tag["key"].as_str().unwrap_or_default();
-                let value = match &tag["value"] {
-                    Value::String(v) => v.clone(),
-                    other => other.to_string(),
-                };
+            let tags: Vec<(&str, String)> = s["tags"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|tag| {
+                    let value = match &tag["value"] {
+                        Value::String(v) => v.clone(),
+                        other => other.to_string(),
+                    };
+                    (tag["key"].as_str().unwrap_or_default(), value)
+                })
+                .collect();
+            for (key, value) in &tags {
                 if key.starts_with("rag.fault.") {
-                    faults.push((key.to_string(), value));
-                } else if key == "http.response.status_code" {
+                    faults.push((key.to_string(), value.clone()));
+                } else if *key == "http.response.status_code" {
                     status_code = value.parse().ok();
                 }
             }
@@ -216,6 +233,7 @@ pub fn parse_jaeger(doc: &Value) -> Result<Vec<SpanRecord>> {
                 faults,
                 status_code,
                 step: super::batch::from_jaeger(s["tags"].as_array()),
+                cache: caches::from_attributes(tags.into_iter()),
             });
         }
     }

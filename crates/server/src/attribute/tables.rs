@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use measure::confidence::Interval;
 
-use super::{Comparison, Report, WindowReport};
+use super::{Comparison, Report, StageChange, WindowReport};
 
 /// The report as a table.
 pub fn table(report: &Report) -> String {
@@ -132,6 +132,19 @@ pub fn comparison_table(c: &Comparison) -> String {
                 "no".into()
             }
         );
+        if let Some(shift) = &s.cache {
+            let _ = writeln!(
+                out,
+                "{:<28} ↳ {}{}",
+                "",
+                shift.sentence(),
+                if shift.coincides {
+                    ": the stage moved with its cache"
+                } else {
+                    ""
+                }
+            );
+        }
     }
     if !c.samples {
         let _ = writeln!(
@@ -163,16 +176,45 @@ pub fn comparison_table(c: &Comparison) -> String {
     }
     match &c.explained_by {
         Some(stage) => {
+            let change = c.stages.iter().find(|s| &s.stage == stage);
             let _ = writeln!(
                 out,
                 "\n{stage} explains {:.0}% of the end-to-end p50 change ({:+.2} ms of {:+.2} ms)",
                 c.explained_share * 100.0,
-                c.stages
-                    .iter()
-                    .find(|s| &s.stage == stage)
-                    .map_or(0.0, |s| s.critical_p50_delta_ms),
+                change.map_or(0.0, |s| s.critical_p50_delta_ms),
                 c.end_to_end_p50_delta_ms
             );
+            if let Some(shift) = change.and_then(StageChange::cache_effect) {
+                let _ = writeln!(
+                    out,
+                    "  a cache effect, not a change in {stage}: {}.\n  The runs met the caches \
+                     in different states; measure both the same way (`ragscope-loadgen run \
+                     --warm`, or a fresh server for each) to compare the stage itself.",
+                    shift.sentence()
+                );
+                match c
+                    .apart_from_caches
+                    .as_ref()
+                    .and_then(|name| c.stages.iter().find(|s| &s.stage == name))
+                {
+                    Some(s) => {
+                        let _ = writeln!(
+                            out,
+                            "  apart from the caches, the largest significant change is {} \
+                             {:+.2} ms ({:.1}× its noise)",
+                            s.stage,
+                            s.critical_p50_delta_ms,
+                            s.signal_to_noise.abs()
+                        );
+                    }
+                    None => {
+                        let _ = writeln!(
+                            out,
+                            "  apart from the caches, no stage changed significantly"
+                        );
+                    }
+                }
+            }
         }
         None => {
             let _ = writeln!(

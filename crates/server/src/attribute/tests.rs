@@ -19,6 +19,7 @@ fn span(
         faults: Vec::new(),
         status_code: Some(200),
         step: None,
+        cache: None,
     }
 }
 
@@ -234,4 +235,85 @@ fn percentiles_interpolate() {
     assert_eq!(percentile(&v, 50.0), 3.0);
     assert_eq!(percentile(&v, 75.0), 4.0);
     assert!((percentile(&v, 99.0) - 4.96).abs() < 1e-9);
+}
+
+#[test]
+fn a_baseline_names_the_cache_when_only_cache_hits_differ() {
+    use super::caches::{Cache, SpanCache};
+    // The case seen here: a baseline run of 14 questions, then the same 14 again with +35 ms
+    // injected into rerank. The second run found every prompt in the prefix cache, so its
+    // prefill fell from ~200 ms to ~1 ms: the largest, most significant move, and not the code's.
+    let prefix = |held: u64| SpanCache {
+        cache: Cache::PrefixKv,
+        looked_up: 206,
+        held,
+    };
+    let with_caches = |mut spans: Vec<SpanRecord>, prefill: SpanCache, query_hit: bool| {
+        for s in &mut spans {
+            if s.name == "prefill" {
+                s.cache = Some(prefill);
+            } else if s.name.starts_with("embeddings") {
+                s.cache = Some(SpanCache {
+                    cache: Cache::QueryVectors,
+                    looked_up: 1,
+                    held: u64::from(query_hit),
+                });
+            }
+        }
+        spans
+    };
+    let jitter = |i: usize| (i * 7 % 5) as i128;
+    let base: Vec<SpanRecord> = (0..14)
+        .flat_map(|i| {
+            let spans = rag(&format!("b{i}"), 0, 5 + jitter(i), 200 + 3 * jitter(i));
+            with_caches(spans, prefix(16), false)
+        })
+        .collect();
+    let run: Vec<SpanRecord> = (0..14)
+        .flat_map(|i| {
+            let spans = rag(&format!("r{i}"), 0, 40 + jitter(i), 1 + jitter(i) % 2);
+            with_caches(spans, prefix(206), true)
+        })
+        .collect();
+    let (b, r) = (analyse(&base, &[]), analyse(&run, &[]));
+    let held = stage(&r, "chat › prefill").cache.unwrap();
+    assert_eq!(
+        (held.held, held.looked_up, held.whole),
+        (14 * 206, 14 * 206, 14)
+    );
+    let c = compare(&b, &r);
+    let change = |name: &str| c.stages.iter().find(|s| s.stage == name).unwrap().clone();
+    let prefill = change("chat › prefill");
+    assert_eq!(c.explained_by.as_deref(), Some("chat › prefill"));
+    let effect = prefill
+        .cache_effect()
+        .expect("the prefill moved with its cache");
+    assert_eq!(effect.cache, Cache::PrefixKv);
+    // The embeddings stage's cache moved too (all hits now), but its time did not: no effect.
+    let embeddings = change("embeddings");
+    assert!(embeddings.cache.is_some() && embeddings.cache_effect().is_none());
+    // The rerank change, against the end-to-end direction, is what changed apart from caches.
+    assert_eq!(c.apart_from_caches.as_deref(), Some("rerank"));
+    let text = comparison_table(&c);
+    assert!(
+        text.contains("a cache effect, not a change in chat › prefill: 2884 of 2884 prompt tokens (100%) came from the prefix cache in this run, 224 of 2884 (8%) in the baseline; 14 of 14 requests were whole-prompt hits (0 of 14 in the baseline)"),
+        "{text}"
+    );
+    assert!(text.contains("--warm"), "{text}");
+    assert!(
+        text.contains("apart from the caches, the largest significant change is rerank +35.00 ms"),
+        "{text}"
+    );
+    // Reports written before caches were read compare as before, without cache lines.
+    let mut old = b.clone();
+    for s in &mut old.stages {
+        s.cache = None;
+    }
+    let plain = compare(&old, &r);
+    assert!(plain.stages.iter().all(|s| s.cache.is_none()));
+    assert!(!comparison_table(&plain).contains("cache effect"));
+    let json = serde_json::to_string(&b).unwrap();
+    let back: Report = serde_json::from_str(&json).unwrap();
+    let caches = |r: &Report| r.stages.iter().map(|s| s.cache).collect::<Vec<_>>();
+    assert_eq!(caches(&back), caches(&b));
 }

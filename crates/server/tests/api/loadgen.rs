@@ -81,8 +81,23 @@ async fn a_mixed_load_splits_hits_from_misses_and_a_grpc_run_reports_the_same() 
         "{embed:?}"
     );
     assert!(embed.hit_ttft_ms.is_some() && embed.miss_ttft_ms.is_some());
-    assert_eq!(caches.caches[1].cache, "prefix_kv");
+    let names: Vec<&str> = caches.caches.iter().map(|c| c.cache.as_str()).collect();
+    assert!(
+        names.contains(&"prefix_kv") && names.contains(&"whole_prompt"),
+        "{names:?}"
+    );
     assert!(records.iter().all(|r| r.cached_tokens.is_some()));
+    // The server says how many sentence vectors its context looked up and found cached.
+    assert!(
+        records.iter().all(|r| r.sentences_cached <= r.sentences),
+        "{records:?}"
+    );
+    assert!(
+        caches
+            .state()
+            .is_some_and(|s| s.starts_with("cache state: query_embedding")),
+        "{caches:?}"
+    );
     assert!(caches.kinds.iter().any(|k| k.kind == QueryKind::NoMatch));
     for r in records
         .iter()
