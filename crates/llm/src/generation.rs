@@ -167,10 +167,10 @@ impl<'a> TextGeneration<'a> {
                 per_second(computed, took),
             ));
         }
-        self.stage.set(KeyValue::new(
-            attr::GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
-            cached as i64,
-        ));
+        self.stage.set_all([
+            KeyValue::new(attr::GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS, cached as i64),
+            KeyValue::new(attr::LLM_TOKEN_COUNT_CACHE_READ, cached as i64),
+        ]);
         out.cached_tokens = cached;
         out.prefill = prefill.end_at(done);
         drop(turn);

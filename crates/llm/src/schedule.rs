@@ -43,7 +43,7 @@ use opentelemetry::{Array, KeyValue, StringValue, Value};
 
 use super::cpu_decode::{CpuDecoder, HostKv, SeqStep};
 use telemetry::clock;
-use telemetry::names::{attr, span, StageKind};
+use telemetry::names::{attr, span};
 use telemetry::profile;
 use telemetry::span::Stage;
 
@@ -420,7 +420,7 @@ impl<E: StepEngine> Drop for BatchSession<'_, E> {
 
 /// The service a step span is exported under: the one the members' `decode` spans have.
 fn step_service() -> Option<&'static str> {
-    StageKind::Generate.service()
+    Some(telemetry::names::STEPS_SERVICE)
 }
 
 /// Steps run since the last step span (`sampled:N`), summed for the next one.

@@ -12,6 +12,7 @@ pub mod export;
 pub mod gpu;
 pub mod metrics;
 pub mod names;
+pub mod openinference;
 pub mod profile;
 pub mod settings;
 pub mod span;
@@ -47,7 +48,7 @@ static BAGGAGE_KEYS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new
 /// Flushes and shuts down the providers on drop.
 pub struct TelemetryGuard {
     tracer: Option<SdkTracerProvider>,
-    /// One provider per stage service (`--stage-services`), else empty.
+    /// One provider per stage service (`--stage-services`), and the decode steps' one.
     stage_tracers: Vec<SdkTracerProvider>,
     meter: Option<SdkMeterProvider>,
     /// Stops the Pyroscope agent last, after the spans that point at its profiles.
@@ -180,27 +181,31 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
         let tracer = buffer::processor().filter(|_| !sdk_off).map(|recent| {
             let provider = SdkTracerProvider::builder()
                 .with_span_processor(recent)
-                .with_resource(resource())
+                .with_resource(trace_resource())
                 .build();
             opentelemetry::global::set_tracer_provider(provider.clone());
             provider
         });
+        let steps = tracer
+            .is_some()
+            .then(|| install_steps_service(None::<opentelemetry_otlp::SpanExporter>));
         return Ok(TelemetryGuard {
             tracer,
-            stage_tracers: Vec::new(),
+            stage_tracers: steps.into_iter().collect(),
             meter: Some(meter),
             _profiler: profiler,
         });
     }
     let protocol = protocol_for("TRACES")?;
-    let provider = tracer_provider(otlp_span_exporter(protocol)?, resource());
+    let provider = tracer_provider(otlp_span_exporter(protocol)?, trace_resource());
     opentelemetry::global::set_tracer_provider(provider.clone());
-    let stage_providers = if args.stage_services {
+    let mut stage_providers = if args.stage_services {
         tracing::info!("each stage exported under its own service.name");
         install_stage_services(|| otlp_span_exporter(protocol))?
     } else {
         Vec::new()
     };
+    stage_providers.push(install_steps_service(Some(otlp_span_exporter(protocol)?)));
     tracing::info!(?protocol, "exporting spans over OTLP");
     Ok(TelemetryGuard {
         tracer: Some(provider),
@@ -249,9 +254,64 @@ pub fn install_stage_services<E: SpanExporter + 'static>(
 static STAGE_TRACERS: std::sync::OnceLock<HashMap<&'static str, SdkTracer>> =
     std::sync::OnceLock::new();
 
-/// The tracer of a per-stage service, when per-stage services are on.
+static STEP_TRACER: std::sync::OnceLock<SdkTracer> = std::sync::OnceLock::new();
+
+/// The tracer of a per-stage service, when per-stage services are on, or of the decode steps'
+/// service ([`names::STEPS_SERVICE`]) once [`install_steps_service`] ran.
 pub(crate) fn stage_tracer(service: &str) -> Option<&'static SdkTracer> {
+    if service == names::STEPS_SERVICE {
+        return STEP_TRACER.get();
+    }
     STAGE_TRACERS.get()?.get(service)
+}
+
+/// The resource of the request traces: `service.name`, its version, and the same name as the
+/// OpenInference project (Phoenix files a trace under its resource's project).
+pub fn trace_resource() -> Resource {
+    let service = service_name();
+    Resource::builder()
+        .with_service_name(service.clone())
+        .with_attribute(KeyValue::new(
+            attr::SERVICE_VERSION,
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .with_attribute(KeyValue::new(attr::OPENINFERENCE_PROJECT_NAME, service))
+        .build()
+}
+
+/// The service (and OpenInference project) batched decode steps are exported under:
+/// `{service.name}-steps`.
+pub fn steps_service_name() -> String {
+    format!("{}-steps", service_name())
+}
+
+/// Exports batched decode steps (`decode_step`, each the root of a trace of its own) under
+/// `{service.name}-steps`, so a backend's list of `ragscope` traces and its latency summary
+/// hold requests only: Jaeger lists the steps under their own service, Tempo finds requests
+/// with `{ resource.service.name = "ragscope" }`, Phoenix files them in their own project.
+/// Without an exporter, they still reach the recent-trace buffer under that service.
+pub fn install_steps_service<E: SpanExporter + 'static>(exporter: Option<E>) -> SdkTracerProvider {
+    let name = steps_service_name();
+    let resource = Resource::builder()
+        .with_service_name(name.clone())
+        .with_attribute(KeyValue::new(
+            attr::SERVICE_VERSION,
+            env!("CARGO_PKG_VERSION"),
+        ))
+        .with_attribute(KeyValue::new(attr::OPENINFERENCE_PROJECT_NAME, name))
+        .build();
+    let provider = match exporter {
+        Some(exporter) => tracer_provider(exporter, resource),
+        None => {
+            let mut builder = SdkTracerProvider::builder().with_resource(resource);
+            if let Some(recent) = buffer::processor() {
+                builder = builder.with_span_processor(recent);
+            }
+            builder.build()
+        }
+    };
+    let _ = STEP_TRACER.set(provider.tracer(span::SCOPE));
+    provider
 }
 
 /// The meter provider: always the `/metrics` scrape reader; plus an OTLP push every

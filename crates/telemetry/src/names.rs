@@ -158,6 +158,10 @@ pub fn stage_services() -> Vec<&'static str> {
     services
 }
 
+/// The key of the decode steps' service ([`crate::install_steps_service`]): batched decode
+/// steps are exported under `{service.name}-steps`, apart from the requests.
+pub const STEPS_SERVICE: &str = "ragscope-steps";
+
 /// `provider.name` of every model stage: the models run in this process.
 pub const PROVIDER: &str = "ragscope";
 
@@ -385,6 +389,43 @@ names! {
         VERSION = "version",
         SERVICE_NAME = "service.name",
         SERVICE_VERSION = "service.version",
+        // OpenInference (Arize Phoenix and the RAG UIs that read it), beside the GenAI names:
+        // the span's kind on every span, the project on the resource, and the documents a
+        // retriever or reranker handled as `{list}.{i}.{document key}`.
+        OPENINFERENCE_SPAN_KIND = "openinference.span.kind",
+        OPENINFERENCE_PROJECT_NAME = "openinference.project.name",
+        INPUT_VALUE = "input.value",
+        INPUT_MIME_TYPE = "input.mime_type",
+        OUTPUT_VALUE = "output.value",
+        OUTPUT_MIME_TYPE = "output.mime_type",
+        RETRIEVAL_DOCUMENTS = "retrieval.documents",
+        RERANKER_INPUT_DOCUMENTS = "reranker.input_documents",
+        RERANKER_OUTPUT_DOCUMENTS = "reranker.output_documents",
+        RERANKER_QUERY = "reranker.query",
+        RERANKER_MODEL_NAME = "reranker.model_name",
+        RERANKER_TOP_K = "reranker.top_k",
+        DOC_ID = "document.id",
+        DOC_SCORE = "document.score",
+        DOC_CONTENT = "document.content",
+        DOC_METADATA = "document.metadata",
+        EMBEDDING_MODEL_NAME = "embedding.model_name",
+        LLM_MODEL_NAME = "llm.model_name",
+        LLM_TOKEN_COUNT_PROMPT = "llm.token_count.prompt",
+        LLM_TOKEN_COUNT_COMPLETION = "llm.token_count.completion",
+        LLM_TOKEN_COUNT_TOTAL = "llm.token_count.total",
+        LLM_TOKEN_COUNT_CACHE_READ = "llm.token_count.prompt_details.cache_read",
+    }
+}
+
+/// The OpenInference span kind of a span, from its name: what Phoenix and the UIs built on
+/// OpenInference show a span as. A request and the stages that only move data are `CHAIN`.
+pub fn openinference_kind(span_name: &str) -> &'static str {
+    match StageKind::of_span_name(span_name) {
+        Some(StageKind::Embed) => "EMBEDDING",
+        Some(StageKind::Retrieve) => "RETRIEVER",
+        Some(StageKind::Rerank) => "RERANKER",
+        Some(StageKind::Generate) => "LLM",
+        _ => "CHAIN",
     }
 }
 
@@ -456,6 +497,26 @@ mod tests {
         assert_eq!(services.len(), 8, "{services:?}");
         assert_eq!(services.last(), Some(&"ragscope-respond"));
         assert_eq!(StageKind::Stream.service(), StageKind::Respond.service());
+    }
+
+    #[test]
+    fn stages_have_their_openinference_kinds() {
+        assert_eq!(
+            openinference_kind("embeddings all-MiniLM-L6-v2"),
+            "EMBEDDING"
+        );
+        assert_eq!(openinference_kind("retrieval ragscope"), "RETRIEVER");
+        assert_eq!(openinference_kind("rerank rrf-dense-bm25"), "RERANKER");
+        assert_eq!(openinference_kind("chat SmolLM2-135M-Instruct"), "LLM");
+        for name in [
+            "POST /v1/rag/query",
+            "context",
+            "prefill",
+            "decode_step",
+            "queue",
+        ] {
+            assert_eq!(openinference_kind(name), "CHAIN", "{name}");
+        }
     }
 
     #[test]

@@ -97,11 +97,13 @@ impl Stage {
             let sc = span.span_context();
             (sc.span_id(), !sc.is_valid() || sc.is_remote())
         };
+        // Its OpenInference kind goes on every span (not inherited: each span has its own).
+        let openinference = super::openinference::kind(&name);
         let builder = |tracer_name: Cow<'static, str>| {
             opentelemetry::trace::SpanBuilder::from_name(tracer_name)
                 .with_kind(kind.clone())
                 .with_start_time(clock::to_wall(started))
-                .with_attributes(inherited.iter().cloned())
+                .with_attributes(inherited.iter().cloned().chain([openinference.clone()]))
         };
         let cx = match service.and_then(super::stage_tracer) {
             Some(tracer) => {
@@ -301,14 +303,24 @@ pub fn stage_service(name: &str) -> Option<&'static str> {
 }
 
 /// The GenAI attributes every model stage carries: the operation and provider where the
-/// conventions name one, and the model.
+/// conventions name one, and the model; and the model under its OpenInference name
+/// (`llm.model_name`, `embedding.model_name`) where OpenInference has one.
 pub fn model_attributes(kind: StageKind, model: &str) -> Vec<KeyValue> {
-    let mut attributes = Vec::with_capacity(3);
+    let mut attributes = Vec::with_capacity(4);
     if let Some(operation) = kind.operation() {
         attributes.push(KeyValue::new(attr::GEN_AI_OPERATION_NAME, operation));
         attributes.push(KeyValue::new(attr::GEN_AI_PROVIDER_NAME, PROVIDER));
     }
     attributes.push(KeyValue::new(attr::GEN_AI_REQUEST_MODEL, model.to_string()));
+    match kind {
+        StageKind::Generate => {
+            attributes.push(KeyValue::new(attr::LLM_MODEL_NAME, model.to_string()));
+        }
+        StageKind::Embed => {
+            attributes.push(KeyValue::new(attr::EMBEDDING_MODEL_NAME, model.to_string()));
+        }
+        _ => {}
+    }
     attributes
 }
 

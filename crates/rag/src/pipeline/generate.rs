@@ -113,6 +113,16 @@ impl Pipeline {
                     generated[0].prompt_tokens as i64,
                 ),
                 KeyValue::new(attr::GEN_AI_USAGE_OUTPUT_TOKENS, output as i64),
+                // The same counts under OpenInference's names (Phoenix sums them per trace).
+                KeyValue::new(
+                    attr::LLM_TOKEN_COUNT_PROMPT,
+                    generated[0].prompt_tokens as i64,
+                ),
+                KeyValue::new(attr::LLM_TOKEN_COUNT_COMPLETION, output as i64),
+                KeyValue::new(
+                    attr::LLM_TOKEN_COUNT_TOTAL,
+                    (generated[0].prompt_tokens + output) as i64,
+                ),
             ]);
             if let Some(ttft) = time_to_first_token(&generated[0], started) {
                 stage.set(KeyValue::new(
@@ -122,6 +132,10 @@ impl Pipeline {
             }
             if self.defaults.capture_content {
                 stage.set(KeyValue::new(attr::ANSWER_TEXT, generated[0].text.clone()));
+                stage.set_all(telemetry::openinference::text(
+                    attr::OUTPUT_VALUE,
+                    &generated[0].text,
+                ));
             }
             Ok(generated)
         })

@@ -6,6 +6,7 @@
 //! `queue` stage. The other routes (embeddings, rerank, ingest) run their stages the same way.
 
 pub mod context;
+mod documents;
 pub mod events;
 mod generate;
 pub mod lookup;
@@ -43,6 +44,15 @@ use llm::Generator;
 use telemetry::clock::{self, millis};
 use telemetry::names::{attr, StageKind};
 use telemetry::span::Stage;
+
+/// What a rerank reorders: the passages, their retrieval scores, the chunks they are (none for
+/// `/v1/rerank`'s bare passages) and how many of the best the request keeps.
+struct Candidates<'a> {
+    texts: &'a [&'a str],
+    retrieval: &'a [f32],
+    chunks: Option<&'a [&'a crate::retrieve::Chunk]>,
+    top_n: usize,
+}
 
 /// Everything a request needs, shared by all requests.
 pub struct Pipeline {
@@ -160,7 +170,7 @@ impl Pipeline {
         let (vector, mut cache) = self.embed_query(&mut run, req)?;
         let hits = self.retrieve(&mut run, req, &vector)?;
         let retrieved_at = std::time::Instant::now();
-        let mut ranked = self.rank(&mut run, &req.query, hits)?;
+        let mut ranked = self.rank(&mut run, &req.query, hits, req.rerank_top_n)?;
         ranked.truncate(req.rerank_top_n);
         let context = self.select_context(&mut run, req, &vector, &ranked, &mut cache)?;
         // The sources are the passages the context kept, in the order of the prompt's markers.
@@ -287,6 +297,10 @@ impl Pipeline {
                 KeyValue::new(attr::RETRIEVAL_LEXICAL_HITS, found.lexical as i64),
                 KeyValue::new(attr::RETRIEVAL_LEXICAL_ADDED, found.lexical_added as i64),
             ]);
+            stage.set_all(documents::retrieved(
+                hits.iter().map(|h| (&h.chunk, h.score)),
+                self.defaults.capture_content,
+            ));
             Ok(hits)
         })
     }
@@ -297,13 +311,21 @@ impl Pipeline {
         run: &mut StageRunner,
         query: &str,
         hits: Vec<ScoredChunk>,
+        top_n: usize,
     ) -> Result<Vec<Source>, PipelineError> {
         let scores = match &self.reranker {
             Some(reranker) if !hits.is_empty() => {
                 let texts: Vec<&str> = hits.iter().map(|h| h.chunk.text.as_str()).collect();
                 let retrieval: Vec<f32> = hits.iter().map(|h| h.score).collect();
+                let chunks: Vec<&crate::retrieve::Chunk> = hits.iter().map(|h| &h.chunk).collect();
+                let candidates = Candidates {
+                    texts: &texts,
+                    retrieval: &retrieval,
+                    chunks: Some(&chunks),
+                    top_n,
+                };
                 let lookup = self.defaults.entry_lookup;
-                self.rerank_stage(run, reranker.as_ref(), query, &texts, &retrieval, lookup)?
+                self.rerank_stage(run, reranker.as_ref(), query, &candidates, lookup)?
             }
             _ => hits.iter().map(|h| h.score).collect(),
         };
@@ -452,10 +474,14 @@ impl Pipeline {
                 let vectors = this.embedder.embed(&all, stage)?;
                 Ok(cosines(&vectors[0], &vectors[1..]))
             })?;
+            let candidates = Candidates {
+                texts: &texts,
+                retrieval: &retrieval,
+                chunks: None,
+                top_n: texts.len(),
+            };
             match &this.reranker {
-                Some(r) => {
-                    this.rerank_stage(&mut run, r.as_ref(), &query, &texts, &retrieval, false)
-                }
+                Some(r) => this.rerank_stage(&mut run, r.as_ref(), &query, &candidates, false),
                 None => Ok(retrieval),
             }
         })
@@ -469,14 +495,19 @@ impl Pipeline {
         run: &mut StageRunner,
         reranker: &dyn Reranker,
         query: &str,
-        texts: &[&str],
-        retrieval: &[f32],
+        passages: &Candidates<'_>,
         lookup: bool,
     ) -> Result<Vec<f32>, PipelineError> {
-        let spec = StageSpec::model(StageKind::Rerank, reranker.model_id()).with([KeyValue::new(
-            attr::GEN_AI_RERANK_CANDIDATE_COUNT,
-            texts.len() as i64,
-        )]);
+        let capture = self.defaults.capture_content;
+        let (texts, retrieval) = (passages.texts, passages.retrieval);
+        let mut attributes = vec![
+            KeyValue::new(attr::GEN_AI_RERANK_CANDIDATE_COUNT, texts.len() as i64),
+            KeyValue::new(attr::RERANKER_MODEL_NAME, reranker.model_id().to_string()),
+        ];
+        if capture {
+            attributes.push(KeyValue::new(attr::RERANKER_QUERY, query.to_string()));
+        }
+        let spec = StageSpec::model(StageKind::Rerank, reranker.model_id()).with(attributes);
         run.run(spec, |stage| {
             let candidates: Vec<Candidate> = texts
                 .iter()
@@ -491,6 +522,15 @@ impl Pipeline {
                 let raised = lookup::promote(query, texts, &mut scores);
                 stage.set(KeyValue::new(attr::RERANK_ENTRIES_LOOKED_UP, raised as i64));
             }
+            let reranked = documents::Reranked {
+                chunks: passages.chunks,
+                texts,
+                retrieval,
+                scores: &scores,
+                top_n: passages.top_n,
+                capture,
+            };
+            stage.set_all(reranked.attributes(&crate::rerank::ranking(&scores)));
             Ok(scores)
         })
     }

@@ -222,6 +222,10 @@ pub fn prepare(
     req.faults = request_faults(state, headers, stage)?;
     if pipeline.defaults.capture_content {
         stage.set(KeyValue::new(attr::QUERY_TEXT, req.query.clone()));
+        stage.set_all(telemetry::openinference::text(
+            attr::INPUT_VALUE,
+            &req.query,
+        ));
     }
     Ok(req)
 }

@@ -25,6 +25,7 @@ mod openapi;
 mod overlap;
 mod overload;
 mod page;
+mod phoenix;
 mod prefix_cache;
 mod profile;
 mod promql;
