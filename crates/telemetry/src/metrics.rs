@@ -1,12 +1,17 @@
 //! Server metrics: one set of OpenTelemetry instruments, read two ways: pushed over OTLP when an
-//! endpoint is configured, and rendered in the Prometheus text format on `GET /metrics` from a
-//! reader we collect on each scrape. Durations are seconds, with buckets from 1 ms to 60 s.
+//! endpoint is configured, and rendered on `GET /metrics` from a reader we collect on each
+//! scrape, in the Prometheus text format or, when the scraper asks for it, in OpenMetrics with
+//! exemplars: each latency bucket names the trace and span of its latest observation, so a
+//! dashboard goes from a slow bucket to a trace that landed in it. Durations are seconds, with
+//! buckets from 1 ms to 60 s.
 
+use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::sync::{Arc, OnceLock, Weak};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
+use opentelemetry::trace::SpanContext;
 use opentelemetry::KeyValue;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData, ResourceMetrics};
@@ -22,12 +27,74 @@ pub const DURATION_BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
 ];
 
+/// A latency histogram whose observations also leave exemplars: per series and bucket, the
+/// trace and span of the latest observation, for the OpenMetrics exposition.
+pub struct Timed {
+    histogram: Histogram<f64>,
+    name: &'static str,
+}
+
+impl Timed {
+    /// Records `seconds` under `attributes`; a valid `span` becomes the bucket's exemplar.
+    pub fn record(&self, seconds: f64, attributes: &[KeyValue], span: Option<&SpanContext>) {
+        self.histogram.record(seconds, attributes);
+        if let Some(span) = span.filter(|s| s.is_valid()) {
+            let exemplar = Exemplar {
+                trace_id: span.trace_id().to_string(),
+                span_id: span.span_id().to_string(),
+                value: seconds,
+                unix_s: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0.0, |d| d.as_secs_f64()),
+            };
+            let key = (series_key(self.name, attributes.iter()), bucket_of(seconds));
+            let mut kept = exemplars().lock().unwrap_or_else(|e| e.into_inner());
+            kept.insert(key, exemplar);
+        }
+    }
+}
+
+/// One observation a bucket shows as its exemplar.
+#[derive(Debug, Clone)]
+struct Exemplar {
+    trace_id: String,
+    span_id: String,
+    value: f64,
+    unix_s: f64,
+}
+
+/// The latest exemplar per (series, bucket index); the series are few (a histogram's label
+/// sets), so this stays small.
+type Exemplars = HashMap<(String, usize), Exemplar>;
+
+fn exemplars() -> &'static Mutex<Exemplars> {
+    static KEPT: OnceLock<Mutex<Exemplars>> = OnceLock::new();
+    KEPT.get_or_init(Default::default)
+}
+
+/// A series as a key: the instrument and its attributes in key order.
+fn series_key<'a>(name: &str, attributes: impl Iterator<Item = &'a KeyValue>) -> String {
+    let mut parts: Vec<String> = attributes
+        .map(|kv| format!("{}={}", kv.key, kv.value))
+        .collect();
+    parts.sort();
+    format!("{name}|{}", parts.join(","))
+}
+
+/// The index of the bucket `seconds` falls in ([`DURATION_BUCKETS`]; its length is `+Inf`).
+fn bucket_of(seconds: f64) -> usize {
+    DURATION_BUCKETS
+        .iter()
+        .position(|&bound| seconds <= bound)
+        .unwrap_or(DURATION_BUCKETS.len())
+}
+
 /// The instruments every part of the server records into.
 pub struct Metrics {
-    pub request_duration: Histogram<f64>,
-    pub time_to_first_token: Histogram<f64>,
-    pub time_per_output_token: Histogram<f64>,
-    pub stage_duration: Histogram<f64>,
+    pub request_duration: Timed,
+    pub time_to_first_token: Timed,
+    pub time_per_output_token: Timed,
+    pub stage_duration: Timed,
     pub tokens: Counter<u64>,
     pub requests_in_flight: UpDownCounter<i64>,
     pub cache_requests: Counter<u64>,
@@ -139,20 +206,24 @@ impl Metrics {
                 .with_boundaries(DURATION_BUCKETS.to_vec())
                 .build()
         };
+        let timed = |name: &'static str, description: &'static str| Timed {
+            histogram: seconds(name, description),
+            name,
+        };
         Metrics {
-            request_duration: seconds(
+            request_duration: timed(
                 metric::REQUEST_DURATION,
                 "Time from request arrival to the last byte of the response",
             ),
-            time_to_first_token: seconds(
+            time_to_first_token: timed(
                 metric::TIME_TO_FIRST_TOKEN,
                 "Time from request arrival to the first generated token",
             ),
-            time_per_output_token: seconds(
+            time_per_output_token: timed(
                 metric::TIME_PER_OUTPUT_TOKEN,
                 "Decode time per generated token after the first",
             ),
-            stage_duration: seconds(metric::STAGE_DURATION, "Duration of one pipeline stage"),
+            stage_duration: timed(metric::STAGE_DURATION, "Duration of one pipeline stage"),
             tokens: meter
                 .u64_counter(metric::TOKEN_USAGE)
                 .with_unit("{token}")
@@ -221,11 +292,15 @@ impl Metrics {
         }
     }
 
-    /// Records one stage's duration under its `rag.stage` label (nothing for a stage without one).
-    pub fn stage(&self, kind: StageKind, took: Duration) {
+    /// Records one stage's duration under its `rag.stage` label (nothing for a stage without
+    /// one), with `span` (the stage's) as the bucket's exemplar.
+    pub fn stage(&self, kind: StageKind, took: Duration, span: Option<&SpanContext>) {
         if let Some(label) = kind.metric_label() {
-            self.stage_duration
-                .record(took.as_secs_f64(), &[KeyValue::new(attr::STAGE, label)]);
+            self.stage_duration.record(
+                took.as_secs_f64(),
+                &[KeyValue::new(attr::STAGE, label)],
+                span,
+            );
         }
     }
 }
@@ -387,12 +462,51 @@ fn format_f64(v: f64) -> String {
     }
 }
 
+/// The content type of the OpenMetrics exposition.
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
 /// Renders everything the scrape reader collects in the Prometheus text format (0.0.4).
 pub fn render_prometheus() -> String {
+    render(false)
+}
+
+/// Renders everything in OpenMetrics 1.0, the latency buckets with their exemplars
+/// (`# {trace_id="…",span_id="…"} value timestamp`), ending with `# EOF`.
+pub fn render_openmetrics() -> String {
+    render(true)
+}
+
+/// The latest exemplar of one bucket as the OpenMetrics suffix of its line, if any.
+fn exemplar_suffix(kept: &Exemplars, series: &str, bucket: usize) -> String {
+    kept.get(&(series.to_string(), bucket))
+        .map_or(String::new(), |e| {
+            format!(
+                " # {{trace_id=\"{}\",span_id=\"{}\"}} {} {:.3}",
+                e.trace_id,
+                e.span_id,
+                format_f64(e.value),
+                e.unix_s
+            )
+        })
+}
+
+fn render(open: bool) -> String {
     let mut rm = ResourceMetrics::default();
     if scrape_reader().collect(&mut rm).is_err() {
-        return String::new();
+        return if open {
+            "# EOF\n".into()
+        } else {
+            String::new()
+        };
     }
+    let kept = if open {
+        exemplars()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    } else {
+        Exemplars::new()
+    };
     let mut out = String::new();
     for scope in rm.scope_metrics() {
         for metric in scope.metrics() {
@@ -404,7 +518,13 @@ pub fn render_prometheus() -> String {
                             let counter = sum.is_monotonic();
                             let name = prom_name(metric.name(), metric.unit(), counter);
                             let kind = if counter { "counter" } else { "gauge" };
-                            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+                            // OpenMetrics names a counter's family without `_total`.
+                            let family = if open && counter {
+                                name.trim_end_matches("_total")
+                            } else {
+                                name.as_str()
+                            };
+                            let _ = writeln!(out, "# HELP {family} {help}\n# TYPE {family} {kind}");
                             for p in sum.data_points() {
                                 let _ = writeln!(
                                     out,
@@ -430,20 +550,25 @@ pub fn render_prometheus() -> String {
                             let name = prom_name(metric.name(), metric.unit(), false);
                             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
                             for p in h.data_points() {
+                                let series = series_key(metric.name(), p.attributes());
                                 let mut cumulative = 0u64;
+                                let mut bucket = 0;
                                 for (bound, count) in p.bounds().zip(p.bucket_counts()) {
                                     cumulative += count;
                                     let _ = writeln!(
                                         out,
-                                        "{name}_bucket{} {cumulative}",
-                                        labels(p.attributes(), Some(("le", format_f64(bound))))
+                                        "{name}_bucket{} {cumulative}{}",
+                                        labels(p.attributes(), Some(("le", format_f64(bound)))),
+                                        exemplar_suffix(&kept, &series, bucket)
                                     );
+                                    bucket += 1;
                                 }
                                 let _ = writeln!(
                                     out,
-                                    "{name}_bucket{} {}",
+                                    "{name}_bucket{} {}{}",
                                     labels(p.attributes(), Some(("le", "+Inf".into()))),
-                                    p.count()
+                                    p.count(),
+                                    exemplar_suffix(&kept, &series, bucket)
                                 );
                                 let _ = writeln!(
                                     out,
@@ -470,6 +595,9 @@ pub fn render_prometheus() -> String {
             }
         }
     }
+    if open {
+        out.push_str("# EOF\n");
+    }
     out
 }
 
@@ -493,8 +621,8 @@ mod tests {
     fn recorded_values_render_as_cumulative_histograms() {
         let _provider = ensure_provider();
         let m = metrics();
-        m.stage(StageKind::Embed, Duration::from_millis(3));
-        m.stage(StageKind::Embed, Duration::from_millis(30));
+        m.stage(StageKind::Embed, Duration::from_millis(3), None);
+        m.stage(StageKind::Embed, Duration::from_millis(30), None);
         m.tokens
             .add(5, &[KeyValue::new("gen_ai.token.type", "input")]);
         let text = render_prometheus();
@@ -518,5 +646,56 @@ mod tests {
             text.contains("ragscope_token_usage_total{gen_ai_token_type=\"input\"} 5"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn openmetrics_buckets_carry_their_latest_exemplar() {
+        use opentelemetry::trace::{SpanId, TraceFlags, TraceId, TraceState};
+        let _provider = ensure_provider();
+        let span = |t: &str, s: &str| {
+            SpanContext::new(
+                TraceId::from_hex(t).unwrap(),
+                SpanId::from_hex(s).unwrap(),
+                TraceFlags::SAMPLED,
+                false,
+                TraceState::default(),
+            )
+        };
+        let m = metrics();
+        let first = span("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+        let latest = span("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
+        m.stage(StageKind::Rerank, Duration::from_millis(40), Some(&first));
+        m.stage(StageKind::Rerank, Duration::from_millis(45), Some(&latest));
+        // No span, no exemplar: the bucket keeps the latest one that had a span.
+        m.stage(StageKind::Rerank, Duration::from_millis(42), None);
+        let text = render_openmetrics();
+        let line = text
+            .lines()
+            .find(|l| {
+                l.starts_with(
+                    "ragscope_stage_duration_seconds_bucket{rag_stage=\"rerank\",le=\"0.05\"}",
+                )
+            })
+            .unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            line.contains(
+                " 3 # {trace_id=\"4bf92f3577b34da6a3ce929d0e0e4736\",span_id=\"00f067aa0ba902b7\"} 0.045 "
+            ),
+            "{line}"
+        );
+        assert!(text.ends_with("# EOF\n"));
+        // Counter families drop `_total` in OpenMetrics; their samples keep it.
+        m.tokens
+            .add(1, &[KeyValue::new("gen_ai.token.type", "output")]);
+        let text = render_openmetrics();
+        assert!(
+            text.contains("# TYPE ragscope_token_usage counter"),
+            "{text}"
+        );
+        assert!(text.contains("ragscope_token_usage_total{"), "{text}");
+        // The plain text format stays as it was: no exemplars, no EOF.
+        let plain = render_prometheus();
+        assert!(!plain.contains("trace_id") && !plain.contains("# EOF"));
+        assert!(plain.contains("# TYPE ragscope_token_usage_total counter"));
     }
 }

@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use opentelemetry::trace::SpanContext;
 use opentelemetry::KeyValue;
 
 use super::events::SendError;
@@ -155,7 +156,7 @@ impl Pipeline {
         timings.record(StageKind::Decode, millis(first.decode));
         timings.ttft_ms = time_to_first_token(first, request.started()).unwrap_or_default();
         timings.total_ms = millis(request.elapsed());
-        record_generation(&timings, first);
+        record_generation(&timings, first, &request.span_context());
         for g in &generated[1..] {
             metrics().tokens.add(
                 g.tokens.len() as u64,
@@ -306,17 +307,20 @@ fn time_to_first_token(generated: &Generated, started: Instant) -> Option<f64> {
         .map(|t| millis(t.saturating_duration_since(started)))
 }
 
-/// Generation's metrics: its two stages, time to first token, time per output token, tokens.
-fn record_generation(t: &Timings, generated: &Generated) {
+/// Generation's metrics: its two stages, time to first token, time per output token, tokens;
+/// the request's span is their exemplar.
+fn record_generation(t: &Timings, generated: &Generated, request: &SpanContext) {
     let m = metrics();
-    m.stage(StageKind::Prefill, generated.prefill);
-    m.stage(StageKind::Decode, generated.decode);
+    m.stage(StageKind::Prefill, generated.prefill, Some(request));
+    m.stage(StageKind::Decode, generated.decode, Some(request));
     if generated.first_token_at.is_some() {
-        m.time_to_first_token.record(t.ttft_ms / 1e3, &[]);
+        m.time_to_first_token
+            .record(t.ttft_ms / 1e3, &[], Some(request));
     }
     if generated.tokens.len() > 1 {
         let per_token = t.decode_ms / 1e3 / (generated.tokens.len() - 1) as f64;
-        m.time_per_output_token.record(per_token, &[]);
+        m.time_per_output_token
+            .record(per_token, &[], Some(request));
     }
     m.tokens.add(
         generated.prompt_tokens as u64,

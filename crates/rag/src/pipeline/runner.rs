@@ -101,9 +101,10 @@ impl<'a> StageRunner<'a> {
             Err(PipelineError::Injected(_)) | Ok(_) => {}
             Err(e) => stage.fail(e.kind(), e.to_string()),
         }
+        let span = stage.span_context();
         let took = stage.end();
         self.timings.record(spec.kind, millis(took));
-        metrics().stage(spec.kind, took);
+        metrics().stage(spec.kind, took, Some(&span));
         result
     }
 

@@ -538,7 +538,8 @@ impl Workers {
         let charged = tenant.clone();
         let job: Job = Box::new(move || {
             depth.fetch_sub(1, Ordering::Relaxed);
-            metrics().stage(StageKind::Queue, queue.end());
+            let span = queue.span_context();
+            metrics().stage(StageKind::Queue, queue.end(), Some(&span));
             let mut running = Running::start(ledger, id, kind, warmth);
             if done_tx.is_closed() {
                 // A skipped job measures nothing about the service time.

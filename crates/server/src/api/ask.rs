@@ -288,7 +288,8 @@ pub fn stream_events(
                 Err(e) => yield AnswerEvent::Failed(ApiError::from(e)),
             }
         }
-        metrics().stage(StageKind::Stream, writing.end());
+        let span = writing.span_context();
+        metrics().stage(StageKind::Stream, writing.end(), Some(&span));
     }
 }
 

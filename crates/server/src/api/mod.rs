@@ -256,16 +256,25 @@ async fn ready(State(state): State<AppState>) -> Response {
 
 /// Prometheus text exposition of the server's metrics.
 #[utoipa::path(get, path = "/metrics", tag = "probes",
-    responses((status = 200, description = "Prometheus text format 0.0.4", body = String, content_type = "text/plain")))]
-async fn prometheus_metrics() -> Response {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
+    responses((status = 200, description = "Prometheus text format 0.0.4; OpenMetrics 1.0 with exemplars (trace and span ids on the latency buckets) when the Accept header asks for application/openmetrics-text", body = String, content_type = "text/plain")))]
+async fn prometheus_metrics(headers: axum::http::HeaderMap) -> Response {
+    let openmetrics = headers
+        .get_all(axum::http::header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let (content_type, body) = if openmetrics {
+        (
+            telemetry::metrics::OPENMETRICS,
+            telemetry::metrics::render_openmetrics(),
+        )
+    } else {
+        (
             "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        telemetry::metrics::render_prometheus(),
-    )
-        .into_response()
+            telemetry::metrics::render_prometheus(),
+        )
+    };
+    ([(axum::http::header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
 async fn not_found(req: Request) -> ApiError {
@@ -429,12 +438,20 @@ impl<S> Drop for Guarded<S> {
     fn drop(&mut self) {
         // The child ends before its parent; both end now, whoever still holds them.
         if let Some(respond) = self.respond.take() {
-            telemetry::metrics::metrics().stage(StageKind::Respond, respond.0.finish_now());
+            let span = respond.0.span_context();
+            telemetry::metrics::metrics().stage(
+                StageKind::Respond,
+                respond.0.finish_now(),
+                Some(&span),
+            );
         }
+        let span = self.stage.span_context();
         let took = self.stage.finish_now();
-        telemetry::metrics::metrics()
-            .request_duration
-            .record(took.as_secs_f64(), &self.attributes);
+        telemetry::metrics::metrics().request_duration.record(
+            took.as_secs_f64(),
+            &self.attributes,
+            Some(&span),
+        );
     }
 }
 

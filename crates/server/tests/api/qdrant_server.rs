@@ -259,88 +259,6 @@ async fn a_dead_or_hung_qdrant_is_a_clear_503_and_its_return_needs_no_restart() 
     assert!(err.contains("unavailable") && err.contains(&url), "{err}");
 }
 
-/// A Prometheus scraping `targets` every second, stopped when dropped.
-struct Prometheus {
-    child: std::process::Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Prometheus {
-    async fn start(binary: &std::path::Path, targets: &[String]) -> Prometheus {
-        let dir = tempfile::tempdir().unwrap();
-        let config = dir.path().join("prometheus.yml");
-        let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
-        std::fs::write(
-            &config,
-            format!(
-                "global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: qdrant\n    \
-                 static_configs: [{{targets: [{}]}}]\n",
-                targets.join(", ")
-            ),
-        )
-        .unwrap();
-        let port = StdListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(binary)
-            .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.path().join("data").display()
-            ))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("prometheus starts");
-        let url = format!("http://127.0.0.1:{port}");
-        let client = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let ready = client.get(format!("{url}/-/ready")).send().await;
-            if ready.is_ok_and(|r| r.status() == 200) {
-                break;
-            }
-            assert!(Instant::now() < deadline, "prometheus not ready in 30 s");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        // Its scrape manager takes up new targets every 5 s: wait for the first scrape.
-        loop {
-            let up = client
-                .get(format!("{url}/api/v1/query?query=up"))
-                .send()
-                .await
-                .unwrap()
-                .json::<Value>()
-                .await
-                .unwrap();
-            if up["data"]["result"][0]["value"][1] == "1" {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "prometheus did not scrape in 30 s: {up}"
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-        Prometheus {
-            child,
-            url,
-            _dir: dir,
-        }
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// `attribute --prometheus`: a real Prometheus scrapes a real Qdrant while requests run, and
 /// the report sets Qdrant's own search time beside the retrieval spans of those requests.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -359,7 +277,7 @@ async fn attribute_sets_qdrants_own_time_beside_the_retrieval_spans() {
     };
     let peers = Peers::start(1);
     let target = peers.rest[0].trim_start_matches("http://").to_string();
-    let prometheus = Prometheus::start(&binary, &[target]).await;
+    let prometheus = crate::metrics::Prometheus::start(&binary, &[target], &[]).await;
     // Spans go to the trace buffer that /debug/traces reads.
     let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
     let provider = telemetry::tracer_provider(exporter, telemetry::resource());

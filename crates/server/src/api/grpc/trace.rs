@@ -162,11 +162,14 @@ impl Drop for Call {
         if SERVER_FAULTS.contains(&code) {
             self.stage.fail(code_name(code), message);
         }
+        let span = self.stage.span_context();
         let took = self.stage.finish_now();
         self.attributes.push(code_attribute);
-        telemetry::metrics::metrics()
-            .request_duration
-            .record(took.as_secs_f64(), &self.attributes);
+        telemetry::metrics::metrics().request_duration.record(
+            took.as_secs_f64(),
+            &self.attributes,
+            Some(&span),
+        );
     }
 }
 
