@@ -324,11 +324,15 @@ fn summarise(spans: &[SpanRecord]) -> (Vec<RecentRequest>, Vec<StageStats>, Valu
         let start = |r: &RecentRequest| r.start_unix_nano.parse::<i128>().unwrap_or(0);
         start(b).cmp(&start(a))
     });
+    // Figures of answered requests only: a failed request or a bad-input probe answered in
+    // 0.1 ms would pull a percentile of answers down. Each route and status has its own row.
+    let answered = |r: &&RecentRequest| r.status.is_none_or(|s| s < 400);
     let stats = StageKind::ALL
         .iter()
         .filter_map(|kind| {
             let values: Vec<f64> = requests
                 .iter()
+                .filter(answered)
                 .filter_map(|r| r.stages.get(kind.span_prefix()).copied())
                 .collect();
             (!values.is_empty()).then(|| {
@@ -342,15 +346,39 @@ fn summarise(spans: &[SpanRecord]) -> (Vec<RecentRequest>, Vec<StageStats>, Valu
             })
         })
         .collect();
-    let totals: Vec<f64> = requests.iter().map(|r| r.duration_ms).collect();
-    let end_to_end = attribute::Percentiles::of(&totals);
-    let end_to_end =
-        json!({"count": totals.len(), "p50_ms": end_to_end.p50, "p95_ms": end_to_end.p95});
+    let figures = |totals: &[f64]| {
+        let p = attribute::Percentiles::of(totals);
+        json!({"count": totals.len(), "p50_ms": p.p50, "p95_ms": p.p95})
+    };
+    let totals: Vec<f64> = requests
+        .iter()
+        .filter(answered)
+        .map(|r| r.duration_ms)
+        .collect();
+    let mut groups: BTreeMap<(String, Option<i64>), Vec<f64>> = BTreeMap::new();
+    for r in &requests {
+        groups
+            .entry((r.name.clone(), r.status))
+            .or_default()
+            .push(r.duration_ms);
+    }
+    let groups: Vec<Value> = groups
+        .into_iter()
+        .map(|((name, status), totals)| {
+            let mut g = figures(&totals);
+            g["request"] = json!(name);
+            g["status"] = json!(status);
+            g
+        })
+        .collect();
+    let mut end_to_end = figures(&totals);
+    end_to_end["by_route_and_status"] = json!(groups);
     (requests, stats, end_to_end)
 }
 
 /// `GET /ui/traces?limit=N`: the `N` most recent finished requests (default 50, at most 500)
-/// with their per-stage durations, and per-stage p50/p95 over them.
+/// with their per-stage durations, per-stage and end-to-end p50/p95 over the answered ones
+/// (status below 400), and end-to-end p50/p95 per route and status.
 async fn recent(query: Params) -> Result<Json<Value>, ApiError> {
     let params = params(query)?;
     only(&params, &["limit"])?;
@@ -427,6 +455,40 @@ mod tests {
             Some("http://g:3000/explore?q={trace_id}")
         );
         assert_eq!(links.pyroscope, None);
+    }
+
+    #[test]
+    fn bad_input_probes_are_not_pooled_with_answers() {
+        let request = |trace: &str, name: &str, status: i64, ms: i128| {
+            let mut root = span(trace, "r", "", name, 0, ms * 1_000_000);
+            root.status_code = Some(status);
+            root
+        };
+        let mut spans = vec![
+            request("a", "POST /v1/rag/query", 200, 400),
+            request("b", "POST /v1/rag/query", 200, 600),
+        ];
+        for i in 0..28 {
+            // Answered in well under a millisecond: refused at the door.
+            let mut probe = request(&format!("p{i}"), "POST /v1/rag/query", 400, 0);
+            probe.end_ns = 100_000;
+            spans.push(probe);
+        }
+        let (requests, _, end_to_end) = summarise(&spans);
+        assert_eq!(requests.len(), 30);
+        assert_eq!(end_to_end["count"], 2);
+        assert_eq!(end_to_end["p50_ms"], 500.0);
+        let groups = end_to_end["by_route_and_status"].as_array().unwrap();
+        assert_eq!(groups.len(), 2);
+        assert_eq!(
+            (&groups[0]["status"], &groups[0]["count"]),
+            (&json!(200), &json!(2))
+        );
+        assert_eq!(
+            (&groups[1]["status"], &groups[1]["count"]),
+            (&json!(400), &json!(28))
+        );
+        assert!(groups[1]["p50_ms"].as_f64().unwrap() < 1.0);
     }
 
     #[test]

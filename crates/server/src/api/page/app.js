@@ -521,9 +521,15 @@ async function loadRecent() {
     .join("");
   const stat = (label, key) => {
     const by = Object.fromEntries(d.stages.map((s) => [s.stage, s[key]]));
-    return `<tr class="stat"><td></td><td>${label} of ${d.end_to_end.count}</td><td></td><td>${fmtMs(d.end_to_end[key])}</td>` +
+    return `<tr class="stat"><td></td><td>${label} of ${d.end_to_end.count} answered</td><td></td><td>${fmtMs(d.end_to_end[key])}</td>` +
       cols.map((c) => `<td>${fmtMs(by[c])}</td>`).join("") + `</tr>`;
   };
+  // End to end per route and status: bad-input probes and failures are not pooled with answers.
+  const groups = (d.end_to_end.by_route_and_status || [])
+    .map((g) => `<tr class="stat"><td></td><td>${esc(g.request)} × ${g.count}</td>` +
+      `<td class="${g.status >= 400 ? "bad" : ""}">${g.status === null ? "" : g.status}</td>` +
+      `<td>${fmtMs(g.p50_ms)} / ${fmtMs(g.p95_ms)}</td><td colspan="${cols.length}" class="muted">p50 / p95</td></tr>`)
+    .join("");
   const rows = d.requests
     .map((q) => {
       const when = new Date(Number(BigInt(q.start_unix_nano) / 1000000n)).toLocaleTimeString();
@@ -535,7 +541,7 @@ async function loadRecent() {
     })
     .join("");
   table.innerHTML = `<thead><tr><th>time</th><th>request</th><th>status</th><th>total</th>${head}</tr>` +
-    `${stat("p50", "p50_ms")}${stat("p95", "p95_ms")}</thead><tbody>${rows ||
+    `${stat("p50", "p50_ms")}${stat("p95", "p95_ms")}${groups}</thead><tbody>${rows ||
       `<tr><td colspan="4" class="muted">no finished requests yet</td></tr>`}</tbody>`;
   for (const tr of table.querySelectorAll("tbody tr[data-trace-id]")) {
     tr.addEventListener("click", () => showStored(tr.dataset.traceId));
