@@ -20,6 +20,7 @@ use super::{
 use crate::snapshot::replay::{self as snapshot, Trail};
 use telemetry::clock;
 use telemetry::gpu::{self, GpuTimer};
+use telemetry::metrics::metrics;
 use telemetry::names::{attr, event, span, StageKind};
 use telemetry::span::Stage;
 
@@ -203,6 +204,7 @@ impl<'a> TextGeneration<'a> {
         let mut index = 0usize;
         let mut session = llama.schedule.session(&decode);
         let mut batches = BatchSizes::default();
+        let mut last_token_at = None;
         loop {
             if self.past_deadline() {
                 out.finish = FinishReason::Timeout;
@@ -227,6 +229,11 @@ impl<'a> TextGeneration<'a> {
             let pick = on_stage(&decode, sampler.pick(&logits, top_logprobs))?;
             let next = pick.token;
             let at = clock::now();
+            if let Some(previous) = last_token_at.replace(at) {
+                metrics()
+                    .token_interval
+                    .record(at.saturating_duration_since(previous).as_secs_f64(), &[]);
+            }
             out.first_token_at.get_or_insert(at);
             let attributes = || {
                 vec![

@@ -573,6 +573,9 @@ fn run<E: StepEngine>(
         let b = jobs.len();
         index += 1;
         let batches = &telemetry::metrics::DECODE_BATCH;
+        telemetry::metrics::metrics()
+            .step_tokens
+            .record(b as f64, &[]);
         batches.last.store(b as u64, Ordering::Relaxed);
         batches.largest.fetch_max(b as u64, Ordering::Relaxed);
         let traced = match spans {

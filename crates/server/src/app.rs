@@ -193,6 +193,13 @@ pub fn load_pipeline(load: &LoadArgs, server: &ServerArgs) -> Result<Pipeline> {
         reranker,
     } = load_models_with(&load.models, &load.generator, snapshots.clone())?;
     let store_handle = open_store(store, embedder.dimension())?;
+    // What `--metrics-compat vllm` labels its series with, and the KV positions the workers
+    // could hold at once (the denominator of its cache usage).
+    telemetry::compat::model_loaded(generator.model_id());
+    telemetry::metrics::KV_CACHE.capacity_tokens.store(
+        (server.workers.max(1) * load.generator.max_context) as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     Ok(Pipeline {
         snapshots,
         embedder,

@@ -8,6 +8,7 @@
 
 pub mod buffer;
 pub mod clock;
+pub mod compat;
 pub mod export;
 pub mod gpu;
 pub mod metrics;
@@ -166,6 +167,7 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
         tracing::warn!("the recent-trace buffer existed before telemetry started; its size stays");
     }
     let _ = BAGGAGE_KEYS.set(args.baggage_keys());
+    compat::choose(args.metrics_compat);
     opentelemetry::global::set_text_map_propagator(w3c_propagator());
     let meter = meter_provider()?;
     let service = service_name();

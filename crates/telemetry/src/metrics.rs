@@ -118,6 +118,14 @@ pub struct Metrics {
     pub connections_open: UpDownCounter<i64>,
     /// Connections turned away at accept for `--max-connections`, by `listener`.
     pub connections_rejected: Counter<u64>,
+    /// The gap between two tokens of one generation (seconds), one sample per gap.
+    pub token_interval: Histogram<f64>,
+    /// Tokens per finished generation, by `gen_ai.token.type` (input, output, output_longest).
+    pub request_tokens: Histogram<f64>,
+    /// Finished generations by `reason` (the finish reason).
+    pub requests_finished: Counter<u64>,
+    /// Tokens per model step: a prefill chunk's, or a decode step's (one per sequence).
+    pub step_tokens: Histogram<f64>,
 }
 
 /// Histograms of what each RAG answer was made of, one observation per request: with them a
@@ -137,6 +145,10 @@ pub struct Quality {
 const RATIO_BUCKETS: [f64; 10] = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9];
 /// Bounds for token counts.
 const TOKEN_BUCKETS: [f64; 10] = [1.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0];
+/// Bounds for a request's prompt or answer length in tokens.
+const REQUEST_TOKEN_BUCKETS: [f64; 12] = [
+    1.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0,
+];
 /// Bounds for a mean token log-probability (≤ 0; 0 is certainty).
 const LOGPROB_BUCKETS: [f64; 9] = [-5.0, -3.0, -2.0, -1.5, -1.0, -0.7, -0.5, -0.3, -0.1];
 
@@ -145,11 +157,15 @@ const LOGPROB_BUCKETS: [f64; 9] = [-5.0, -3.0, -2.0, -1.5, -1.0, -0.7, -0.5, -0.
 pub struct KvCacheUsage {
     pub bytes: std::sync::atomic::AtomicU64,
     pub tokens: std::sync::atomic::AtomicU64,
+    /// Token positions the running generations could reserve at most (model workers × the
+    /// context window), set by the server; 0 when unknown.
+    pub capacity_tokens: std::sync::atomic::AtomicU64,
 }
 
 pub static KV_CACHE: KvCacheUsage = KvCacheUsage {
     bytes: std::sync::atomic::AtomicU64::new(0),
     tokens: std::sync::atomic::AtomicU64::new(0),
+    capacity_tokens: std::sync::atomic::AtomicU64::new(0),
 };
 
 /// The prefix caches' counts, read by the `ragscope.prefix_cache.*` instruments.
@@ -281,6 +297,32 @@ impl Metrics {
                 .i64_up_down_counter(metric::CONNECTIONS_OPEN)
                 .with_unit("{connection}")
                 .with_description("Open connections per listener")
+                .build(),
+            token_interval: seconds(
+                metric::TOKEN_INTERVAL,
+                "Time between two consecutive tokens of one generation",
+            ),
+            request_tokens: meter
+                .f64_histogram(metric::REQUEST_TOKENS)
+                .with_unit("{token}")
+                .with_description(
+                    "Tokens per finished generation: input (prompt), output (all choices), \
+                     output_longest (the longest choice)",
+                )
+                .with_boundaries(REQUEST_TOKEN_BUCKETS.to_vec())
+                .build(),
+            requests_finished: meter
+                .u64_counter(metric::REQUESTS_FINISHED)
+                .with_unit("{request}")
+                .with_description("Finished generations by finish reason")
+                .build(),
+            step_tokens: meter
+                .f64_histogram(metric::STEP_TOKENS)
+                .with_unit("{token}")
+                .with_description(
+                    "Tokens per model step: a prefill chunk's, or a decode step's (one per sequence)",
+                )
+                .with_boundaries(REQUEST_TOKEN_BUCKETS.to_vec())
                 .build(),
             connections_rejected: meter
                 .u64_counter(metric::CONNECTIONS_REJECTED)
@@ -422,7 +464,7 @@ fn prom_name(name: &str, unit: &str, counter: bool) -> String {
     n
 }
 
-fn escape(v: &str) -> String {
+pub(crate) fn escape(v: &str) -> String {
     v.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
@@ -450,7 +492,7 @@ fn labels<'a>(attrs: impl Iterator<Item = &'a KeyValue>, extra: Option<(&str, St
     }
 }
 
-fn format_f64(v: f64) -> String {
+pub(crate) fn format_f64(v: f64) -> String {
     if v.is_infinite() {
         if v > 0.0 {
             "+Inf".into()
@@ -595,6 +637,7 @@ fn render(open: bool) -> String {
             }
         }
     }
+    super::compat::render(&rm, open, &mut out);
     if open {
         out.push_str("# EOF\n");
     }

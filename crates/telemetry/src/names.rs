@@ -441,6 +441,8 @@ names! {
         CACHE_REQUESTS = "ragscope.cache.requests",
         FAULTS_INJECTED = "ragscope.faults.injected",
         QUEUE_DEPTH = "ragscope.queue.depth",
+        /// Jobs a model worker is running now.
+        JOBS_RUNNING = "ragscope.jobs.running",
         SPANS_DROPPED = "ragscope.spans.dropped",
         STAGE_EVENTS_DROPPED = "ragscope.stage_events.dropped",
         KV_CACHE_BYTES = "ragscope.kv_cache.bytes",
@@ -472,6 +474,15 @@ names! {
         STREAM_STALLS = "ragscope.stream.stalls",
         CONNECTIONS_OPEN = "ragscope.connections.open",
         CONNECTIONS_REJECTED = "ragscope.connections.rejected",
+        /// The time between two tokens of one generation, one sample per gap.
+        TOKEN_INTERVAL = "ragscope.token.interval",
+        /// Tokens per finished generation: `gen_ai.token.type` input, output (all choices)
+        /// or output_longest (the longest choice).
+        REQUEST_TOKENS = "ragscope.request.tokens",
+        /// Finished generations by `reason` (stop, length, …).
+        REQUESTS_FINISHED = "ragscope.requests.finished",
+        /// Tokens per model step: a prefill chunk's, or a decode step's (one per sequence).
+        STEP_TOKENS = "ragscope.step.tokens",
     }
 }
 

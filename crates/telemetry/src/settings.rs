@@ -55,6 +55,16 @@ pub struct TelemetryArgs {
         action = clap::ArgAction::Set
     )]
     pub stage_services: bool,
+    /// Also render other servers' metric names on `/metrics`, from the same instruments:
+    /// `vllm` adds the `vllm:*` series vLLM's Grafana dashboards and benchmark clients read.
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_METRICS_COMPAT",
+        value_enum,
+        default_value = "none"
+    )]
+    pub metrics_compat: crate::compat::MetricsCompat,
     /// Finished spans kept for `GET /debug/traces` (0 turns the buffer off).
     #[arg(
         long,

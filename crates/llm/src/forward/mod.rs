@@ -178,6 +178,7 @@ impl Transformer {
             _ => {
                 let out = self.forward(&[token], cache, true, schedule)?;
                 *logits = Logits::Device(out.expect("logits requested"));
+                telemetry::metrics::metrics().step_tokens.record(1.0, &[]);
                 Ok(1)
             }
         }
@@ -215,6 +216,9 @@ impl Transformer {
         for (i, chunk) in prompt.chunks(size).enumerate() {
             let (start, began) = (cache.len, clock::now());
             logits = self.forward(chunk, cache, i + 1 == n_chunks, schedule)?;
+            telemetry::metrics::metrics()
+                .step_tokens
+                .record(chunk.len() as f64, &[]);
             if let Some(stage) = stage {
                 let end = clock::now();
                 let ms = end.saturating_duration_since(began).as_secs_f64() * 1e3;

@@ -163,6 +163,7 @@ impl Pipeline {
                 &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, "output")],
             );
         }
+        record_finished(&generated);
         let prompt_tokens = first.prompt_tokens;
         // The prompt is counted once however many choices share it.
         let cached_tokens = first.cached_tokens;
@@ -305,6 +306,27 @@ fn time_to_first_token(generated: &Generated, started: Instant) -> Option<f64> {
     generated
         .first_token_at
         .map(|t| millis(t.saturating_duration_since(started)))
+}
+
+/// A finished generation's lengths (prompt, all choices, the longest) and finish reason.
+fn record_finished(generated: &[Generated]) {
+    let m = metrics();
+    let lengths = [
+        ("input", generated[0].prompt_tokens),
+        ("output", generated.iter().map(|g| g.tokens.len()).sum()),
+        (
+            "output_longest",
+            generated.iter().map(|g| g.tokens.len()).max().unwrap_or(0),
+        ),
+    ];
+    for (kind, n) in lengths {
+        m.request_tokens
+            .record(n as f64, &[KeyValue::new(attr::GEN_AI_TOKEN_TYPE, kind)]);
+    }
+    m.requests_finished.add(
+        1,
+        &[KeyValue::new(attr::REASON, generated[0].finish.as_str())],
+    );
 }
 
 /// Generation's metrics: its two stages, time to first token, time per output token, tokens;

@@ -436,6 +436,17 @@ impl Workers {
             .with_description("Requests waiting for a model worker")
             .with_callback(move |o| o.observe(observed.load(Ordering::Relaxed) as u64, &[]))
             .build();
+        let running = ledger.clone();
+        let _gauge = meter
+            .u64_observable_gauge(metric::JOBS_RUNNING)
+            .with_unit("{job}")
+            .with_description("Jobs a model worker is running now")
+            .with_callback(move |o| {
+                if let Ok(l) = running.lock() {
+                    o.observe(l.running.len() as u64, &[]);
+                }
+            })
+            .build();
         let (observed, workers) = (ledger.clone(), threads.max(1));
         let _gauge = meter
             .f64_observable_gauge(metric::QUEUE_EXPECTED_WAIT)

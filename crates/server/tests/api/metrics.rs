@@ -268,3 +268,74 @@ async fn a_real_prometheus_stores_each_requests_trace_as_an_exemplar() {
         }
     }
 }
+
+/// `--metrics-compat vllm`: every vLLM family its dashboards read, queried the way they query
+/// it, returns series from a real Prometheus scraping the real server
+/// (`scripts/vllm-dashboard-check`; vLLM's own dashboards are checked with the same script
+/// from vLLM's repository, docs/TELEMETRY.md).
+#[test]
+fn vllm_named_series_answer_their_dashboards_queries() {
+    let Some(prometheus) = prometheus() else {
+        assert!(
+            std::env::var_os("RAGSCOPE_REQUIRE_QDRANT").is_none(),
+            "no prometheus binary (scripts/test unpacks Debian's)"
+        );
+        eprintln!("vllm_named_series: SKIPPED, no prometheus binary");
+        return;
+    };
+    let m = "{model_name=\"$model_name\"}";
+    let mut queries = String::new();
+    for h in [
+        "e2e_request_latency_seconds",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_max_num_generation_tokens",
+        "iteration_tokens_total",
+    ] {
+        queries += &format!(
+            "histogram_quantile(0.9, sum by(le) (rate(vllm:{h}_bucket{m}[$__rate_interval])))\n\
+             rate(vllm:{h}_sum{m}[$__rate_interval]) / rate(vllm:{h}_count{m}[$__rate_interval])\n"
+        );
+    }
+    for c in [
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+    ] {
+        queries += &format!("rate(vllm:{c}{m}[$__rate_interval])\n");
+    }
+    queries += &format!(
+        "sum by(finished_reason) (increase(vllm:request_success_total{m}[$__rate_interval]))\n\
+         vllm:num_requests_running{m}\nvllm:num_requests_waiting{m}\nvllm:kv_cache_usage_perc{m}\n"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("queries.promql");
+    std::fs::write(&file, &queries).unwrap();
+    let summary = dir.path().join("summary.json");
+    let output = Command::new(crate::crash::python())
+        .arg(crate::helpers::repo_dir().join("scripts/vllm-dashboard-check"))
+        .args(["--binary", env!("CARGO_BIN_EXE_ragscope")])
+        .arg("--prometheus")
+        .arg(&prometheus)
+        .arg("--queries")
+        .arg(&file)
+        .arg("--json")
+        .arg(&summary)
+        .env("RAGSCOPE_MODELS_DIR", crate::helpers::models_dir())
+        .output()
+        .expect("python3 runs scripts/vllm-dashboard-check");
+    let out = String::from_utf8_lossy(&output.stdout);
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{out}\n{log}");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(summary["empty"], 0, "{out}");
+    assert_eq!(summary["queries"], 30, "{out}");
+    assert_eq!(summary["model_name"], "SmolLM2-135M-Instruct");
+}
