@@ -32,7 +32,7 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
 use std::thread::JoinHandle;
@@ -124,6 +124,35 @@ pub fn set_step_trace(trace: StepTrace) {
 
 fn step_trace() -> StepTrace {
     *STEP_TRACE.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Step spans chosen at run time (`/admin/telemetry`), over what each batcher started with:
+/// 0 none, 1 off, 2 all, 2 + N sampled:N.
+static STEP_SPANS_NOW: AtomicU64 = AtomicU64::new(0);
+
+/// From the next step on, every batcher makes `spans` step spans (a run-time change of
+/// `--decode-step-spans`).
+pub fn set_step_spans(spans: StepSpans) {
+    let code = match spans {
+        StepSpans::Off => 1,
+        StepSpans::All => 2,
+        StepSpans::Sampled(n) => 2 + u64::from(n),
+    };
+    STEP_SPANS_NOW.store(code, Ordering::Relaxed);
+}
+
+/// The step spans in force for the server's batchers: the run-time choice, else the flag's.
+pub fn step_spans() -> StepSpans {
+    changed_step_spans().unwrap_or(step_trace().spans)
+}
+
+fn changed_step_spans() -> Option<StepSpans> {
+    match STEP_SPANS_NOW.load(Ordering::Relaxed) {
+        0 => None,
+        1 => Some(StepSpans::Off),
+        2 => Some(StepSpans::All),
+        n => Some(StepSpans::Sampled(u32::try_from(n - 2).unwrap_or(u32::MAX))),
+    }
 }
 
 /// One model's scheduling state, shared by all its requests.
@@ -578,7 +607,7 @@ fn run<E: StepEngine>(
             .record(b as f64, &[]);
         batches.last.store(b as u64, Ordering::Relaxed);
         batches.largest.fetch_max(b as u64, Ordering::Relaxed);
-        let traced = match spans {
+        let traced = match changed_step_spans().unwrap_or(spans) {
             StepSpans::All => true,
             StepSpans::Sampled(n) => index.is_multiple_of(u64::from(n)),
             StepSpans::Off => false,

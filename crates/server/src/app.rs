@@ -18,6 +18,7 @@ use llm::llama::{Llama, WeightFormat};
 use llm::models;
 use llm::tokenizer;
 use llm::Generator;
+use opentelemetry::KeyValue;
 use rag::embed::bert::BertEmbedder;
 use rag::embed::Embedder;
 use rag::ingest::chunk::ChunkerConfig;
@@ -30,7 +31,7 @@ use rag::retrieve::edge::EdgeStore;
 use rag::retrieve::remote::RemoteStore;
 use rag::retrieve::VectorStore;
 use rag::worker::Workers;
-use telemetry::names::StageKind;
+use telemetry::names::{attr, span, StageKind};
 use telemetry::span::Stage;
 
 /// The three model stages, loaded.
@@ -185,17 +186,34 @@ pub fn chunker(args: &StoreArgs) -> ChunkerConfig {
 
 /// Everything loaded and assembled.
 pub fn load_pipeline(load: &LoadArgs, server: &ServerArgs) -> Result<Pipeline> {
+    load_pipeline_under(load, server, None)
+}
+
+/// [`load_pipeline`], its model load and store open as `load_models` and `open_store` spans
+/// under `startup` when given (the server's `startup` trace).
+pub fn load_pipeline_under(
+    load: &LoadArgs,
+    server: &ServerArgs,
+    startup: Option<&Stage>,
+) -> Result<Pipeline> {
     let (store, pipeline) = (&load.store, &load.pipeline);
     let snapshots = llm::snapshot::SnapshotStore::open(&server.snapshots, &store.data_dir)?;
+    let loading = startup.map(|s| s.child(span::LOAD_MODELS));
     let Models {
         embedder,
         generator,
         reranker,
-    } = load_models_with(&load.models, &load.generator, snapshots.clone())?;
-    let store_handle = open_store(store, embedder.dimension())?;
+    } = on_span(
+        loading,
+        load_models_with(&load.models, &load.generator, snapshots.clone()),
+    )?;
+    let opening = startup.map(|s| s.child(span::OPEN_STORE));
+    let store_handle = on_span(opening, open_store(store, embedder.dimension()))?;
     // What `--metrics-compat vllm` labels its series with, and the KV positions the workers
     // could hold at once (the denominator of its cache usage).
     telemetry::compat::model_loaded(generator.model_id());
+    // Content capture starts as configured; `/admin/telemetry` may change it later.
+    telemetry::controls::set_capture_content(pipeline.capture_content);
     telemetry::metrics::KV_CACHE.capacity_tokens.store(
         (server.workers.max(1) * load.generator.max_context) as u64,
         std::sync::atomic::Ordering::Relaxed,
@@ -228,33 +246,66 @@ pub fn load_with_corpus(load: &LoadArgs, server: &ServerArgs) -> Result<Arc<Pipe
         &server.corpus,
         &load.store.data_dir,
         &Readiness::default(),
+        None,
     )?;
     Ok(loaded)
 }
 
+/// Ends `span` (if any) with `result`'s outcome, and passes the result on.
+fn on_span<T>(span: Option<Stage>, result: Result<T>) -> Result<T> {
+    if let (Some(span), Err(e)) = (&span, &result) {
+        span.fail("startup", format!("{e:#}"));
+    }
+    result
+}
+
 /// Ingests the named corpus unless it was fully ingested before, reporting progress, then
-/// builds the vector index.
+/// builds the vector index. Under `startup` (the server's start) it is an `ingest_corpus` span
+/// with each document's `ingest` and the `build_index` under it; otherwise each document's
+/// `ingest` is a root of its own.
 pub fn ingest_corpus(
     pipeline: &Pipeline,
     name: &str,
     data_dir: &Path,
     readiness: &Readiness,
+    startup: Option<&Stage>,
 ) -> Result<()> {
     if name == "none" {
         return Ok(());
     }
+    let corpus_span = startup.map(|s| s.child(span::INGEST_CORPUS));
+    let result = ingest_corpus_in(pipeline, name, data_dir, readiness, corpus_span.as_ref());
+    on_span(corpus_span, result)
+}
+
+fn ingest_corpus_in(
+    pipeline: &Pipeline,
+    name: &str,
+    data_dir: &Path,
+    readiness: &Readiness,
+    parent: Option<&Stage>,
+) -> Result<()> {
     let marker = data_dir.join("corpus").join(format!("{name}.ingested"));
     let docs = corpus::load(name, data_dir)?;
     readiness.corpus_total.store(docs.len(), Ordering::Relaxed);
+    if let Some(p) = parent {
+        p.set(KeyValue::new(attr::CORPUS_DOCUMENTS, docs.len() as i64));
+    }
     if marker.exists() && pipeline.store.count()? > 0 {
         readiness.corpus_done.store(docs.len(), Ordering::Relaxed);
+        if let Some(p) = parent {
+            p.set(KeyValue::new(attr::CORPUS_ALREADY_INGESTED, true));
+        }
         tracing::info!(corpus = name, "corpus already ingested");
         return Ok(());
     }
     let started = Instant::now();
     let mut chunks = 0;
     for (i, doc) in docs.iter().enumerate() {
-        let stage = Stage::root(StageKind::Ingest.span_prefix());
+        let stage = match parent {
+            Some(p) => p.child(StageKind::Ingest.span_prefix()),
+            None => Stage::root(StageKind::Ingest.span_prefix()),
+        };
         let outcome = ingest_document(
             doc,
             pipeline.embedder.as_ref(),
@@ -278,7 +329,11 @@ pub fn ingest_corpus(
         }
     }
     tracing::info!("building the vector index");
-    pipeline.store.build_index()?;
+    let index = parent.map(|p| p.child(span::BUILD_INDEX));
+    on_span(
+        index,
+        pipeline.store.build_index().map_err(anyhow::Error::from),
+    )?;
     std::fs::write(
         &marker,
         format!("{} documents, {chunks} chunks\n", docs.len()),
@@ -480,7 +535,9 @@ pub async fn serve(
         .is_none_or(|u| u.trim().is_empty());
     let on_fatal = fatal.clone();
     tokio::task::spawn_blocking(move || {
-        let result = load_pipeline(&args.load, &args.server).and_then(|p| {
+        // The `startup` trace: where start-up time goes (models, store, corpus, index).
+        let startup = Stage::root(span::STARTUP);
+        let result = load_pipeline_under(&args.load, &args.server, Some(&startup)).and_then(|p| {
             let p = Arc::new(p);
             let _ = loading.pipeline.set(p.clone());
             ingest_corpus(
@@ -488,8 +545,13 @@ pub async fn serve(
                 &args.server.corpus,
                 &args.load.store.data_dir,
                 &loading.readiness,
+                Some(&startup),
             )
         });
+        if let Err(e) = &result {
+            startup.fail("startup", format!("{e:#}"));
+        }
+        drop(startup);
         match result {
             Ok(()) => {
                 loading.readiness.set_ready();

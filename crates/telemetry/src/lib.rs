@@ -9,6 +9,7 @@
 pub mod buffer;
 pub mod clock;
 pub mod compat;
+pub mod controls;
 pub mod export;
 pub mod gpu;
 pub mod metrics;
@@ -98,7 +99,9 @@ pub fn tracer_provider<E: SpanExporter + 'static>(
     resource: Resource,
 ) -> SdkTracerProvider {
     let queue = ExportQueue::new(exporter, QueueSettings::from_env(), export_stats());
-    let mut builder = SdkTracerProvider::builder().with_span_processor(queue);
+    let mut builder = SdkTracerProvider::builder()
+        .with_sampler(controls::RatioSampler)
+        .with_span_processor(queue);
     if let Some(recent) = buffer::processor() {
         builder = builder.with_span_processor(recent);
     }
@@ -168,6 +171,8 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
     }
     let _ = BAGGAGE_KEYS.set(args.baggage_keys());
     compat::choose(args.metrics_compat);
+    controls::set_admin_token(args.telemetry_admin_token.as_deref());
+    let _ = controls::set_sampling_ratio(controls::ratio_from_env());
     opentelemetry::global::set_text_map_propagator(w3c_propagator());
     let meter = meter_provider()?;
     let service = service_name();
@@ -182,6 +187,7 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
             env_nonempty("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"));
         let tracer = buffer::processor().filter(|_| !sdk_off).map(|recent| {
             let provider = SdkTracerProvider::builder()
+                .with_sampler(controls::RatioSampler)
                 .with_span_processor(recent)
                 .with_resource(trace_resource())
                 .build();
@@ -305,7 +311,9 @@ pub fn install_steps_service<E: SpanExporter + 'static>(exporter: Option<E>) -> 
     let provider = match exporter {
         Some(exporter) => tracer_provider(exporter, resource),
         None => {
-            let mut builder = SdkTracerProvider::builder().with_resource(resource);
+            let mut builder = SdkTracerProvider::builder()
+                .with_sampler(controls::RatioSampler)
+                .with_resource(resource);
             if let Some(recent) = buffer::processor() {
                 builder = builder.with_span_processor(recent);
             }

@@ -38,7 +38,8 @@ impl Timed {
     /// Records `seconds` under `attributes`; a valid `span` becomes the bucket's exemplar.
     pub fn record(&self, seconds: f64, attributes: &[KeyValue], span: Option<&SpanContext>) {
         self.histogram.record(seconds, attributes);
-        if let Some(span) = span.filter(|s| s.is_valid()) {
+        // A trace the sampler dropped is nowhere to be found: no exemplar points at it.
+        if let Some(span) = span.filter(|s| s.is_valid() && s.is_sampled()) {
             let exemplar = Exemplar {
                 trace_id: span.trace_id().to_string(),
                 span_id: span.span_id().to_string(),

@@ -204,6 +204,16 @@ names! {
         REPLAY = "replay",
         /// A gRPC call served without the trace layer (never as served; tests).
         GRPC = "grpc",
+        /// The server's start, a trace of its own: `load_models`, `open_store`,
+        /// `ingest_corpus` (each document's `ingest` and `build_index` under it).
+        STARTUP = "startup",
+        LOAD_MODELS = "load_models",
+        OPEN_STORE = "open_store",
+        INGEST_CORPUS = "ingest_corpus",
+        BUILD_INDEX = "build_index",
+        /// A change of telemetry's run-time settings (`/admin/telemetry`), a root of its own
+        /// with one event of the same name per setting changed.
+        TELEMETRY_CHANGE = "telemetry_change",
     }
 }
 
@@ -363,6 +373,10 @@ names! {
         // Documents.
         DOCUMENT_ID = "rag.document.id",
         INGEST_CHUNKS = "rag.ingest.chunks",
+        /// On `ingest_corpus`: the corpus's documents, and whether an earlier start had
+        /// ingested them all (then nothing is ingested again).
+        CORPUS_DOCUMENTS = "rag.corpus.documents",
+        CORPUS_ALREADY_INGESTED = "rag.corpus.already_ingested",
         // Injected faults (every key under `rag.fault.`).
         FAULT_PREFIX = "rag.fault.",
         FAULT_ERROR = "rag.fault.error",
@@ -389,6 +403,10 @@ names! {
         VERSION = "version",
         SERVICE_NAME = "service.name",
         SERVICE_VERSION = "service.version",
+        // A `telemetry_change` event: which setting, from what, to what.
+        TELEMETRY_SETTING = "rag.telemetry.setting",
+        TELEMETRY_FROM = "rag.telemetry.from",
+        TELEMETRY_TO = "rag.telemetry.to",
         // OpenInference (Arize Phoenix and the RAG UIs that read it), beside the GenAI names:
         // the span's kind on every span, the project on the resource, and the documents a
         // retriever or reranker handled as `{list}.{i}.{document key}`.

@@ -65,6 +65,15 @@ pub struct TelemetryArgs {
         default_value = "none"
     )]
     pub metrics_compat: crate::compat::MetricsCompat,
+    /// Bearer token of `/admin/telemetry`, which changes the trace sampling ratio, the decode
+    /// step spans and content capture at run time (unset: only an admin-scope API key may).
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_TELEMETRY_ADMIN_TOKEN",
+        hide_env_values = true
+    )]
+    pub telemetry_admin_token: Option<String>,
     /// Finished spans kept for `GET /debug/traces` (0 turns the buffer off).
     #[arg(
         long,

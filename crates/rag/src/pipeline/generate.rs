@@ -131,7 +131,7 @@ impl Pipeline {
                     ttft / 1e3,
                 ));
             }
-            if self.defaults.capture_content {
+            if telemetry::controls::capture_content() {
                 stage.set(KeyValue::new(attr::ANSWER_TEXT, generated[0].text.clone()));
                 stage.set_all(telemetry::openinference::text(
                     attr::OUTPUT_VALUE,

@@ -299,7 +299,7 @@ impl Pipeline {
             ]);
             stage.set_all(documents::retrieved(
                 hits.iter().map(|h| (&h.chunk, h.score)),
-                self.defaults.capture_content,
+                telemetry::controls::capture_content(),
             ));
             Ok(hits)
         })
@@ -498,7 +498,7 @@ impl Pipeline {
         passages: &Candidates<'_>,
         lookup: bool,
     ) -> Result<Vec<f32>, PipelineError> {
-        let capture = self.defaults.capture_content;
+        let capture = telemetry::controls::capture_content();
         let (texts, retrieval) = (passages.texts, passages.retrieval);
         let mut attributes = vec![
             KeyValue::new(attr::GEN_AI_RERANK_CANDIDATE_COUNT, texts.len() as i64),

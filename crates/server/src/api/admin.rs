@@ -1,7 +1,8 @@
 //! Run-time switches for experiments: the fault plan (`/admin/faults`, bearer token) and the
-//! per-request `x-ragscope-fault` header, plus the recent-trace buffer that `ragscope attribute`
-//! reads (`/debug/traces`) and the failure snapshots that `ragscope replay` re-runs
-//! (`/debug/snapshots`).
+//! per-request `x-ragscope-fault` header; telemetry's run-time settings (`/admin/telemetry`:
+//! the trace sampling ratio, decode-step spans, content capture); plus the recent-trace buffer
+//! that `ragscope attribute` reads (`/debug/traces`) and the failure snapshots that `ragscope
+//! replay` re-runs (`/debug/snapshots`).
 
 use std::sync::Arc;
 
@@ -14,8 +15,14 @@ use serde_json::json;
 
 use super::auth::{Caller, Scope};
 use super::error::ApiError;
+use super::json::ValidJson;
 use super::AppState;
+use llm::schedule::StepSpans;
+use opentelemetry::KeyValue;
 use rag::fault::FaultPlan;
+use telemetry::controls;
+use telemetry::names::{attr, span};
+use telemetry::span::Stage;
 
 /// `GET /admin/faults`: the server's current plan.
 #[utoipa::path(get, path = "/admin/faults", tag = "debug",
@@ -93,6 +100,11 @@ fn authorize(
     if caller.is_some_and(|Extension(c)| c == Caller(Scope::Admin)) {
         return Ok(());
     }
+    bearer(headers, token, "admin token")
+}
+
+/// `Authorization: Bearer <token>`, or a 401 naming what is asked for (`what`).
+fn bearer(headers: &HeaderMap, token: &str, what: &str) -> Result<(), ApiError> {
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -103,10 +115,131 @@ fn authorize(
     let mut e = ApiError::new(
         StatusCode::UNAUTHORIZED,
         "authentication_error",
-        "authorization: a valid `Bearer <admin token>` is required",
+        format!("authorization: a valid `Bearer <{what}>` is required"),
     );
     e.param = Some("authorization".into());
     Err(e)
+}
+
+/// What `/admin/telemetry` changes; each field left out stays as it is.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct TelemetryChange {
+    /// Share of new traces sampled, 0 to 1 (a request with a sampled `traceparent` is traced
+    /// whatever it is).
+    trace_sampling_ratio: Option<f64>,
+    /// Batched decode steps that become spans: `all`, `off` or `sampled:N`.
+    decode_step_spans: Option<String>,
+    /// Questions, answers and documents' text on spans.
+    capture_content: Option<bool>,
+}
+
+fn telemetry_settings() -> serde_json::Value {
+    json!({
+        "trace_sampling_ratio": controls::sampling_ratio(),
+        "decode_step_spans": llm::schedule::step_spans().to_string(),
+        "capture_content": controls::capture_content(),
+    })
+}
+
+/// Admin-scope API key, or the `--telemetry-admin-token` bearer; without either configured
+/// the route does not exist (404).
+fn authorize_telemetry(
+    caller: Option<Extension<Caller>>,
+    headers: &HeaderMap,
+) -> Result<(), ApiError> {
+    if caller.is_some_and(|Extension(c)| c == Caller(Scope::Admin)) {
+        return Ok(());
+    }
+    let Some(token) = controls::admin_token() else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "path: /admin/telemetry is off (start the server with --telemetry-admin-token …, or use an admin API key)",
+        )
+        .with_code("not_found"));
+    };
+    bearer(headers, token, "telemetry admin token")
+}
+
+/// `GET /admin/telemetry`: the telemetry settings in force.
+#[utoipa::path(get, path = "/admin/telemetry", tag = "debug",
+    responses((status = 200, description = "trace_sampling_ratio, decode_step_spans, capture_content", body = serde_json::Value)))]
+pub async fn get_telemetry(caller: Option<Extension<Caller>>, headers: HeaderMap) -> Response {
+    match authorize_telemetry(caller, &headers) {
+        Ok(()) => Json(telemetry_settings()).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `PUT /admin/telemetry`: changes the trace sampling ratio, the decode-step spans and content
+/// capture from the next request (or step) on, without a restart. Each change is logged and
+/// recorded as a `telemetry_change` event (`rag.telemetry.{setting,from,to}`) on a
+/// `telemetry_change` span; the answer is the settings
+/// now in force. Nothing changes unless every field is valid. (The change's span, a root of
+/// its own, is sampled like any trace: a change from 0 to 0 leaves only the log line.)
+#[utoipa::path(put, path = "/admin/telemetry", tag = "debug",
+    request_body = TelemetryChange,
+    responses((status = 200, description = "The settings now in force", body = serde_json::Value)))]
+pub async fn put_telemetry(
+    caller: Option<Extension<Caller>>,
+    headers: HeaderMap,
+    ValidJson(change): ValidJson<TelemetryChange>,
+) -> Response {
+    if let Err(e) = authorize_telemetry(caller, &headers) {
+        return e.into_response();
+    }
+    if let Some(r) = change
+        .trace_sampling_ratio
+        .filter(|r| !(0.0..=1.0).contains(r))
+    {
+        return ApiError::field(
+            "trace_sampling_ratio",
+            format!("must be a number from 0 to 1, got {r}"),
+        )
+        .into_response();
+    }
+    let spans = match change
+        .decode_step_spans
+        .as_deref()
+        .map(str::parse::<StepSpans>)
+    {
+        Some(Err(e)) => return ApiError::field("decode_step_spans", e).into_response(),
+        Some(Ok(s)) => Some(s),
+        None => None,
+    };
+    let before = telemetry_settings();
+    // The change's own span starts while sampling is on: before a change to 0, after one from 0.
+    let early = (controls::sampling_ratio() > 0.0).then(|| Stage::root(span::TELEMETRY_CHANGE));
+    if let Some(r) = change.trace_sampling_ratio {
+        let _ = controls::set_sampling_ratio(r);
+    }
+    if let Some(s) = spans {
+        llm::schedule::set_step_spans(s);
+    }
+    if let Some(on) = change.capture_content {
+        controls::set_capture_content(on);
+    }
+    let after = telemetry_settings();
+    let stage = early.unwrap_or_else(|| Stage::root(span::TELEMETRY_CHANGE));
+    for key in [
+        "trace_sampling_ratio",
+        "decode_step_spans",
+        "capture_content",
+    ] {
+        if before[key] != after[key] {
+            tracing::warn!(setting = key, from = %before[key], to = %after[key], "telemetry setting changed");
+            stage.event(
+                span::TELEMETRY_CHANGE,
+                vec![
+                    KeyValue::new(attr::TELEMETRY_SETTING, key),
+                    KeyValue::new(attr::TELEMETRY_FROM, before[key].to_string()),
+                    KeyValue::new(attr::TELEMETRY_TO, after[key].to_string()),
+                ],
+            );
+        }
+    }
+    Json(after).into_response()
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

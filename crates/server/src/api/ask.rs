@@ -220,7 +220,7 @@ pub fn prepare(
 ) -> Result<RagRequest, ApiError> {
     let mut req = rag_request(pipeline, state, asked)?;
     req.faults = request_faults(state, headers, stage)?;
-    if pipeline.defaults.capture_content {
+    if telemetry::controls::capture_content() {
         stage.set(KeyValue::new(attr::QUERY_TEXT, req.query.clone()));
         stage.set_all(telemetry::openinference::text(
             attr::INPUT_VALUE,

@@ -159,6 +159,10 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
                 .delete(admin::clear_faults),
         )
         .route(
+            "/admin/telemetry",
+            get(admin::get_telemetry).put(admin::put_telemetry),
+        )
+        .route(
             "/debug/traces",
             get(admin::recent_traces).delete(admin::clear_traces),
         )

@@ -36,6 +36,8 @@ use super::auth::{scope_for, Scope};
         super::admin::get_faults,
         super::admin::put_faults,
         super::admin::clear_faults,
+        super::admin::get_telemetry,
+        super::admin::put_telemetry,
         super::admin::recent_traces,
         super::admin::clear_traces,
         super::admin::list_snapshots,

@@ -41,5 +41,6 @@ mod stack;
 mod stages;
 mod stalls;
 mod store_conformance;
+mod telemetry_admin;
 mod tenants;
 mod trace;

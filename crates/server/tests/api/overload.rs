@@ -159,14 +159,14 @@ async fn a_burst_far_above_capacity_is_refused_fast_and_the_admitted_wait_within
 }
 
 /// A `ragscope serve` child process on port 0 with the real models.
-struct Child {
+pub(crate) struct Child {
     process: std::process::Child,
     base: String,
     log: Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Child {
-    fn spawn(data_dir: &std::path::Path, extra: &[&str]) -> Child {
+    pub(crate) fn spawn(data_dir: &std::path::Path, extra: &[&str]) -> Child {
         let mut process = Command::new(env!("CARGO_BIN_EXE_ragscope"))
             .args(["serve", "--corpus", "none", "--fetch-models", "false"])
             .args(["--listen", "127.0.0.1:0", "--grpc-listen", "off"])
@@ -213,11 +213,11 @@ impl Child {
         Child { process, base, log }
     }
 
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }
 }
