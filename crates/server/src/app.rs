@@ -536,7 +536,11 @@ pub async fn serve(
     let on_fatal = fatal.clone();
     tokio::task::spawn_blocking(move || {
         // The `startup` trace: where start-up time goes (models, store, corpus, index).
-        let startup = Stage::root(span::STARTUP);
+        let startup = Stage::detached_at(
+            span::STARTUP,
+            Some(telemetry::names::LIFECYCLE_SERVICE),
+            telemetry::clock::now(),
+        );
         let result = load_pipeline_under(&args.load, &args.server, Some(&startup)).and_then(|p| {
             let p = Arc::new(p);
             let _ = loading.pipeline.set(p.clone());

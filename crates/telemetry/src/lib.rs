@@ -194,12 +194,12 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
             opentelemetry::global::set_tracer_provider(provider.clone());
             provider
         });
-        let steps = tracer
+        let background = tracer
             .is_some()
-            .then(|| install_steps_service(None::<opentelemetry_otlp::SpanExporter>));
+            .then(|| install_background_services(|| None::<opentelemetry_otlp::SpanExporter>));
         return Ok(TelemetryGuard {
             tracer,
-            stage_tracers: steps.into_iter().collect(),
+            stage_tracers: background.into_iter().flatten().collect(),
             meter: Some(meter),
             _profiler: profiler,
         });
@@ -213,7 +213,9 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
     } else {
         Vec::new()
     };
-    stage_providers.push(install_steps_service(Some(otlp_span_exporter(protocol)?)));
+    stage_providers.extend(install_background_services(|| {
+        otlp_span_exporter(protocol).ok()
+    }));
     tracing::info!(?protocol, "exporting spans over OTLP");
     Ok(TelemetryGuard {
         tracer: Some(provider),
@@ -263,14 +265,17 @@ static STAGE_TRACERS: std::sync::OnceLock<HashMap<&'static str, SdkTracer>> =
     std::sync::OnceLock::new();
 
 static STEP_TRACER: std::sync::OnceLock<SdkTracer> = std::sync::OnceLock::new();
+static LIFECYCLE_TRACER: std::sync::OnceLock<SdkTracer> = std::sync::OnceLock::new();
 
 /// The tracer of a per-stage service, when per-stage services are on, or of the decode steps'
-/// service ([`names::STEPS_SERVICE`]) once [`install_steps_service`] ran.
+/// or the server's own lifecycle service ([`names::STEPS_SERVICE`],
+/// [`names::LIFECYCLE_SERVICE`]) once [`install_background_services`] ran.
 pub(crate) fn stage_tracer(service: &str) -> Option<&'static SdkTracer> {
-    if service == names::STEPS_SERVICE {
-        return STEP_TRACER.get();
+    match service {
+        names::STEPS_SERVICE => STEP_TRACER.get(),
+        names::LIFECYCLE_SERVICE => LIFECYCLE_TRACER.get(),
+        _ => STAGE_TRACERS.get()?.get(service),
     }
-    STAGE_TRACERS.get()?.get(service)
 }
 
 /// The resource of the request traces: `service.name`, its version, and the same name as the
@@ -294,12 +299,30 @@ pub fn steps_service_name() -> String {
 }
 
 /// Exports batched decode steps (`decode_step`, each the root of a trace of its own) under
-/// `{service.name}-steps`, so a backend's list of `ragscope` traces and its latency summary
-/// hold requests only: Jaeger lists the steps under their own service, Tempo finds requests
-/// with `{ resource.service.name = "ragscope" }`, Phoenix files them in their own project.
-/// Without an exporter, they still reach the recent-trace buffer under that service.
-pub fn install_steps_service<E: SpanExporter + 'static>(exporter: Option<E>) -> SdkTracerProvider {
-    let name = steps_service_name();
+/// `{service.name}-steps`, and the server's own lifecycle (`startup`, `telemetry_change`)
+/// under `{service.name}-lifecycle`, so a backend's list of `ragscope` traces and its latency
+/// summary hold requests only: Jaeger lists the others under their own services, Tempo finds
+/// requests with `{ resource.service.name = "ragscope" }`, Phoenix files them in their own
+/// projects. Without an exporter, they still reach the recent-trace buffer under those
+/// services.
+pub fn install_background_services<E: SpanExporter + 'static>(
+    exporter: impl Fn() -> Option<E>,
+) -> Vec<SdkTracerProvider> {
+    vec![
+        background_provider(exporter(), steps_service_name(), &STEP_TRACER),
+        background_provider(
+            exporter(),
+            format!("{}-lifecycle", service_name()),
+            &LIFECYCLE_TRACER,
+        ),
+    ]
+}
+
+fn background_provider<E: SpanExporter + 'static>(
+    exporter: Option<E>,
+    name: String,
+    slot: &std::sync::OnceLock<SdkTracer>,
+) -> SdkTracerProvider {
     let resource = Resource::builder()
         .with_service_name(name.clone())
         .with_attribute(KeyValue::new(
@@ -320,7 +343,7 @@ pub fn install_steps_service<E: SpanExporter + 'static>(exporter: Option<E>) -> 
             builder.build()
         }
     };
-    let _ = STEP_TRACER.set(provider.tracer(span::SCOPE));
+    let _ = slot.set(provider.tracer(span::SCOPE));
     provider
 }
 

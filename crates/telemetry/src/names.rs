@@ -158,9 +158,13 @@ pub fn stage_services() -> Vec<&'static str> {
     services
 }
 
-/// The key of the decode steps' service ([`crate::install_steps_service`]): batched decode
+/// The key of the decode steps' service ([`crate::install_background_services`]): batched decode
 /// steps are exported under `{service.name}-steps`, apart from the requests.
 pub const STEPS_SERVICE: &str = "ragscope-steps";
+
+/// The key of the server's own lifecycle service: `startup` and `telemetry_change` are
+/// exported under `{service.name}-lifecycle`, apart from the requests.
+pub const LIFECYCLE_SERVICE: &str = "ragscope-lifecycle";
 
 /// `provider.name` of every model stage: the models run in this process.
 pub const PROVIDER: &str = "ragscope";

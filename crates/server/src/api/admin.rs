@@ -210,7 +210,14 @@ pub async fn put_telemetry(
     };
     let before = telemetry_settings();
     // The change's own span starts while sampling is on: before a change to 0, after one from 0.
-    let early = (controls::sampling_ratio() > 0.0).then(|| Stage::root(span::TELEMETRY_CHANGE));
+    let change_span = || {
+        Stage::detached_at(
+            span::TELEMETRY_CHANGE,
+            Some(telemetry::names::LIFECYCLE_SERVICE),
+            telemetry::clock::now(),
+        )
+    };
+    let early = (controls::sampling_ratio() > 0.0).then(change_span);
     if let Some(r) = change.trace_sampling_ratio {
         let _ = controls::set_sampling_ratio(r);
     }
@@ -221,7 +228,7 @@ pub async fn put_telemetry(
         controls::set_capture_content(on);
     }
     let after = telemetry_settings();
-    let stage = early.unwrap_or_else(|| Stage::root(span::TELEMETRY_CHANGE));
+    let stage = early.unwrap_or_else(change_span);
     for key in [
         "trace_sampling_ratio",
         "decode_step_spans",
