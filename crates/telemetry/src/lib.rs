@@ -214,7 +214,9 @@ pub fn init(args: &TelemetryArgs) -> Result<TelemetryGuard> {
         Vec::new()
     };
     stage_providers.extend(install_background_services(|| {
-        otlp_span_exporter(protocol).ok()
+        otlp_span_exporter(protocol)
+            .inspect_err(|e| tracing::warn!("steps and lifecycle spans stay local: {e:#}"))
+            .ok()
     }));
     tracing::info!(?protocol, "exporting spans over OTLP");
     Ok(TelemetryGuard {

@@ -43,20 +43,16 @@ async fn ask(app: &TestApp) -> (String, Vec<Value>) {
 async fn spans(app: &TestApp, keep: impl Fn(&Value) -> bool) -> Vec<Value> {
     // The request span ends as its last byte goes out: give the buffer a moment.
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let doc: Value = app
-        .client
-        .get(app.url("/debug/traces"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let doc = get_json(&app.client, &app.url("/debug/traces")).await;
     all_spans(&doc)
         .into_iter()
         .filter(|s| keep(s))
         .cloned()
         .collect()
+}
+
+async fn get_json(client: &reqwest::Client, url: &str) -> Value {
+    client.get(url).send().await.unwrap().json().await.unwrap()
 }
 
 /// Every span of an OTLP JSON document.
@@ -190,14 +186,7 @@ async fn the_start_is_a_trace_of_its_own() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-    let doc: Value = client
-        .get(child.url("/debug/traces"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let doc = get_json(&client, &child.url("/debug/traces")).await;
     let spans = all_spans(&doc);
     let root = spans
         .iter()
