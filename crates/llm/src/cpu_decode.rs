@@ -28,11 +28,14 @@ pub(crate) struct Dims {
     pub rms_eps: f32,
 }
 
-/// One sequence's share of a step: its cache, the position its token goes to, and the token.
+/// One sequence's share of a step: its cache, the position its first token goes to, and its
+/// tokens, at `pos`, `pos + 1`, … (one, or more when the step verifies a speculative draft:
+/// each row attends to the cache up to its own position, so row `j` sees rows `0..j` of the
+/// same step and nothing after them).
 pub(crate) struct SeqStep<'a> {
     pub kv: &'a mut HostKv,
     pub pos: usize,
-    pub token: u32,
+    pub tokens: &'a [u32],
 }
 
 pub(crate) struct Layer {
@@ -71,7 +74,9 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<f32>,
     acts: QActs,
-    /// Attention work items: (sequence, position range), and each one's result.
+    /// Each row of the step: its sequence and position.
+    rows: Vec<(usize, usize)>,
+    /// Attention work items: (row, position range), and each one's result.
     items: Vec<(usize, std::ops::Range<usize>)>,
     parts: Vec<Partial>,
 }
@@ -212,8 +217,11 @@ impl CpuDecoder {
         }
     }
 
-    /// Runs each sequence's token at its position, writing its keys and values into its cache;
-    /// `logits` receives `(seqs.len(), vocab)` row after row.
+    /// Runs each sequence's tokens at their positions, writing their keys and values into its
+    /// cache; `logits` receives one row of `vocab` per token, sequence after sequence. A row's
+    /// logits are the same bits whatever else runs in the step (other sequences, or more rows
+    /// of its own): the matmuls treat each row alone, and attention splits a row's positions
+    /// by their number only.
     pub fn step(&self, seqs: &mut [SeqStep<'_>], logits: &mut [f32]) -> candle_core::Result<()> {
         let Dims {
             n_head: nh,
@@ -222,17 +230,26 @@ impl CpuDecoder {
             ffn,
             rms_eps,
         } = self.dims;
-        let b = seqs.len();
+        let b: usize = seqs.iter().map(|s| s.tokens.len()).sum();
         let hidden = nh * hd;
         let qkv_width = (nh + 2 * nkv) * hd;
         if logits.len() != b * self.vocab() {
-            candle_core::bail!("logits buffer of {} for {b} sequences", logits.len());
+            candle_core::bail!("logits buffer of {} for {b} rows", logits.len());
         }
         for s in seqs.iter() {
-            self.check(s.kv, s.pos, s.token)?;
+            if s.tokens.is_empty() {
+                candle_core::bail!("a sequence with no token to run");
+            }
+            for (j, &token) in s.tokens.iter().enumerate() {
+                self.check(s.kv, s.pos + j, token)?;
+            }
         }
         let mut guard = self.scratch.lock().expect("no panics while held");
         let sc = &mut *guard;
+        sc.rows.clear();
+        for (i, s) in seqs.iter().enumerate() {
+            sc.rows.extend((0..s.tokens.len()).map(|j| (i, s.pos + j)));
+        }
         sc.x.resize(b * hidden, 0.0);
         sc.h.resize(b * hidden, 0.0);
         sc.qkv.resize(b * qkv_width, 0.0);
@@ -240,16 +257,17 @@ impl CpuDecoder {
         sc.proj.resize(b * hidden, 0.0);
         sc.gate_up.resize(b * 2 * ffn, 0.0);
         sc.act.resize(b * ffn, 0.0);
-        for (s, x) in seqs.iter().zip(sc.x.chunks_exact_mut(hidden)) {
-            self.embed.dequantize_row(s.token as usize, x);
+        let tokens = seqs.iter().flat_map(|s| s.tokens.iter());
+        for (&token, x) in tokens.zip(sc.x.chunks_exact_mut(hidden)) {
+            self.embed.dequantize_row(token as usize, x);
         }
 
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm_rows(&sc.x, &layer.attn_norm, rms_eps, &mut sc.h);
             sc.acts.quantize(&sc.h, b, hidden);
             matmul(&layer.qkv, &sc.acts, &mut sc.qkv);
-            for (s, row) in seqs.iter_mut().zip(sc.qkv.chunks_exact_mut(qkv_width)) {
-                self.rope_and_cache(row, s.pos, s.kv, li);
+            for (&(i, pos), row) in sc.rows.iter().zip(sc.qkv.chunks_exact_mut(qkv_width)) {
+                self.rope_and_cache(row, pos, seqs[i].kv, li);
             }
             self.attend(seqs, li, sc);
             sc.acts.quantize(&sc.y, b, hidden);
@@ -277,12 +295,12 @@ impl CpuDecoder {
         Ok(())
     }
 
-    /// Attention of each sequence's query heads (in `sc.qkv`) over its cache up to and
-    /// including its position, into `sc.y`. Work items are (sequence, position range): long
+    /// Attention of each row's query heads (in `sc.qkv`) over its sequence's cache up to and
+    /// including its position, into `sc.y`. Work items are (row, position range): long
     /// contexts are split into fixed chunks spread over the threads, as flash-decoding does.
     /// The chunks depend on the context length alone, never on the batch or the thread count,
-    /// so a sequence's logits are bit-identical whatever it is batched with: greedy tokens do
-    /// not change when another request joins the step.
+    /// so a row's logits are bit-identical whatever it is batched with: greedy tokens do not
+    /// change when another request joins the step, or when a draft is verified beside them.
     fn attend(&self, seqs: &[SeqStep<'_>], layer: usize, sc: &mut Scratch) {
         let Dims {
             n_head: nh,
@@ -293,15 +311,15 @@ impl CpuDecoder {
         let qkv_width = (nh + 2 * nkv) * hd;
         let items = &mut sc.items;
         items.clear();
-        for (i, s) in seqs.iter().enumerate() {
-            let len = s.pos + 1;
+        for (r, &(_, pos)) in sc.rows.iter().enumerate() {
+            let len = pos + 1;
             let chunk = if len >= PARALLEL_ATTENTION_MIN_LEN {
                 ATTENTION_CHUNK
             } else {
                 len
             };
             for start in (0..len).step_by(chunk) {
-                items.push((i, start..len.min(start + chunk)));
+                items.push((r, start..len.min(start + chunk)));
             }
         }
         if sc.parts.len() < items.len() {
@@ -309,12 +327,12 @@ impl CpuDecoder {
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let parts_addr = sc.parts.as_mut_ptr() as usize;
-        let qkv = &sc.qkv;
+        let (qkv, rows) = (&sc.qkv, &sc.rows);
         let work = |range: std::ops::Range<usize>| {
             for item in range {
-                let (i, ref positions) = items[item];
-                let s = &seqs[i];
-                let q = &qkv[i * qkv_width..i * qkv_width + nh * hd];
+                let (r, ref positions) = items[item];
+                let s = &seqs[rows[r].0];
+                let q = &qkv[r * qkv_width..r * qkv_width + nh * hd];
                 // SAFETY: each item writes only its own slot, and `parts` outlives this call.
                 let part = unsafe { &mut *(parts_addr as *mut Partial).add(item) };
                 let dims = (nh, nkv, s.kv.capacity, hd);
@@ -330,9 +348,9 @@ impl CpuDecoder {
             candle_core::utils::barrier_pool().execute_chunked(items.len(), work);
         }
         let mut item = 0;
-        for (i, y) in sc.y.chunks_exact_mut(nh * hd).enumerate() {
+        for (r, y) in sc.y.chunks_exact_mut(nh * hd).enumerate() {
             let start = item;
-            while item < items.len() && items[item].0 == i {
+            while item < items.len() && items[item].0 == r {
                 item += 1;
             }
             merge(&sc.parts[start..item], nh, hd, y);

@@ -11,6 +11,7 @@ use opentelemetry::KeyValue;
 use super::kv_cache::KvCache;
 use super::llama::Llama;
 use super::sampler::{Logits, Sampler};
+use super::speculate::{self, Speculation, Tally};
 use super::stop::{Release, StopText};
 use super::tokenizer::Utf8Stream;
 use super::{
@@ -62,6 +63,7 @@ impl<'a> TextGeneration<'a> {
             prefill: Default::default(),
             decode: Default::default(),
             first_token_at: None,
+            speculation: Default::default(),
         };
         if req.max_tokens == 0 {
             return Ok(out);
@@ -183,7 +185,7 @@ impl<'a> TextGeneration<'a> {
     fn decode(
         &self,
         cache: &mut KvCache,
-        mut logits: Logits,
+        logits: Logits,
         out: &mut Generated,
         on_token: &mut dyn FnMut(Piece<'_>) -> Flow,
     ) -> Result<(), GenerateError> {
@@ -203,6 +205,11 @@ impl<'a> TextGeneration<'a> {
         let mut by_stop_string = false;
         let mut index = 0usize;
         let mut session = llama.schedule.session(&decode);
+        // Drafts are verified in the CPU decoder's batched steps only.
+        let speculation = Some(llama.speculation()).filter(|s| s.is_on() && session.is_some());
+        let mut drafts = Drafts::new(req.prompt);
+        // The logits to pick from next: the prefill's, then a step's row or rows.
+        let mut rows = std::collections::VecDeque::from([logits]);
         let mut batches = BatchSizes::default();
         let mut last_token_at = None;
         loop {
@@ -212,22 +219,49 @@ impl<'a> TextGeneration<'a> {
             }
             let step =
                 (req.token_trace == TokenTrace::Spans).then(|| decode.child(span::DECODE_STEP));
-            if let Some(&last) = out.tokens.last() {
-                let timer = gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&net.device));
-                let batch = on_stage(
-                    &decode,
-                    net.decode_one(session.as_mut(), cache, last, &mut logits, &llama.schedule),
-                )?;
+            if rows.is_empty() {
+                let last = *out.tokens.last().expect("a step follows a pick");
+                // Room for a draft: within the cache, and short of max_tokens (the step's last
+                // row gives one more token than it drafted).
+                let room = (cache.capacity.saturating_sub(cache.len + 1))
+                    .min(req.max_tokens.saturating_sub(out.tokens.len() + 1));
+                let tokens = drafts.propose(speculation, last, room);
+                let batch = if tokens.len() > 1 {
+                    let session = session.as_mut().expect("drafts need the batcher");
+                    let mut buf = Vec::new();
+                    let batch =
+                        on_stage(&decode, net.decode_draft(session, cache, tokens, &mut buf))?;
+                    let vocab = buf.len() / tokens.len();
+                    rows.extend(buf.chunks_exact(vocab).map(|r| Logits::Host(r.to_vec())));
+                    batch
+                } else {
+                    let timer =
+                        gpu::sampled(index, gpu_every).then(|| GpuTimer::start(&net.device));
+                    let mut logits = Logits::Host(Vec::new());
+                    let batch = on_stage(
+                        &decode,
+                        net.decode_one(session.as_mut(), cache, last, &mut logits, &llama.schedule),
+                    )?;
+                    rows.push_back(logits);
+                    if let Some(iv) = timer.and_then(GpuTimer::finish) {
+                        let host = step.as_ref().unwrap_or(&decode);
+                        let index = KeyValue::new(attr::GEN_AI_TOKEN_INDEX, index as i64);
+                        gpu::emit(host, "decode_step", &iv, vec![index]);
+                    }
+                    batch
+                };
                 batches.record(batch);
                 self.trail.step(batch);
-                if let Some(iv) = timer.and_then(GpuTimer::finish) {
-                    let host = step.as_ref().unwrap_or(&decode);
-                    let index = KeyValue::new(attr::GEN_AI_TOKEN_INDEX, index as i64);
-                    gpu::emit(host, "decode_step", &iv, vec![index]);
-                }
             }
+            let logits = rows.pop_front().expect("a row to pick from");
             let pick = on_stage(&decode, sampler.pick(&logits, top_logprobs))?;
             let next = pick.token;
+            // A pick that differs from the draft token the next row ran on ends the draft:
+            // those rows, and the positions they wrote, are not the answer's.
+            if !drafts.check(next) {
+                cache.len -= rows.len();
+                rows.clear();
+            }
             let at = clock::now();
             if let Some(previous) = last_token_at.replace(at) {
                 metrics()
@@ -310,6 +344,10 @@ impl<'a> TextGeneration<'a> {
                 deliver(text.finish(), out, on_token);
             }
         }
+        // Rows of a draft the generation ended before reaching are not in the cache.
+        cache.len -= rows.len();
+        drafts.record(&decode, speculation);
+        out.speculation = drafts.tally;
         // Links to the batched steps it took part in, while the span still records.
         if let Some(session) = session {
             session.finish(&decode);
@@ -352,6 +390,90 @@ fn deliver(
         text: released.text,
         logprobs: released.logprobs,
     })
+}
+
+/// One request's drafting: what it has seen, the draft its pending rows ran on, the tally.
+struct Drafts {
+    /// The prompt, then every token picked.
+    history: Vec<u32>,
+    /// The last pick and the draft behind it, as the latest step ran them.
+    tokens: Vec<u32>,
+    /// How far into `tokens` the picks have come.
+    checked: usize,
+    tally: Tally,
+}
+
+impl Drafts {
+    fn new(prompt: &[u32]) -> Drafts {
+        Drafts {
+            history: prompt.to_vec(),
+            tokens: Vec::new(),
+            checked: 0,
+            tally: Tally::default(),
+        }
+    }
+
+    /// The tokens for the next step: `last`, then up to `room` draft tokens when speculation
+    /// is on and the history holds a match.
+    fn propose(&mut self, speculation: Option<Speculation>, last: u32, room: usize) -> &[u32] {
+        self.tokens.clear();
+        self.tokens.push(last);
+        self.checked = 1;
+        if let Some(s) = speculation {
+            speculate::draft(
+                &self.history,
+                s.ngram,
+                s.max_draft.min(room),
+                &mut self.tokens,
+            );
+            let drafted = self.tokens.len() - 1;
+            if drafted > 0 {
+                self.tally.steps += 1;
+                self.tally.drafted += drafted;
+                let m = metrics();
+                m.spec_drafts.add(1, &[]);
+                m.spec_tokens
+                    .add(drafted as u64, &[KeyValue::new(attr::KIND, "drafted")]);
+            }
+        }
+        &self.tokens
+    }
+
+    /// Takes the pick `next` into the history; whether the rows after it still hold (false:
+    /// it differs from the draft token the next row ran on).
+    fn check(&mut self, next: u32) -> bool {
+        self.history.push(next);
+        let Some(&drafted) = self.tokens.get(self.checked) else {
+            return true;
+        };
+        if drafted == next {
+            self.checked += 1;
+            self.tally.accepted += 1;
+            metrics()
+                .spec_tokens
+                .add(1, &[KeyValue::new(attr::KIND, "accepted")]);
+            true
+        } else {
+            self.tokens.clear();
+            self.checked = 0;
+            false
+        }
+    }
+
+    /// The request's drafts on its `decode` span.
+    fn record(&self, decode: &Stage, speculation: Option<Speculation>) {
+        let Some(s) = speculation else { return };
+        let t = self.tally;
+        decode.set_all([
+            KeyValue::new(attr::SPEC_METHOD, s.method()),
+            KeyValue::new(attr::SPEC_STEPS, t.steps as i64),
+            KeyValue::new(attr::SPEC_DRAFTED, t.drafted as i64),
+            KeyValue::new(attr::SPEC_ACCEPTED, t.accepted as i64),
+        ]);
+        if let Some(rate) = t.rate() {
+            decode.set(KeyValue::new(attr::SPEC_ACCEPTANCE_RATE, rate));
+        }
+    }
 }
 
 /// How many sequences a request's decode steps ran with.

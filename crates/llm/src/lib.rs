@@ -33,6 +33,7 @@ pub mod schedule;
 mod score;
 pub mod settings;
 pub mod snapshot;
+pub mod speculate;
 mod stop;
 mod template;
 #[cfg(any(test, feature = "testing"))]
@@ -236,6 +237,8 @@ pub struct Generated {
     pub decode: Duration,
     /// When the first token was produced, on the shared clock.
     pub first_token_at: Option<Instant>,
+    /// Speculative drafts verified and accepted ([`speculate`]).
+    pub speculation: speculate::Tally,
 }
 
 /// What [`Generator::warm`] prefilled.

@@ -25,6 +25,7 @@ use super::forward::{self, Transformer};
 use super::kv_cache::KvCache;
 use super::prefix_cache::PrefixCache;
 use super::schedule::Scheduler;
+use super::speculate::Speculation;
 use super::template::ChatTemplate;
 use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
@@ -61,6 +62,8 @@ pub struct Llama {
     pub(super) snapshots: Option<Arc<crate::snapshot::SnapshotStore>>,
     /// The GGUF file's sha256, computed when the first snapshot needs it.
     pub(super) weights_sha256: crate::snapshot::replay::WeightsDigest,
+    /// How decode steps draft (off until [`Llama::with_speculation`]).
+    pub(super) speculation: std::sync::Mutex<Speculation>,
 }
 
 impl Llama {
@@ -214,7 +217,25 @@ impl Llama {
             gguf_path: gguf_path.to_path_buf(),
             snapshots: None,
             weights_sha256: Default::default(),
+            speculation: std::sync::Mutex::new(Speculation::OFF),
         })
+    }
+
+    /// Drafts as `speculation` says ([`crate::speculate`]). Loading leaves it off, so
+    /// benchmarks measure plain decode unless told; the server sets `--speculation`.
+    pub fn with_speculation(self, speculation: Speculation) -> Llama {
+        self.set_speculation(speculation);
+        self
+    }
+
+    /// [`Llama::with_speculation`] on a loaded model, for the decode steps from now on.
+    pub fn set_speculation(&self, speculation: Speculation) {
+        *self.speculation.lock().unwrap_or_else(|p| p.into_inner()) = speculation;
+    }
+
+    /// How decode steps draft now.
+    pub fn speculation(&self) -> Speculation {
+        *self.speculation.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Leaves a snapshot in `store` for every failed generation.

@@ -88,10 +88,11 @@ pub fn decode_step(path: &Path, dtype: KvDtype) -> Result<DecodeStep> {
     );
     let mut logits = vec![0f32; d.vocab()];
     let mut step = |pos: usize| {
+        let token = [100 + pos as u32];
         let seq = SeqStep {
             kv: &mut kv,
             pos,
-            token: 100 + pos as u32,
+            tokens: &token,
         };
         d.step(&mut [seq], &mut logits)
     };

@@ -212,8 +212,9 @@ pub trait StepEngine: Send + Sync + 'static {
     /// Logits per sequence.
     fn vocab(&self) -> usize;
     /// Refuses a step that cannot run, before it joins a batch.
-    fn check(&self, seq: &Self::Seq, pos: usize, token: u32) -> candle_core::Result<()>;
-    /// Runs `token` at `pos` of every sequence; `logits` holds `vocab()` per sequence, in order.
+    fn check(&self, seq: &Self::Seq, pos: usize, tokens: &[u32]) -> candle_core::Result<()>;
+    /// Runs each sequence's tokens at `pos`, `pos + 1`, …; `logits` holds `vocab()` per token,
+    /// sequence after sequence. A row's logits must not depend on the other rows of the step.
     fn step(
         &self,
         seqs: &mut [StepInput<'_, Self::Seq>],
@@ -221,11 +222,12 @@ pub trait StepEngine: Send + Sync + 'static {
     ) -> candle_core::Result<()>;
 }
 
-/// One sequence's share of a step.
+/// One sequence's share of a step: its tokens from `pos` on (more than one when it verifies a
+/// speculative draft).
 pub struct StepInput<'a, S> {
     pub seq: &'a mut S,
     pub pos: usize,
-    pub token: u32,
+    pub tokens: &'a [u32],
 }
 
 impl StepEngine for CpuDecoder {
@@ -235,8 +237,14 @@ impl StepEngine for CpuDecoder {
         CpuDecoder::vocab(self)
     }
 
-    fn check(&self, kv: &HostKv, pos: usize, token: u32) -> candle_core::Result<()> {
-        CpuDecoder::check(self, kv, pos, token)
+    fn check(&self, kv: &HostKv, pos: usize, tokens: &[u32]) -> candle_core::Result<()> {
+        if tokens.is_empty() {
+            candle_core::bail!("a step with no token");
+        }
+        tokens
+            .iter()
+            .enumerate()
+            .try_for_each(|(j, &token)| CpuDecoder::check(self, kv, pos + j, token))
     }
 
     fn step(
@@ -249,7 +257,7 @@ impl StepEngine for CpuDecoder {
             .map(|s| SeqStep {
                 kv: &mut *s.seq,
                 pos: s.pos,
-                token: s.token,
+                tokens: s.tokens,
             })
             .collect();
         CpuDecoder::step(self, &mut steps, logits)
@@ -271,7 +279,8 @@ struct Member {
 struct Job<S> {
     seq: S,
     pos: usize,
-    token: u32,
+    /// The token to run, then the draft to verify beside it (if any).
+    tokens: Vec<u32>,
     logits: Vec<f32>,
     member: Arc<Member>,
     reply: mpsc::SyncSender<Done<S>>,
@@ -375,19 +384,21 @@ pub struct BatchSession<'a, E: StepEngine> {
 }
 
 impl<E: StepEngine> BatchSession<'_, E> {
-    /// Runs `token` at `pos` of `seq` in the next batched step; `logits` receives the
-    /// vocabulary's logits. Returns the number of sequences the step ran for.
+    /// Runs `tokens` at `pos`, `pos + 1`, … of `seq` in the next batched step (the token the
+    /// request picked, then the draft it wants verified); `logits` receives the vocabulary's
+    /// logits for each, one row after another. Returns the number of sequences the step ran
+    /// for.
     pub fn step(
         &mut self,
         seq: &mut E::Seq,
         pos: usize,
-        token: u32,
+        tokens: &[u32],
         logits: &mut Vec<f32>,
     ) -> candle_core::Result<usize> {
         let job = Job {
             seq: std::mem::take(seq),
             pos,
-            token,
+            tokens: tokens.to_vec(),
             logits: std::mem::take(logits),
             member: self.member.clone(),
             reply: self.reply.clone(),
@@ -457,20 +468,25 @@ fn step_service() -> Option<&'static str> {
 struct Window {
     steps: u64,
     busy: Duration,
-    /// Each member once, with the tokens its steps computed.
+    /// Each member once, with the positions its steps computed (one a step, more when a
+    /// step verified a draft).
     members: Vec<(Arc<Member>, i64)>,
     /// The latest step: (index, batch size, start, end, compute-lock wait).
     last: Option<(u64, usize, Instant, Instant, Duration)>,
 }
 
 impl Window {
-    fn add(&mut self, step: (u64, usize, Instant, Instant, Duration), members: &[Arc<Member>]) {
+    fn add(
+        &mut self,
+        step: (u64, usize, Instant, Instant, Duration),
+        members: &[(Arc<Member>, i64)],
+    ) {
         self.steps += 1;
         self.busy += step.3.saturating_duration_since(step.2);
-        for m in members {
+        for (m, rows) in members {
             match self.members.iter_mut().find(|(w, _)| Arc::ptr_eq(w, m)) {
-                Some((_, tokens)) => *tokens += 1,
-                None => self.members.push((m.clone(), 1)),
+                Some((_, tokens)) => *tokens += rows,
+                None => self.members.push((m.clone(), *rows)),
             }
         }
         self.last = Some(step);
@@ -590,7 +606,7 @@ fn run<E: StepEngine>(
         // A request whose own step is invalid fails alone, before the batch runs.
         let mut valid = Vec::with_capacity(jobs.len());
         for job in jobs {
-            match engine.check(&job.seq, job.pos, job.token) {
+            match engine.check(&job.seq, job.pos, &job.tokens) {
                 Ok(()) => valid.push(job),
                 Err(e) => finish(job, 0, Err(e), None),
             }
@@ -600,11 +616,12 @@ fn run<E: StepEngine>(
             continue;
         }
         let b = jobs.len();
+        let rows: usize = jobs.iter().map(|j| j.tokens.len()).sum();
         index += 1;
         let batches = &telemetry::metrics::DECODE_BATCH;
         telemetry::metrics::metrics()
             .step_tokens
-            .record(b as f64, &[]);
+            .record(rows as f64, &[]);
         batches.last.store(b as u64, Ordering::Relaxed);
         batches.largest.fetch_max(b as u64, Ordering::Relaxed);
         let traced = match changed_step_spans().unwrap_or(spans) {
@@ -622,7 +639,7 @@ fn run<E: StepEngine>(
         label.set(step_target.clone().or(own));
         // The step's span is the batcher thread's current context while it runs.
         let current = step.as_ref().map(|s| s.context().clone().attach());
-        logits.resize(b * vocab, 0.0);
+        logits.resize(rows * vocab, 0.0);
         let turn = compute.lock();
         let computing = clock::now();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -631,7 +648,7 @@ fn run<E: StepEngine>(
                 .map(|j| StepInput {
                     seq: &mut j.seq,
                     pos: j.pos,
-                    token: j.token,
+                    tokens: &j.tokens,
                 })
                 .collect();
             engine.step(&mut inputs, &mut logits)
@@ -643,18 +660,24 @@ fn run<E: StepEngine>(
         if step_target.is_some() {
             label.set(None);
         }
-        let members: Vec<Arc<Member>> = jobs.iter().map(|j| j.member.clone()).collect();
+        let members: Vec<(Arc<Member>, i64)> = jobs
+            .iter()
+            .map(|j| (j.member.clone(), j.tokens.len() as i64))
+            .collect();
         let link = step.as_ref().map(Stage::span_context);
+        let mut row = 0;
         for (i, mut job) in jobs.into_iter().enumerate() {
+            let n = job.tokens.len();
             let result = match &result {
                 Ok(()) => {
                     job.logits.clear();
                     job.logits
-                        .extend_from_slice(&logits[i * vocab..(i + 1) * vocab]);
+                        .extend_from_slice(&logits[row * vocab..(row + n) * vocab]);
                     Ok(())
                 }
                 Err(e) => Err(candle_core::Error::Msg(e.to_string())),
             };
+            row += n;
             let at = link.clone().map(|cx| (cx, i));
             finish(job, b, result, at);
         }
@@ -666,16 +689,13 @@ fn run<E: StepEngine>(
         }
         if let Some(step) = step {
             step.set_all(step_attributes(index, b, wait));
+            step.set(KeyValue::new(attr::DECODE_STEP_ROWS, rows as i64));
             if let Err(e) = &result {
                 step.fail("model", e.to_string());
             }
             match spans {
                 StepSpans::Sampled(_) => step.set_all(window.take()),
-                _ => {
-                    let ones: Vec<(Arc<Member>, i64)> =
-                        members.into_iter().map(|m| (m, 1)).collect();
-                    step.set_all(member_attributes(&ones));
-                }
+                _ => step.set_all(member_attributes(&members)),
             }
             step.end_at(ended);
         }

@@ -57,6 +57,12 @@ pub struct GeneratorArgs {
     /// refused at start.
     #[arg(long, env = "RAGSCOPE_KV_CACHE_DTYPE", value_enum)]
     pub kv_cache_dtype: Option<crate::KvDtype>,
+    /// Speculative decoding from the prompt: `off`, or `prompt-lookup[:DRAFT[:NGRAM]]` (draft
+    /// up to DRAFT tokens, from 1 to 16, by matching the answer's last NGRAM tokens, at least
+    /// 2, in the prompt; each step verifies its draft in one pass). The output is the same
+    /// token for token; only the CPU decoder drafts.
+    #[arg(long, env = "RAGSCOPE_SPECULATION", default_value_t = crate::speculate::Speculation::DEFAULT)]
+    pub speculation: crate::speculate::Speculation,
 }
 
 /// Failure snapshots (`<data-dir>/snapshots/`, `GET /debug/snapshots`, `ragscope replay`).

@@ -78,6 +78,7 @@ pub fn load_models_with(
         .with_context(|| format!("loading generator from {}", gen_dir.display()))?
         .with_prefill_chunk(g.prefill_chunk_tokens)
         .with_prefix_cache(g.prefix_cache_mb)
+        .with_speculation(g.speculation)
         .with_snapshots(snapshots);
     let generator = match g.kv_cache_dtype {
         Some(dtype) => generator.with_kv_dtype(dtype)?,

@@ -220,6 +220,8 @@ fn evaluate(args: &EvalArgs, handle: &tokio::runtime::Handle) -> Result<()> {
                     "prompt_tokens": answer.usage.prompt_tokens,
                     "completion_tokens": answer.usage.completion_tokens,
                     "finish_reason": answer.finish_reason.as_str(),
+                    "ttft_ms": answer.timings.ttft_ms,
+                    "decode_ms": answer.timings.decode_ms,
                 });
                 writeln!(out, "{line}")?;
             }

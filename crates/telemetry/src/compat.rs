@@ -17,6 +17,7 @@
 //! | `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total` | prompt tokens of prefills that looked up the prefix cache; `ragscope.prefix_cache.hit_tokens` |
 //! | `vllm:num_requests_running`, `vllm:num_requests_waiting` | `ragscope.jobs.running`, `ragscope.queue.depth` |
 //! | `vllm:iteration_tokens_total` (a histogram) | `ragscope.step.tokens` |
+//! | `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_{draft,accepted}_tokens_total` | `ragscope.spec.drafts`, `ragscope.spec.tokens` drafted, accepted |
 //! | `vllm:kv_cache_usage_perc` | `ragscope.kv_cache.tokens` over the positions the workers could hold (workers × context window) |
 
 use std::fmt::Write as _;
@@ -336,6 +337,32 @@ pub(crate) fn render(rm: &ResourceMetrics, open: bool, out: &mut String) {
         "vllm:prefix_cache_hits",
         "Prompt tokens found in the prefix cache.",
         &[(String::new(), hits)],
+    );
+    let spec = |kind: &str| {
+        scrape
+            .total(metric::SPEC_TOKENS, |l| has(l, attr::KIND, kind))
+            .unwrap_or(0.0)
+    };
+    counter(
+        out,
+        "vllm:spec_decode_num_drafts",
+        "Speculative drafts verified.",
+        &[(
+            String::new(),
+            scrape.total(metric::SPEC_DRAFTS, any).unwrap_or(0.0),
+        )],
+    );
+    counter(
+        out,
+        "vllm:spec_decode_num_draft_tokens",
+        "Speculative draft tokens verified.",
+        &[(String::new(), spec("drafted"))],
+    );
+    counter(
+        out,
+        "vllm:spec_decode_num_accepted_tokens",
+        "Speculative draft tokens accepted.",
+        &[(String::new(), spec("accepted"))],
     );
     let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
         let _ = writeln!(

@@ -125,8 +125,13 @@ pub struct Metrics {
     pub request_tokens: Histogram<f64>,
     /// Finished generations by `reason` (the finish reason).
     pub requests_finished: Counter<u64>,
-    /// Tokens per model step: a prefill chunk's, or a decode step's (one per sequence).
+    /// Tokens per model step: a prefill chunk's, or a decode step's (one per sequence, plus
+    /// the draft tokens it verified).
     pub step_tokens: Histogram<f64>,
+    /// Speculative draft tokens by `kind`: drafted (verified by a step) and accepted.
+    pub spec_tokens: Counter<u64>,
+    /// Drafts verified: decode steps that carried one.
+    pub spec_drafts: Counter<u64>,
 }
 
 /// Histograms of what each RAG answer was made of, one observation per request: with them a
@@ -321,9 +326,22 @@ impl Metrics {
                 .f64_histogram(metric::STEP_TOKENS)
                 .with_unit("{token}")
                 .with_description(
-                    "Tokens per model step: a prefill chunk's, or a decode step's (one per sequence)",
+                    "Tokens per model step: a prefill chunk's, or a decode step's (one per sequence \
+                     plus the draft tokens it verified)",
                 )
                 .with_boundaries(REQUEST_TOKEN_BUCKETS.to_vec())
+                .build(),
+            spec_tokens: meter
+                .u64_counter(metric::SPEC_TOKENS)
+                .with_unit("{token}")
+                .with_description(
+                    "Speculative draft tokens by kind: drafted (verified) and accepted",
+                )
+                .build(),
+            spec_drafts: meter
+                .u64_counter(metric::SPEC_DRAFTS)
+                .with_unit("{draft}")
+                .with_description("Speculative drafts verified (decode steps that carried one)")
                 .build(),
             connections_rejected: meter
                 .u64_counter(metric::CONNECTIONS_REJECTED)

@@ -355,6 +355,8 @@ names! {
         DECODE_BATCH_SLOT = "rag.decode.batch.slot",
         DECODE_STEP_INDEX = "rag.decode.step.index",
         DECODE_STEP_WAIT_MS = "rag.decode.step.wait_ms",
+        /// Positions a step computed: one per member, plus the drafts it verified.
+        DECODE_STEP_ROWS = "rag.decode.step.rows",
         DECODE_MEMBERS_REQUEST_IDS = "rag.decode.members.request_ids",
         DECODE_MEMBERS_TRACE_IDS = "rag.decode.members.trace_ids",
         DECODE_MEMBERS_SPAN_IDS = "rag.decode.members.span_ids",
@@ -364,6 +366,14 @@ names! {
         DECODE_STEPS = "rag.decode.steps",
         DECODE_STEP_SPANS = "rag.decode.step_spans",
         DECODE_STEP_LINKS_DROPPED = "rag.decode.step_links.dropped",
+        // Speculative decoding from the prompt (`--speculation`), on the `decode` span: the
+        // draft tokens verified, those the model agreed with, the steps that verified a
+        // draft, and accepted / drafted.
+        SPEC_METHOD = "rag.spec.method",
+        SPEC_DRAFTED = "rag.spec.drafted_tokens",
+        SPEC_ACCEPTED = "rag.spec.accepted_tokens",
+        SPEC_STEPS = "rag.spec.steps",
+        SPEC_ACCEPTANCE_RATE = "rag.spec.acceptance_rate",
         GPU_DEVICE_MS = "gpu.device_ms",
         GPU_HOST_LAUNCH_MS = "gpu.host_launch_ms",
         GPU_GAP_MS = "gpu.gap_ms",
@@ -505,6 +515,10 @@ names! {
         REQUESTS_FINISHED = "ragscope.requests.finished",
         /// Tokens per model step: a prefill chunk's, or a decode step's (one per sequence).
         STEP_TOKENS = "ragscope.step.tokens",
+        /// Speculative decoding: draft tokens by `kind` (drafted, accepted), and the drafts
+        /// (steps that verified one).
+        SPEC_TOKENS = "ragscope.spec.tokens",
+        SPEC_DRAFTS = "ragscope.spec.drafts",
     }
 }
 

@@ -170,7 +170,7 @@ impl Transformer {
                     Logits::Host(buf) => buf,
                     Logits::Device(_) => Vec::new(),
                 };
-                let batch = session.step(kv, cache.len, token, &mut buf)?;
+                let batch = session.step(kv, cache.len, &[token], &mut buf)?;
                 cache.len += 1;
                 *logits = Logits::Host(buf);
                 Ok(batch)
@@ -182,6 +182,24 @@ impl Transformer {
                 Ok(1)
             }
         }
+    }
+
+    /// Runs `tokens` (the last pick, then a draft to verify) at the cache's next positions in
+    /// one batched step; `logits` receives a row of logits for each. The caller takes back
+    /// from `cache.len` the positions of draft tokens it rejects.
+    pub fn decode_draft(
+        &self,
+        session: &mut Session<'_>,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logits: &mut Vec<f32>,
+    ) -> candle_core::Result<usize> {
+        let KvStore::Host(kv) = &mut cache.store else {
+            candle_core::bail!("drafts are verified on the CPU decoder's cache only");
+        };
+        let batch = session.step(kv, cache.len, tokens, logits)?;
+        cache.len += tokens.len();
+        Ok(batch)
     }
 
     /// Tokens per prefill chunk.

@@ -1,9 +1,11 @@
 //! Batched decode in `ragscope attribute`: a batched step (`decode_step`, the root of a trace of
 //! its own) ran for several requests at once, so its time belongs to none of them alone. Each
-//! step's time is split among its members in proportion to their tokens in it (one each per
-//! step today; a `sampled:N` span stands for N steps and carries each member's tokens over
-//! them). The shares of every step add up to the step, so the attributed times of all requests
-//! add up to the batcher's busy time.
+//! step's time is split among its members in proportion to their tokens in it: the positions
+//! the step computed for each, one per step plus the draft tokens it verified when the request
+//! speculates (what the step cost, whether or not the drafts were accepted; the request's
+//! `decode` span says how many were). A `sampled:N` span stands for N steps and carries each
+//! member's tokens over them. The shares of every step add up to the step, so the attributed
+//! times of all requests add up to the batcher's busy time.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

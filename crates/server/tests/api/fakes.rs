@@ -259,6 +259,7 @@ impl Generator for FakeGenerator {
             prefill: prefill_took,
             decode: decode.end(),
             first_token_at: first,
+            speculation: Default::default(),
         })
     }
 }
@@ -330,7 +331,7 @@ impl StepEngine for FakeStep {
     fn vocab(&self) -> usize {
         4
     }
-    fn check(&self, _: &(), _pos: usize, _token: u32) -> candle_core::Result<()> {
+    fn check(&self, _: &(), _pos: usize, _tokens: &[u32]) -> candle_core::Result<()> {
         Ok(())
     }
     fn step(&self, seqs: &mut [StepInput<'_, ()>], logits: &mut [f32]) -> candle_core::Result<()> {
@@ -403,7 +404,7 @@ impl Generator for BatchedFakeGenerator {
         for i in 0..self.words.tokens.min(req.max_tokens) {
             if i > 0 {
                 session
-                    .step(&mut (), req.prompt.len() + i, i as u32, &mut logits)
+                    .step(&mut (), req.prompt.len() + i, &[i as u32], &mut logits)
                     .map_err(GenerateError::Model)?;
             }
             first.get_or_insert(clock::now());
@@ -427,6 +428,7 @@ impl Generator for BatchedFakeGenerator {
             prefill: prefill_took,
             decode: decode.end(),
             first_token_at: first,
+            speculation: Default::default(),
         })
     }
 }

@@ -37,6 +37,7 @@ mod query;
 mod receiver;
 mod rotel;
 mod snapshots;
+mod speculation;
 mod stack;
 mod stages;
 mod stalls;
