@@ -15,7 +15,7 @@ use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{Span, SpanData, SpanExporter, SpanProcessor};
 use opentelemetry_sdk::Resource;
 
-/// Counts of what happened to finished spans.
+/// Counts of what happened to telemetry on its way out: finished spans, or OTLP profiles.
 #[derive(Debug, Default)]
 pub struct ExportStats {
     pub exported: AtomicU64,
@@ -30,13 +30,31 @@ impl ExportStats {
             + self.dropped_export_failed.load(Ordering::Relaxed)
     }
 
-    fn warn_rate_limited(&self, what: &str) {
+    /// Counts one item (span, profile) a full queue turned away, and says so at most once a
+    /// minute.
+    pub(crate) fn queue_full(&self, signal: &str) {
+        self.dropped_queue_full.fetch_add(1, Ordering::Relaxed);
+        self.warn_rate_limited(&format!(
+            "{signal} export: the export queue is full; {signal}s are being dropped"
+        ));
+    }
+
+    /// Counts `n` items (spans, profiles) a failed export lost, and says so at most once a
+    /// minute.
+    pub(crate) fn export_failed(&self, n: u64, signal: &str, error: impl std::fmt::Display) {
+        self.dropped_export_failed.fetch_add(n, Ordering::Relaxed);
+        self.warn_rate_limited(&format!(
+            "{signal} export: export failed ({error}); {signal}s are being dropped"
+        ));
+    }
+
+    fn warn_rate_limited(&self, message: &str) {
         let mut last = self.last_warning.lock().expect("warning lock");
         if last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
             *last = Some(Instant::now());
             tracing::warn!(
                 dropped_total = self.dropped(),
-                "span export: {what}; spans are being dropped (logged at most once a minute)"
+                "{message} (logged at most once a minute)"
             );
         }
     }
@@ -125,8 +143,7 @@ fn export_loop<E: SpanExporter>(
                 stats.exported.fetch_add(n, Ordering::Relaxed);
             }
             Err(e) => {
-                stats.dropped_export_failed.fetch_add(n, Ordering::Relaxed);
-                stats.warn_rate_limited(&format!("export failed ({e})"));
+                stats.export_failed(n, "span", e);
             }
         }
     };
@@ -168,12 +185,7 @@ impl SpanProcessor for ExportQueue {
         let Some(tx) = self.sender() else { return };
         match tx.try_send(Message::Span(Box::new(span))) {
             Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                self.stats
-                    .dropped_queue_full
-                    .fetch_add(1, Ordering::Relaxed);
-                self.stats.warn_rate_limited("the export queue is full");
-            }
+            Err(TrySendError::Full(_)) => self.stats.queue_full("span"),
             Err(TrySendError::Disconnected(_)) => {}
         }
     }

@@ -124,7 +124,7 @@ pub fn service_name() -> String {
     env_nonempty("OTEL_SERVICE_NAME").unwrap_or_else(|| SERVICE_NAME.into())
 }
 
-fn env_nonempty(name: &str) -> Option<String> {
+pub(crate) fn env_nonempty(name: &str) -> Option<String> {
     env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
@@ -388,8 +388,8 @@ fn process_cpu_seconds() -> Option<f64> {
     Some(ticks as f64 / 100.0)
 }
 
-/// Gauges read at collection time: dropped spans and stage events, KV cache, prefix cache, GPU
-/// memory and build info.
+/// Gauges read at collection time: dropped spans, profiles and stage events, KV cache, prefix
+/// cache, GPU memory and build info.
 pub(crate) fn register_process_gauges() {
     let meter = opentelemetry::global::meter(span::SCOPE);
     // The server's own CPU seconds: a load generator on another box reads them from /metrics
@@ -404,23 +404,20 @@ pub(crate) fn register_process_gauges() {
             }
         })
         .build();
-    let stats = export_stats();
-    let _dropped = meter
-        .u64_observable_counter(metric::SPANS_DROPPED)
-        .with_unit("{span}")
-        .with_description("Finished spans not exported: queue full or export failed")
-        .with_callback(move |o| {
-            use std::sync::atomic::Ordering::Relaxed;
-            o.observe(
-                stats.dropped_queue_full.load(Relaxed),
-                &[KeyValue::new(attr::REASON, "queue_full")],
-            );
-            o.observe(
-                stats.dropped_export_failed.load(Relaxed),
-                &[KeyValue::new(attr::REASON, "export_failed")],
-            );
-        })
-        .build();
+    dropped_counter(
+        &meter,
+        metric::SPANS_DROPPED,
+        "{span}",
+        "Finished spans not exported: queue full or export failed",
+        export_stats(),
+    );
+    dropped_counter(
+        &meter,
+        metric::PROFILES_DROPPED,
+        "{profile}",
+        "OTLP profiles (one per upload interval) not exported: queue full or export failed",
+        profile::otlp::stats(),
+    );
     let _kv_bytes = meter
         .u64_observable_gauge(metric::KV_CACHE_BYTES)
         .with_unit("By")
@@ -518,6 +515,32 @@ pub(crate) fn register_process_gauges() {
             o.observe(
                 1,
                 &[KeyValue::new(attr::VERSION, env!("CARGO_PKG_VERSION"))],
+            );
+        })
+        .build();
+}
+
+/// What an exporter dropped, by `reason` (queue_full, export_failed).
+fn dropped_counter(
+    meter: &opentelemetry::metrics::Meter,
+    name: &'static str,
+    unit: &'static str,
+    description: &'static str,
+    stats: Arc<ExportStats>,
+) {
+    let _counter = meter
+        .u64_observable_counter(name)
+        .with_unit(unit)
+        .with_description(description)
+        .with_callback(move |o| {
+            use std::sync::atomic::Ordering::Relaxed;
+            o.observe(
+                stats.dropped_queue_full.load(Relaxed),
+                &[KeyValue::new(attr::REASON, "queue_full")],
+            );
+            o.observe(
+                stats.dropped_export_failed.load(Relaxed),
+                &[KeyValue::new(attr::REASON, "export_failed")],
             );
         })
         .build();

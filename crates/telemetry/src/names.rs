@@ -476,6 +476,8 @@ names! {
         /// Jobs a model worker is running now.
         JOBS_RUNNING = "ragscope.jobs.running",
         SPANS_DROPPED = "ragscope.spans.dropped",
+        /// OTLP profiles (one per upload interval) not exported.
+        PROFILES_DROPPED = "ragscope.profiles.dropped",
         STAGE_EVENTS_DROPPED = "ragscope.stage_events.dropped",
         KV_CACHE_BYTES = "ragscope.kv_cache.bytes",
         KV_CACHE_TOKENS = "ragscope.kv_cache.tokens",

@@ -17,7 +17,22 @@ pub struct TelemetryArgs {
     /// The Pyroscope agents' own variable for the server, used when --pyroscope-url is unset.
     #[arg(long, global = true, env = "PYROSCOPE_SERVER_ADDRESS")]
     pub pyroscope_server_address: Option<String>,
-    /// CPU samples per second per thread while profiling.
+    /// Also export the CPU samples as the OTLP profiles signal (alpha: its proto is
+    /// `v1development` and changes between collector releases): `true` or `1` turns it on.
+    #[arg(
+        long,
+        global = true,
+        env = "RAGSCOPE_OTLP_PROFILES",
+        default_value = "false",
+        value_parser = parse_switch,
+        action = clap::ArgAction::Set
+    )]
+    pub otlp_profiles: bool,
+    /// OTLP/gRPC receiver of the profiles (e.g. http://otel-collector:4317); unset: the
+    /// general OTEL_EXPORTER_OTLP_ENDPOINT, else http://localhost:4317.
+    #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_PROFILES_ENDPOINT")]
+    pub otlp_profiles_endpoint: Option<String>,
+    /// CPU samples per second per thread while profiling (Pyroscope and OTLP profiles alike).
     #[arg(
         long,
         global = true,
@@ -26,7 +41,8 @@ pub struct TelemetryArgs {
         value_parser = blank_or::<u32>(100)
     )]
     pub pyroscope_sample_rate: u32,
-    /// How often the profiler uploads what it sampled (seconds).
+    /// How often the profiler uploads what it sampled, to Pyroscope and as OTLP profiles
+    /// (seconds).
     #[arg(
         long,
         global = true,
@@ -93,6 +109,25 @@ impl TelemetryArgs {
             .flatten()
             .find(|url| !url.trim().is_empty())
             .map(String::as_str)
+    }
+
+    /// Where to export OTLP profiles, if they are on: `--otlp-profiles-endpoint`, else the
+    /// general OTLP endpoint, else the gRPC default.
+    pub fn otlp_profiles_target(&self) -> Option<String> {
+        if !self.otlp_profiles {
+            return None;
+        }
+        let explicit = self
+            .otlp_profiles_endpoint
+            .as_deref()
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(str::to_string);
+        Some(
+            explicit
+                .or_else(|| crate::env_nonempty("OTEL_EXPORTER_OTLP_ENDPOINT"))
+                .unwrap_or_else(|| "http://localhost:4317".into()),
+        )
     }
 
     /// The baggage members to copy onto spans, trimmed, blanks dropped.
@@ -162,5 +197,32 @@ mod tests {
         assert!(interval("0").is_err());
         assert!(!parse_switch("").unwrap());
         assert!(!parse_switch("0").unwrap());
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
+    }
+
+    fn parse(args: &[&str]) -> TelemetryArgs {
+        use clap::Parser;
+        Cli::parse_from(std::iter::once("ragscope").chain(args.iter().copied())).telemetry
+    }
+
+    #[test]
+    fn otlp_profiles_are_off_until_switched_on() {
+        let endpoint = ["--otlp-profiles-endpoint", "http://collector:4317"];
+        assert_eq!(parse(&endpoint).otlp_profiles_target(), None);
+        let on = parse(&[&["--otlp-profiles", "true"][..], &endpoint].concat());
+        assert_eq!(
+            on.otlp_profiles_target().as_deref(),
+            Some("http://collector:4317")
+        );
+        // The old flag still sets the one sampler's rate.
+        assert_eq!(
+            parse(&["--pyroscope-sample-rate", "50"]).pyroscope_sample_rate,
+            50
+        );
     }
 }

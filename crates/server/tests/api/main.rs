@@ -22,6 +22,7 @@ mod loadgen;
 mod metrics;
 mod openai;
 mod openapi;
+mod otlp_profiles;
 mod overlap;
 mod overload;
 mod page;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use opentelemetry::trace::SpanId;
-use opentelemetry_sdk::trace::InMemorySpanExporter;
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use prost::Message;
 use pyroscope::encode::gen::google::Profile;
 use pyroscope::encode::gen::push::PushRequest;
@@ -17,10 +17,10 @@ use serde_json::json;
 use telemetry::profile::{self, ProfileSettings};
 use tokio::net::TcpListener;
 
-use crate::helpers::{spawn_app, spawn_app_with};
+use crate::helpers::{spawn_app, spawn_app_with, TestApp};
 
 /// Starts a Pyroscope push endpoint; returns its URL and what it receives.
-async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
+pub(crate) async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
     let pushes: Arc<Mutex<Vec<PushRequest>>> = Arc::default();
     let kept = pushes.clone();
     let app = axum::Router::new().route(
@@ -47,21 +47,61 @@ async fn receiver() -> (String, Arc<Mutex<Vec<PushRequest>>>) {
 async fn profiling() -> (
     Arc<Mutex<Vec<PushRequest>>>,
     InMemorySpanExporter,
-    opentelemetry_sdk::trace::SdkTracerProvider,
+    SdkTracerProvider,
     profile::ProfilerGuard,
 ) {
     let (url, pushes) = receiver().await;
+    let (exporter, tracer, guard) = profiling_to(Some(url), None);
+    (pushes, exporter, tracer, guard)
+}
+
+/// Spans to an in-memory exporter, and CPU profiles at 100 Hz sent every second to a Pyroscope
+/// `url` and/or an OTLP profiles endpoint: the spans, and what to stop and flush at the end.
+pub(crate) fn profiling_to(
+    url: Option<String>,
+    otlp_endpoint: Option<String>,
+) -> (
+    InMemorySpanExporter,
+    SdkTracerProvider,
+    profile::ProfilerGuard,
+) {
     let exporter = InMemorySpanExporter::default();
     let tracer = telemetry::tracer_provider(exporter.clone(), telemetry::resource());
     opentelemetry::global::set_tracer_provider(tracer.clone());
     let guard = profile::start(&ProfileSettings {
         url,
+        otlp_endpoint,
         application: "ragscope-test".into(),
         sample_rate: 100,
         upload_interval: Duration::from_secs(1),
     })
     .unwrap();
-    (pushes, exporter, tracer, guard)
+    (exporter, tracer, guard)
+}
+
+/// Three questions through the real pipeline, then stops the profiler (which sends what it
+/// holds) and flushes the spans.
+pub(crate) async fn ask_three_and_stop(
+    app: &TestApp,
+    tracer: SdkTracerProvider,
+    guard: profile::ProfilerGuard,
+) {
+    for q in [
+        "What is the capital of Zorbia?",
+        "Who invented the flumox?",
+        "What does git stash pop do?",
+    ] {
+        let (status, body) = app
+            .post("/v1/rag/query", &json!({"query": q, "max_tokens": 48}))
+            .await;
+        assert_eq!(status, 200, "{body}");
+    }
+    tokio::task::spawn_blocking(move || {
+        drop(guard);
+        tracer.force_flush().unwrap();
+    })
+    .await
+    .unwrap();
 }
 
 /// span_id label → (samples, whether any stack holds a candle frame).
@@ -117,22 +157,7 @@ async fn cpu_samples_carry_the_span_ids_of_the_stages_that_ran() {
     let (pushes, exporter, tracer, guard) = profiling().await;
     let app = spawn_app().await;
     app.ingest_fixtures().await;
-    for q in [
-        "What is the capital of Zorbia?",
-        "Who invented the flumox?",
-        "What does git stash pop do?",
-    ] {
-        let (status, _) = app
-            .post("/v1/rag/query", &json!({"query": q, "max_tokens": 48}))
-            .await;
-        assert_eq!(status, 200);
-    }
-    tokio::task::spawn_blocking(move || {
-        drop(guard); // stops the agent, uploading what it holds
-        tracer.force_flush().unwrap();
-    })
-    .await
-    .unwrap();
+    ask_three_and_stop(&app, tracer, guard).await;
 
     let pushes = pushes.lock().unwrap().clone();
     assert!(!pushes.is_empty(), "the agent uploaded nothing");
@@ -198,12 +223,22 @@ async fn a_dead_profiler_costs_no_request() {
         .local_addr()
         .unwrap();
     let guard = profile::start(&ProfileSettings {
-        url: format!("http://{dead}"),
+        url: Some(format!("http://{dead}")),
+        otlp_endpoint: None,
         application: "ragscope-test".into(),
         sample_rate: 100,
         upload_interval: Duration::from_millis(500),
     })
     .unwrap();
+    twenty_queries_answered().await;
+    assert!(profile::enabled());
+    tokio::task::spawn_blocking(move || drop(guard))
+        .await
+        .unwrap();
+}
+
+/// Twenty queries to a server with a fake generator, every one answered.
+pub(crate) async fn twenty_queries_answered() {
     let app = crate::helpers::spawn_fake_app(crate::fakes::FakeGenerator::new(200)).await;
     app.ingest_fixtures().await;
     for i in 0..20 {
@@ -215,10 +250,6 @@ async fn a_dead_profiler_costs_no_request() {
             .await;
         assert_eq!(status, 200, "{body}");
     }
-    assert!(profile::enabled());
-    tokio::task::spawn_blocking(move || drop(guard))
-        .await
-        .unwrap();
 }
 
 /// Four real queries decoding side by side with every batched step a span: CPU samples taken

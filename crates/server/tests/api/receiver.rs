@@ -1,4 +1,5 @@
-//! An in-process OTLP receiver (gRPC and HTTP/protobuf) that keeps what it is sent.
+//! An in-process OTLP receiver (gRPC and HTTP/protobuf) that keeps what it is sent; over gRPC
+//! it takes profiles too (the alpha `v1development` service).
 
 use std::sync::{Arc, Mutex};
 
@@ -8,6 +9,12 @@ use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::
 };
 use opentelemetry_proto::tonic::collector::metrics::v1::{
     ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
+use opentelemetry_proto::tonic::collector::profiles::v1development::profiles_service_server::{
+    ProfilesService, ProfilesServiceServer,
+};
+use opentelemetry_proto::tonic::collector::profiles::v1development::{
+    ExportProfilesServiceRequest, ExportProfilesServiceResponse,
 };
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -23,6 +30,7 @@ use tokio::net::TcpListener;
 pub struct Received {
     pub traces: Arc<Mutex<Vec<ExportTraceServiceRequest>>>,
     pub metrics: Arc<Mutex<Vec<ExportMetricsServiceRequest>>>,
+    pub profiles: Arc<Mutex<Vec<ExportProfilesServiceRequest>>>,
 }
 
 impl Received {
@@ -91,6 +99,19 @@ impl MetricsService for Received {
     }
 }
 
+#[tonic::async_trait]
+impl ProfilesService for Received {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportProfilesServiceRequest>,
+    ) -> Result<tonic::Response<ExportProfilesServiceResponse>, tonic::Status> {
+        self.profiles.lock().unwrap().push(request.into_inner());
+        Ok(tonic::Response::new(
+            ExportProfilesServiceResponse::default(),
+        ))
+    }
+}
+
 /// Starts a gRPC receiver; returns its endpoint URL.
 pub async fn grpc(received: Received) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -98,7 +119,8 @@ pub async fn grpc(received: Received) -> String {
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(TraceServiceServer::new(received.clone()))
-            .add_service(MetricsServiceServer::new(received))
+            .add_service(MetricsServiceServer::new(received.clone()))
+            .add_service(ProfilesServiceServer::new(received))
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     url
