@@ -9,6 +9,8 @@
 //! - [`peers`]: the fixed inputs of the comparison with llama.cpp and PyTorch
 //!   (`scripts/bench-peers`), and the decode-stream, prefill-interference and prefill-only
 //!   measurements on the same inputs ([`streams`], [`interference`]).
+//! - [`speculation`]: RAG answers' decode with and without speculative decoding from the
+//!   prompt, through the whole pipeline on the evaluation questions.
 //! - [`micro`]: one piece of compute at a time: the decode kernels, one decode step, the
 //!   embedder's forwards against each other.
 
@@ -16,6 +18,7 @@ mod interference;
 mod micro;
 mod overhead;
 mod peers;
+mod speculation;
 mod stages;
 mod streams;
 
@@ -70,6 +73,11 @@ enum Experiment {
     /// One CPU decode step of the generator at 600-650 positions of context (and at 10-60), and
     /// its layer matmuls and output head alone.
     DecodeStep(Setup),
+    /// RAG answers to the evaluation questions under each `--speculation` setting (the first
+    /// is the baseline), every question under every setting in a rotating order: decode
+    /// tokens/s, the speed-up with its 95% interval, acceptance, and answers that stayed the
+    /// same.
+    Speculation(SpeculationArgs),
     /// The embedder's forwards (candle's, the CPU one in F32 and, with AVX-512 BF16, in BF16) in
     /// interleaved rounds on the peer inputs: batch-32 sentences/s and single-query p50 ms.
     EmbedAb(EmbedAbArgs),
@@ -170,6 +178,32 @@ struct EmbedAbArgs {
     setup: Setup,
 }
 
+#[derive(Debug, Clone, Args)]
+struct SpeculationArgs {
+    /// Settings to compare, the first the baseline (`--speculation`'s values).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "off,prompt-lookup:4:3,prompt-lookup:8:3"
+    )]
+    settings: Vec<llm::speculate::Speculation>,
+    /// Question files (JSON lines with a `question`), asked in turn.
+    #[arg(
+        long,
+        value_name = "FILE",
+        default_values = ["eval/questions.jsonl", "eval/heldout.jsonl", "eval/howto.jsonl", "eval/named.jsonl"]
+    )]
+    questions: Vec<PathBuf>,
+    /// At most this many questions (0: all).
+    #[arg(long, default_value_t = 0)]
+    limit: usize,
+    /// Questions asked at once (their decode steps batched together).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
+    #[command(flatten)]
+    setup: Setup,
+}
+
 impl Experiment {
     /// The server settings the measurement loads with, if it loads any.
     fn setup(&self) -> Option<&Setup> {
@@ -181,6 +215,7 @@ impl Experiment {
             Experiment::Interference(a) => Some(&a.peers.setup),
             Experiment::DecodeStep(setup) => Some(setup),
             Experiment::EmbedAb(a) => Some(&a.setup),
+            Experiment::Speculation(a) => Some(&a.setup),
             Experiment::Kernels => None,
         }
     }
@@ -245,6 +280,16 @@ async fn run() -> Result<()> {
         Experiment::Kernels => blocking(Box::new(micro::kernels)).await?,
         Experiment::DecodeStep(setup) => {
             blocking(Box::new(move || micro::decode_step(&setup))).await?
+        }
+        Experiment::Speculation(a) => {
+            let handle = tokio::runtime::Handle::current();
+            let plan = speculation::Plan {
+                settings: a.settings,
+                questions: a.questions,
+                limit: a.limit,
+                concurrency: a.concurrency,
+            };
+            blocking(Box::new(move || speculation::run(&a.setup, &plan, &handle))).await?
         }
         Experiment::EmbedAb(a) => {
             blocking(Box::new(move || {

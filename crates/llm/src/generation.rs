@@ -225,7 +225,7 @@ impl<'a> TextGeneration<'a> {
                 // row gives one more token than it drafted).
                 let room = (cache.capacity.saturating_sub(cache.len + 1))
                     .min(req.max_tokens.saturating_sub(out.tokens.len() + 1));
-                let tokens = drafts.propose(speculation, last, room);
+                let tokens = drafts.propose(speculation, last, room, batches.last);
                 let batch = if tokens.len() > 1 {
                     let session = session.as_mut().expect("drafts need the batcher");
                     let mut buf = Vec::new();
@@ -414,18 +414,22 @@ impl Drafts {
     }
 
     /// The tokens for the next step: `last`, then up to `room` draft tokens when speculation
-    /// is on and the history holds a match.
-    fn propose(&mut self, speculation: Option<Speculation>, last: u32, room: usize) -> &[u32] {
+    /// is on and the history holds a match. The draft shrinks with the batch the last step ran
+    /// in (`batch` sequences: at most `max_draft / batch` each): a draft's rows cost compute
+    /// beside the weights the step reads once, and a full step has less of it to spare.
+    fn propose(
+        &mut self,
+        speculation: Option<Speculation>,
+        last: u32,
+        room: usize,
+        batch: usize,
+    ) -> &[u32] {
         self.tokens.clear();
         self.tokens.push(last);
         self.checked = 1;
         if let Some(s) = speculation {
-            speculate::draft(
-                &self.history,
-                s.ngram,
-                s.max_draft.min(room),
-                &mut self.tokens,
-            );
+            let max = (s.max_draft / batch.max(1)).min(room);
+            speculate::draft(&self.history, s.ngram, max, &mut self.tokens);
             let drafted = self.tokens.len() - 1;
             if drafted > 0 {
                 self.tally.steps += 1;
@@ -482,6 +486,8 @@ struct BatchSizes {
     steps: usize,
     total: usize,
     max: usize,
+    /// The latest step's.
+    last: usize,
 }
 
 impl BatchSizes {
@@ -489,6 +495,7 @@ impl BatchSizes {
         self.steps += 1;
         self.total += batch;
         self.max = self.max.max(batch);
+        self.last = batch;
     }
 }
 

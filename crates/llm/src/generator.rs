@@ -23,6 +23,11 @@ impl Generator for Llama {
         self
     }
 
+    fn set_speculation(&self, speculation: crate::speculate::Speculation) -> bool {
+        Llama::set_speculation(self, speculation);
+        true
+    }
+
     fn prefix_cache(&self) -> Option<&dyn PrefixReuse> {
         self.prefix.enabled().then_some(self as &dyn PrefixReuse)
     }

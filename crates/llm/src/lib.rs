@@ -331,6 +331,12 @@ pub trait Generator: Send + Sync {
         None
     }
 
+    /// Drafts as `speculation` says from the next request on; false when this generator never
+    /// drafts.
+    fn set_speculation(&self, _speculation: speculate::Speculation) -> bool {
+        false
+    }
+
     /// Scores a prompt: entry `i` is the log-probability of `prompt[i + 1]` after
     /// `prompt[..=i]`, with the `top` most likely tokens at that position (at most
     /// [`MAX_TOP_LOGPROBS`]). Records a `prefill` stage under `stage`.

@@ -168,6 +168,9 @@ impl Pipeline {
         // The prompt is counted once however many choices share it.
         let cached_tokens = first.cached_tokens;
         let completion_tokens = generated.iter().map(|g| g.tokens.len()).sum();
+        let speculation = generated
+            .iter()
+            .fold(llm::speculate::Tally::default(), |t, g| t + g.speculation);
         crate::tenant::charge(prompt_tokens + completion_tokens);
         let choices: Vec<Choice> = generated
             .into_iter()
@@ -196,6 +199,7 @@ impl Pipeline {
             choices,
             context: Vec::new(),
             finished_at: clock::now(),
+            speculation,
         }
     }
 }

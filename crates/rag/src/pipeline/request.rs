@@ -182,6 +182,8 @@ pub struct RagAnswer {
     pub context: Vec<String>,
     /// When the worker finished, on the shared clock: the `respond` stage starts here.
     pub finished_at: Instant,
+    /// Speculative drafts of every choice: steps, draft tokens verified, accepted.
+    pub speculation: llm::speculate::Tally,
 }
 
 /// One of a request's independent answers.
