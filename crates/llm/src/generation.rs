@@ -254,7 +254,14 @@ impl<'a> TextGeneration<'a> {
                 self.trail.step(batch);
             }
             let logits = rows.pop_front().expect("a row to pick from");
-            let pick = on_stage(&decode, sampler.pick(&logits, top_logprobs))?;
+            let pick = match sampler.pick(&logits, top_logprobs) {
+                Ok(pick) => pick,
+                Err(e) => {
+                    // A failure snapshot reads the cache as far as the answer got.
+                    cache.len -= rows.len();
+                    return on_stage(&decode, Err(e));
+                }
+            };
             let next = pick.token;
             // A pick that differs from the draft token the next row ran on ends the draft:
             // those rows, and the positions they wrote, are not the answer's.
@@ -318,7 +325,10 @@ impl<'a> TextGeneration<'a> {
                     out.finish = FinishReason::Cancelled;
                     break;
                 }
-                Flow::Fail => return Err(GenerateError::Aborted),
+                Flow::Fail => {
+                    cache.len -= rows.len();
+                    return Err(GenerateError::Aborted);
+                }
             }
             if stopped {
                 out.finish = FinishReason::Stop;
