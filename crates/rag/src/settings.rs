@@ -11,6 +11,15 @@ use llm::TokenTrace;
 use crate::pipeline::context::kinds::{ContextMethod, ContextMode, ContextOrder};
 use crate::pipeline::overlap::Overlap;
 use crate::prompt::PromptTemplate;
+
+/// `--answer-headers`: what becomes of a passage header an answer begins with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AnswerHeaders {
+    /// The header turned into a citation after the first sentence.
+    Cite,
+    /// The answer as generated.
+    Keep,
+}
 use crate::retrieve::cluster::{Cluster, ReadConsistency, WriteOrdering};
 
 /// The models: where they are unpacked, the embedder and the reranker (the generator's own
@@ -158,6 +167,12 @@ pub struct PipelineArgs {
     /// new, unasked-for answer (docs/CONTEXT.md).
     #[arg(long, env = "RAGSCOPE_END_AT_PARAGRAPH", default_value_t = true, action = clap::ArgAction::Set)]
     pub end_at_paragraph: bool,
+    /// An answer that begins by pasting its passage's header (`[3] git-show(1) › PRETTY
+    /// FORMATS`): `cite` drops the header and cites `[3]` after the first sentence, `keep`
+    /// shows the answer as generated. Requests that ask for logprobs keep it (each logprob
+    /// belongs to a token of the text).
+    #[arg(long, env = "RAGSCOPE_ANSWER_HEADERS", value_enum, default_value_t = AnswerHeaders::Cite)]
+    pub answer_headers: AnswerHeaders,
     /// The RAG prompt's wording (docs/CONTEXT.md compares them).
     #[arg(long, env = "RAGSCOPE_PROMPT_TEMPLATE", value_enum, default_value_t = PromptTemplate::default())]
     pub prompt_template: PromptTemplate,

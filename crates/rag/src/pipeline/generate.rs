@@ -3,11 +3,13 @@
 //! injected into tokens; then the answer with its usage and timings, and generation's metrics.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use opentelemetry::trace::SpanContext;
 use opentelemetry::KeyValue;
 
+use super::cite::{Citer, Header};
 use super::events::SendError;
 use super::{
     CacheUse, Choice, Event, EventSender, Pipeline, PipelineError, PromptTokensDetails, RagAnswer,
@@ -15,6 +17,7 @@ use super::{
 };
 use crate::fault::{FaultStage, Injected, MidAnswer};
 use crate::prompt::{self, Prompt};
+use crate::settings::AnswerHeaders;
 use llm::{Flow, GenerateRequest, Generated, Piece};
 use telemetry::clock::{self, millis};
 use telemetry::metrics::metrics;
@@ -27,6 +30,8 @@ pub(super) struct Given<'a> {
     pub prompt: &'a [u32],
     pub context_tokens: &'a [u32],
     pub stop: &'a [String],
+    /// The prompt's passage headers, when an answer that begins with one cites it instead.
+    pub headers: &'a [Header],
 }
 
 impl Pipeline {
@@ -54,10 +59,15 @@ impl Pipeline {
             .cloned()
             .chain(prompt::ANSWER_ENDS.iter().map(|s| s.to_string()))
             .collect();
+        let headers = match (self.defaults.answer_headers, req.logprobs) {
+            (AnswerHeaders::Cite, None) => Header::of(&built.kept, &built.texts),
+            _ => Vec::new(),
+        };
         let given = Given {
             prompt: &built.tokens,
             context_tokens: &context_tokens,
             stop: &stop,
+            headers: &headers,
         };
         self.generate(run, req, given, events)
     }
@@ -76,7 +86,7 @@ impl Pipeline {
         let spec =
             StageSpec::model(StageKind::Generate, model).with(request_attributes(req, events));
         run.run(spec, |stage| {
-            let delivery = Delivery::new(req, stage, events);
+            let delivery = Delivery::new(req, stage, events, given.headers);
             let requests = (0..req.choices.max(1))
                 .map(|i| GenerateRequest {
                     prompt: given.prompt,
@@ -103,6 +113,14 @@ impl Pipeline {
                         }
                         e => e.into(),
                     })?;
+            let mut generated = generated;
+            // What was held back for a header reaches the client, and each choice's text is
+            // what it was shown.
+            for (g, shown) in generated.iter_mut().zip(delivery.finish()) {
+                if let Some(text) = shown {
+                    g.text = text;
+                }
+            }
             delivery.record();
             let finishes: Vec<&str> = generated.iter().map(|g| g.finish.as_str()).collect();
             let output: usize = generated.iter().map(|g| g.tokens.len()).sum();
@@ -239,20 +257,31 @@ struct Delivery<'a> {
     token_delay: Option<Duration>,
     /// Pieces delivered so far, per choice.
     pieces: Vec<AtomicUsize>,
+    /// Per choice: the header-to-citation filter and the text it let out (with headers only).
+    citers: Option<Vec<Mutex<(Citer<'a>, String)>>>,
     delayed: AtomicUsize,
     stalled_ms: AtomicU64,
 }
 
 impl<'a> Delivery<'a> {
-    fn new(req: &RagRequest, stage: &'a Stage, events: Option<&'a EventSender>) -> Delivery<'a> {
+    fn new(
+        req: &RagRequest,
+        stage: &'a Stage,
+        events: Option<&'a EventSender>,
+        headers: &'a [Header],
+    ) -> Delivery<'a> {
+        let choices = req.choices.max(1);
         Delivery {
             stage,
             events,
             mid_answer: req.faults.mid_answer(),
             token_delay: req.faults.token_delay(),
-            pieces: (0..req.choices.max(1))
-                .map(|_| AtomicUsize::new(0))
-                .collect(),
+            pieces: (0..choices).map(|_| AtomicUsize::new(0)).collect(),
+            citers: (!headers.is_empty()).then(|| {
+                (0..choices)
+                    .map(|_| Mutex::new((Citer::new(headers), String::new())))
+                    .collect()
+            }),
             delayed: AtomicUsize::new(0),
             stalled_ms: AtomicU64::new(0),
         }
@@ -269,12 +298,28 @@ impl<'a> Delivery<'a> {
             std::thread::sleep(d);
             self.delayed.fetch_add(1, Ordering::Relaxed);
         }
-        let streamed = || Streamed {
+        let text = match &self.citers {
+            Some(citers) => {
+                let mut c = citers[choice].lock().unwrap_or_else(|p| p.into_inner());
+                let text = c.0.push(piece.text);
+                c.1.push_str(&text);
+                text
+            }
+            None => piece.text.to_string(),
+        };
+        if text.is_empty() && piece.logprobs.is_empty() {
+            return Flow::Continue;
+        }
+        let streamed = Streamed {
             choice,
-            text: piece.text.to_string(),
+            text,
             logprobs: piece.logprobs.to_vec(),
         };
-        match self.events.map(|tx| tx.send(Event::Token(streamed()))) {
+        self.send(streamed)
+    }
+
+    fn send(&self, streamed: Streamed) -> Flow {
+        match self.events.map(|tx| tx.send(Event::Token(streamed))) {
             Some(Err(SendError::Closed)) => Flow::Stop,
             Some(Err(SendError::Stalled(waited))) => {
                 let ms = (waited.as_millis() as u64).max(1);
@@ -283,6 +328,31 @@ impl<'a> Delivery<'a> {
             }
             _ => Flow::Continue,
         }
+    }
+
+    /// Each choice's shown text once its generation ended, with what the citation filter
+    /// still held sent on (`None` without the filter: the generated text is what was shown).
+    fn finish(&self) -> Vec<Option<String>> {
+        let Some(citers) = &self.citers else {
+            return vec![None; self.pieces.len()];
+        };
+        citers
+            .iter()
+            .enumerate()
+            .map(|(choice, c)| {
+                let mut c = c.lock().unwrap_or_else(|p| p.into_inner());
+                let tail = c.0.finish();
+                if !tail.is_empty() {
+                    c.1.push_str(&tail);
+                    let _ = self.send(Streamed {
+                        choice,
+                        text: tail,
+                        logprobs: Vec::new(),
+                    });
+                }
+                Some(std::mem::take(&mut c.1))
+            })
+            .collect()
     }
 
     /// On the stage: a stall (the finish reason, `cancelled`, is the same as for a client that

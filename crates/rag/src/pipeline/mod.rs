@@ -5,6 +5,7 @@
 //! returned to the client as `timings`. The whole path runs on a model-worker thread, after one
 //! `queue` stage. The other routes (embeddings, rerank, ingest) run their stages the same way.
 
+pub mod cite;
 pub mod context;
 mod documents;
 pub mod events;

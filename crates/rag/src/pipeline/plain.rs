@@ -52,6 +52,7 @@ impl Pipeline {
             prompt,
             context_tokens: &[],
             stop: &req.stop,
+            headers: &[],
         };
         let generated = self.generate(&mut run, req, given, events)?;
         let texts: Vec<String> = generated.iter().map(|g| g.text.clone()).collect();

@@ -1,6 +1,7 @@
 //! Speculative decoding from the prompt, as a client and a trace see it: the same answers with
-//! and without it (the RAG defaults and seeded sampling), the drafts on each request's `decode`
-//! span, and the counters under our names and vLLM's.
+//! and without it (the RAG defaults and seeded sampling; beside chunked prefill and from the
+//! prefix cache), the drafts on each request's `decode` span, and the counters under our names
+//! and vLLM's.
 
 use serde_json::{json, Value};
 
@@ -74,16 +75,23 @@ async fn drafts_change_no_answer_and_show_on_the_decode_span_and_the_metrics() {
         "nothing drafted when off: {none:?}"
     );
 
+    // Drafting beside chunked prefill and the prefix cache: the second round's prompts come
+    // from the cache whole.
     let app = spawn_app_with(&[
         "--speculation",
         "prompt-lookup:6:3",
-        "--prefix-cache-mb",
-        "0",
+        "--prefill-chunk-tokens",
+        "64",
     ])
     .await;
     app.ingest_fixtures().await;
     let (got, drafts) = answers(&app).await;
     assert_eq!(got, expected, "drafting changed an answer");
+    let (cached, _) = answers(&app).await;
+    assert_eq!(
+        cached, expected,
+        "drafting after a prefix-cache hit changed an answer"
+    );
     let drafted: i64 = drafts.iter().map(|d| d.1).sum();
     let accepted: i64 = drafts.iter().map(|d| d.2).sum();
     assert!(
