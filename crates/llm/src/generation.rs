@@ -254,19 +254,16 @@ impl<'a> TextGeneration<'a> {
                 self.trail.step(batch);
             }
             let logits = rows.pop_front().expect("a row to pick from");
-            let pick = match sampler.pick(&logits, top_logprobs) {
-                Ok(pick) => pick,
-                Err(e) => {
-                    // A failure snapshot reads the cache as far as the answer got.
-                    cache.len -= rows.len();
-                    return on_stage(&decode, Err(e));
-                }
-            };
+            // A draft row ran on a token a pick confirmed: its position joins the cache now,
+            // as a one-token step's would.
+            if drafts.on_draft_row() {
+                cache.len += 1;
+            }
+            let pick = on_stage(&decode, sampler.pick(&logits, top_logprobs))?;
             let next = pick.token;
             // A pick that differs from the draft token the next row ran on ends the draft:
-            // those rows, and the positions they wrote, are not the answer's.
+            // the rows after it are not the answer's.
             if !drafts.check(next) {
-                cache.len -= rows.len();
                 rows.clear();
             }
             let at = clock::now();
@@ -325,10 +322,7 @@ impl<'a> TextGeneration<'a> {
                     out.finish = FinishReason::Cancelled;
                     break;
                 }
-                Flow::Fail => {
-                    cache.len -= rows.len();
-                    return Err(GenerateError::Aborted);
-                }
+                Flow::Fail => return Err(GenerateError::Aborted),
             }
             if stopped {
                 out.finish = FinishReason::Stop;
@@ -354,8 +348,6 @@ impl<'a> TextGeneration<'a> {
                 deliver(text.finish(), out, on_token);
             }
         }
-        // Rows of a draft the generation ended before reaching are not in the cache.
-        cache.len -= rows.len();
         drafts.record(&decode, speculation);
         out.speculation = drafts.tally;
         // Links to the batched steps it took part in, while the span still records.
@@ -451,6 +443,12 @@ impl Drafts {
             }
         }
         &self.tokens
+    }
+
+    /// Whether the row about to be picked from ran on an accepted draft token (not on the
+    /// step's first token).
+    fn on_draft_row(&self) -> bool {
+        self.checked >= 2
     }
 
     /// Takes the pick `next` into the history; whether the rows after it still hold (false:

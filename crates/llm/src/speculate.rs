@@ -7,8 +7,9 @@
 //! step ([`super::schedule`]), which reads every weight once for all of those positions, and
 //! gets back one row of logits per position. It picks from the rows in order, exactly as it
 //! would have picked one step at a time, and keeps going while each pick equals the draft token
-//! the next row was computed from; at the first pick that differs, the rows after it (and the
-//! keys and values they wrote past the cache's length) are thrown away.
+//! the next row was computed from; at the first pick that differs, the rows after it are thrown
+//! away. The cache's length counts a draft token's position only when the request picks from
+//! the row that ran on it, so what rejected rows wrote past it is overwritten by the next step.
 //!
 //! A row's logits are the same bits whether it runs alone or beside a draft (the CPU decoder
 //! treats every row alone, [`super::cpu_decode`]), and the sampler sees the same logits in the

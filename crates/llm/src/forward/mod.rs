@@ -185,8 +185,9 @@ impl Transformer {
     }
 
     /// Runs `tokens` (the last pick, then a draft to verify) at the cache's next positions in
-    /// one batched step; `logits` receives a row of logits for each. The caller takes back
-    /// from `cache.len` the positions of draft tokens it rejects.
+    /// one batched step; `logits` receives a row of logits for each. The cache counts the
+    /// first position only: the caller adds each draft token's when it picks from the row that
+    /// ran on it (the keys and values past `cache.len` are overwritten by the next step).
     pub fn decode_draft(
         &self,
         session: &mut Session<'_>,
@@ -198,7 +199,7 @@ impl Transformer {
             candle_core::bail!("drafts are verified on the CPU decoder's cache only");
         };
         let batch = session.step(kv, cache.len, tokens, logits)?;
-        cache.len += tokens.len();
+        cache.len += 1;
         Ok(batch)
     }
 
