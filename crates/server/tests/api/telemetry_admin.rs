@@ -78,10 +78,7 @@ fn has_attribute(spans: &[Value], key: &str) -> bool {
 
 #[tokio::test]
 async fn sampling_steps_and_capture_change_without_a_restart() {
-    opentelemetry::global::set_tracer_provider(telemetry::tracer_provider(
-        opentelemetry_sdk::trace::InMemorySpanExporter::default(),
-        telemetry::resource(),
-    ));
+    crate::stages::record_spans();
     let app = spawn_fake_app_with(FakeGenerator::new(2), &[]).await;
     app.ingest(json!([{"id": "z", "text": "The capital of Zorbia is Zorb."}]))
         .await;
