@@ -1,8 +1,9 @@
 //! One attention head: scaled dot-product scores, softmax and the probability-weighted sum of
 //! values, either every query against every key (BERT) or causal (a decoder's prefill, each
-//! query seeing the keys up to its own position). AVX-512 keeps a query's scores and context
-//! row in registers for head widths of whole registers; other widths and CPUs take the
-//! portable body (compiled for AVX2 where the CPU has it).
+//! query seeing the keys up to its own position). AVX-512 and AVX2 score a tile of queries
+//! against each key vector loaded and keep a query's context row in registers, for head widths
+//! of whole registers; other widths and CPUs take the portable body (compiled for AVX2 where
+//! the CPU has it).
 
 use super::activation::exp;
 use super::norm::sum;
@@ -141,14 +142,15 @@ fn dispatch(
         }
         if super::avx2() {
             // SAFETY: as above.
-            return unsafe { attention_head_avx2(head, keys_t, scale, out, scratch) };
+            return unsafe { avx2::attention_head(head, keys_t, scale, out, scratch) };
         }
     }
     attention_head_body(head, keys_t, scale, out, scratch)
 }
 
 /// The portable body compiled for AVX2: eight lanes per instruction, the same arithmetic in the
-/// same order (no multiply-add is fused), so the same results.
+/// same order (no multiply-add is fused), so the same results; for the head widths that
+/// [`avx2::attention_head`] does not tile.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn attention_head_avx2(
@@ -241,6 +243,164 @@ fn max(x: &[f32]) -> f32 {
         }
     }
     lanes.iter().fold(tail, |a, &b| a.max(b))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX2 bodies (eight lanes). Each `unsafe fn` here may only be called once `avx2()`
+    //! holds. The portable body compiled for AVX2 scores one query at a time, loading every
+    //! key vector once per query, and adds without fusing: a 588-token prefill spent twice as
+    //! long in attention as in its projections.
+
+    use std::arch::x86_64::*;
+
+    use super::{exp, sum, Head, KeysT};
+
+    /// Queries per scoring tile: each key vector loaded feeds this many queries.
+    const TILE: usize = 4;
+
+    /// Head widths of two to eight registers (16 to 64) take [`head_body`]; others the portable
+    /// body.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn attention_head(
+        head: &Head<'_>,
+        keys_t: Option<KeysT<'_>>,
+        scale: f32,
+        out: &mut [f32],
+        scratch: &mut Vec<f32>,
+    ) {
+        let d = head.width(out);
+        // SAFETY: `width` checked that every row `head` reads is in bounds.
+        unsafe {
+            match d {
+                16 => head_body::<2>(head, keys_t, scale, out, scratch),
+                32 => head_body::<4>(head, keys_t, scale, out, scratch),
+                48 => head_body::<6>(head, keys_t, scale, out, scratch),
+                64 => head_body::<8>(head, keys_t, scale, out, scratch),
+                _ => super::attention_head_avx2(head, keys_t, scale, out, scratch),
+            }
+        }
+    }
+
+    /// A head of `8 × V` columns, [`TILE`] queries at a time.
+    ///
+    /// # Safety
+    /// As `Head::width` asserts: the query, key and value rows are in bounds.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn head_body<const V: usize>(
+        head: &Head<'_>,
+        keys_t: Option<KeysT<'_>>,
+        scale: f32,
+        out: &mut [f32],
+        scratch: &mut Vec<f32>,
+    ) {
+        let d = 8 * V;
+        // Keys transposed to [d, padded] (a multiple of 32 keys, the padding zero).
+        let (kt, padded, scores): (&[f32], usize, &mut [f32]) = match keys_t {
+            Some(t) => {
+                scratch.clear();
+                scratch.resize(TILE * t.padded, 0.0);
+                (t.data, t.padded, scratch)
+            }
+            None => {
+                let padded = super::transpose_keys(head.k, head.keys, d, scratch);
+                scratch.resize(d * padded + TILE * padded, 0.0);
+                let (kt, scores) = scratch.split_at_mut(d * padded);
+                (kt, padded, scores)
+            }
+        };
+        let mut i = 0;
+        while i < head.queries {
+            let n = (head.queries - i).min(TILE);
+            // SAFETY: the caller's contract; kt and scores are sized above.
+            unsafe {
+                match n {
+                    4 => tile::<V, 4>(head, i, scale, kt, padded, scores, out),
+                    3 => tile::<V, 3>(head, i, scale, kt, padded, scores, out),
+                    2 => tile::<V, 2>(head, i, scale, kt, padded, scores, out),
+                    _ => tile::<V, 1>(head, i, scale, kt, padded, scores, out),
+                }
+            }
+            i += n;
+        }
+    }
+
+    /// Queries `i0..i0 + R`: scores against blocks of 16 keys (two key loads feed `2R`
+    /// multiply-adds), each query's softmax over the keys it sees, then its context row, `V`
+    /// registers, over the value rows it sees. A query's arithmetic is the same whichever tile
+    /// it is in: its scores are the same sums, and the keys past it are neither weighed nor
+    /// added.
+    ///
+    /// # Safety
+    /// As [`head_body`]; `kt` is `[8 V, padded]`, `scores` `[TILE, padded]`.
+    #[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile<const V: usize, const R: usize>(
+        head: &Head<'_>,
+        i0: usize,
+        scale: f32,
+        kt: &[f32],
+        padded: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let d = 8 * V;
+        let lens: [usize; R] = std::array::from_fn(|r| head.visible(i0 + r));
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let mut qs = [[0f32; 64]; R];
+        for (r, q) in qs.iter_mut().enumerate() {
+            for (s, x) in q.iter_mut().zip(head.q.row(i0 + r, d)) {
+                *s = x * scale;
+            }
+        }
+        assert!(longest <= padded && kt.len() >= d * padded && scores.len() >= R * padded);
+        let zero = _mm256_setzero_ps();
+        let (ktp, sp, v) = (kt.as_ptr(), scores.as_mut_ptr(), head.v);
+        // SAFETY: kt is [d, padded] and padded ≥ 16 · blocks (a multiple of 32 ≥ longest);
+        // scores is [TILE, padded]; the value rows below each query's length are in bounds
+        // (the caller's contract); out rows i0..i0 + R are in [queries, d].
+        unsafe {
+            for b in 0..longest.div_ceil(16) {
+                let mut acc = [[zero; 2]; R];
+                for e in 0..d {
+                    let k0 = _mm256_loadu_ps(ktp.add(e * padded + 16 * b));
+                    let k1 = _mm256_loadu_ps(ktp.add(e * padded + 16 * b + 8));
+                    for r in 0..R {
+                        let q = _mm256_set1_ps(qs[r][e]);
+                        acc[r][0] = _mm256_fmadd_ps(q, k0, acc[r][0]);
+                        acc[r][1] = _mm256_fmadd_ps(q, k1, acc[r][1]);
+                    }
+                }
+                for r in 0..R {
+                    _mm256_storeu_ps(sp.add(r * padded + 16 * b), acc[r][0]);
+                    _mm256_storeu_ps(sp.add(r * padded + 16 * b + 8), acc[r][1]);
+                }
+            }
+            for r in 0..R {
+                let len = lens[r];
+                let row = &mut scores[r * padded..r * padded + len];
+                let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                for s in row.iter_mut() {
+                    *s = exp(*s - max);
+                }
+                let inv = _mm256_set1_ps(1.0 / sum(row));
+                let mut ctx = [zero; V];
+                for (j, &p) in row.iter().enumerate() {
+                    let value = v.data.as_ptr().add(j * v.stride + v.offset);
+                    let p = _mm256_set1_ps(p);
+                    for c in 0..V {
+                        ctx[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value.add(8 * c)), ctx[c]);
+                    }
+                }
+                let o = out.as_mut_ptr().add((i0 + r) * d);
+                for c in 0..V {
+                    _mm256_storeu_ps(o.add(8 * c), _mm256_mul_ps(ctx[c], inv));
+                }
+            }
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
