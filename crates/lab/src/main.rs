@@ -68,7 +68,8 @@ enum Experiment {
     /// comparing builds and for profiling the prefill.
     Prefill(PeersArgs),
     /// The decode matmul kernels on a synthetic 92,160 × 576 matrix, in Q4_1 and Q8_0, for 1 to
-    /// 16 activation rows: ms per multiply and GB/s of weights read. Needs no model.
+    /// 16 activation rows: ms per multiply and GB/s of weights read; then each prefill
+    /// projection shape at 588 rows on candle's F32 GEMM and on the int8 GEMM. Needs no model.
     Kernels,
     /// One CPU decode step of the generator at 600-650 positions of context (and at 10-60), and
     /// its layer matmuls and output head alone.

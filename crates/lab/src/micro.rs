@@ -23,6 +23,20 @@ pub fn kernels() -> Result<()> {
             k.format, k.rows, k.ms, k.gb_per_s
         );
     }
+    let rows = 588;
+    println!("prefill projections at {rows} rows (ms, median of 10):");
+    for p in llm::probe::prefill_gemms(rows, 10)? {
+        let (n, k) = p.shape;
+        let gflops = |ms: f64| 2.0 * (rows * n * k) as f64 / ms / 1e6;
+        let int8 = p.int8_ms.map_or("-".to_string(), |ms| {
+            format!("{ms:.2} ({:.0} GFLOP/s, {:.2}x)", gflops(ms), p.f32_ms / ms)
+        });
+        println!(
+            "  {n:>5} x {k:<5} f32 {:.2} ({:.0} GFLOP/s)  int8 {int8}",
+            p.f32_ms,
+            gflops(p.f32_ms)
+        );
+    }
     Ok(())
 }
 

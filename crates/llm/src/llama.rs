@@ -31,7 +31,7 @@ use super::tokenizer::TokenBytes;
 use super::weights::{self, load_err, Gguf, Weights};
 use super::{GenerateError, KvDtype};
 
-pub use super::weights::{Bf16Kernel, Prefill, WeightFormat};
+pub use super::weights::{Prefill, PrefillKernel, WeightFormat};
 
 /// The model name clients see.
 pub const MODEL_ID: &str = "SmolLM2-135M-Instruct";
@@ -108,7 +108,7 @@ impl Llama {
             device,
             max_context,
             format,
-            Bf16Kernel::Detect,
+            PrefillKernel::Detect,
         )
     }
 
@@ -120,7 +120,7 @@ impl Llama {
         device: &Device,
         max_context: usize,
         format: WeightFormat,
-        bf16: Bf16Kernel,
+        bf16: PrefillKernel,
     ) -> Result<Llama, GenerateError> {
         Self::load_edited(
             gguf_path,
@@ -139,7 +139,7 @@ impl Llama {
         tokenizer: Tokenizer,
         device: &Device,
         max_context: usize,
-        (format, bf16): (WeightFormat, Bf16Kernel),
+        (format, bf16): (WeightFormat, PrefillKernel),
         edit: impl FnOnce(&mut Gguf) -> Result<(), GenerateError>,
     ) -> Result<Llama, GenerateError> {
         let mut gguf = weights::read_gguf(gguf_path)?;

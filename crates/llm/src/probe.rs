@@ -58,6 +58,74 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
     Ok(timings)
 }
 
+/// One prefill projection's multiply: the layer shape, and each path's median time.
+#[derive(Debug, Clone)]
+pub struct PrefillGemmTiming {
+    /// `(n, k)`: output columns, inputs.
+    pub shape: (usize, usize),
+    pub rows: usize,
+    /// Dense F32 on candle's GEMM ([`crate::llama::Prefill::F32`]).
+    pub f32_ms: f64,
+    /// The Q4_1 × 8-bit GEMM ([`crate::llama::Prefill::Int8`]); `None` without AVX2.
+    pub int8_ms: Option<f64>,
+}
+
+/// The prefill projections of the default generator's layer shapes (q, k and v stacked; the
+/// output; gate and up stacked; down) on synthetic Q4_1 weights, `rows` activation rows, each
+/// path timed in turn round after round (medians of `rounds`).
+pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming>> {
+    let mut timings = Vec::new();
+    for (n, k) in [(960, 576), (576, 576), (3072, 576), (576, 1536)] {
+        let dense: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+            .collect();
+        let t = Tensor::from_vec(dense, (n, k), &Device::Cpu)?;
+        let q = QTensor::quantize(&t, GgmlDType::Q4_1)?;
+        let f32 = candle_core::quantized::QMatMul::Tensor(q.dequantize(&Device::Cpu)?);
+        #[cfg(target_arch = "x86_64")]
+        let int8 = if crate::kernels::avx2() {
+            crate::kernels::quant::prefill::Q4Panels::pack(&QMatrix::from_qtensors(&[&q])?)
+        } else {
+            None
+        };
+        let x: Vec<f32> = (0..rows * k)
+            .map(|i| ((i * 104_729) % 2000) as f32 / 1000.0 - 1.0)
+            .collect();
+        let xt = Tensor::from_slice(&x, (rows, k), &Device::Cpu)?;
+        let mut out = vec![0f32; rows * n];
+        let (mut f32_ms, mut int8_ms) = (Vec::new(), Vec::new());
+        for round in 0..=rounds {
+            let t0 = Instant::now();
+            candle_core::Module::forward(&f32, &xt)?;
+            let f = t0.elapsed().as_secs_f64() * 1e3;
+            #[cfg(target_arch = "x86_64")]
+            if let Some(p) = &int8 {
+                let t0 = Instant::now();
+                p.forward_rows(&x, rows, &mut out, None);
+                if round > 0 {
+                    int8_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            // Round 0 warms up.
+            if round > 0 {
+                f32_ms.push(f);
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied()
+        };
+        timings.push(PrefillGemmTiming {
+            shape: (n, k),
+            rows,
+            f32_ms: median(&mut f32_ms).unwrap_or(f64::NAN),
+            int8_ms: median(&mut int8_ms),
+        });
+        let _ = &mut out;
+    }
+    Ok(timings)
+}
+
 /// Milliseconds of one sequence's CPU decode step and of its parts.
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeStep {

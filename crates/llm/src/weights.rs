@@ -13,9 +13,11 @@ use super::cpu_decode::{self, CpuDecoder, RawLayer};
 use super::cpu_prefill::by_rows;
 use super::template::ChatTemplate;
 use super::GenerateError;
+#[cfg(target_arch = "x86_64")]
+use crate::kernels::quant::{prefill::Q4Panels, QMatrix};
 use crate::kernels::{
-    avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear, Precision,
-    Rows, Shared, PANEL,
+    avx2, avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear,
+    Precision, Rows, Shared, PANEL,
 };
 
 /// How the projection matrices (attention and MLP) are held in memory. The token embedding,
@@ -100,11 +102,18 @@ pub(super) struct Config {
 pub enum Prefill {
     /// BF16 weights and activations, F32 accumulation, on AVX-512 BF16.
     Bf16,
-    /// Dense F32 on candle: every format but the BF16 one, and the BF16 one on a CPU without
-    /// AVX-512 BF16 (or when [`Bf16Kernel::ForceF32`] asked for it).
+    /// The file's own Q4_1 weights against activations rounded to 8 bits per block of 32
+    /// (decode's arithmetic), integer dot products on AVX2
+    /// ([`crate::kernels::quant::prefill`]): on CPUs with AVX2 but not AVX-512 BF16, about
+    /// twice candle's F32 GEMM per projection (`ragscope-lab kernels`) in a seventh of the
+    /// memory.
+    Int8,
+    /// Dense F32 on candle: every format but the BF16 one, and the BF16 one on a CPU with
+    /// neither (or when [`PrefillKernel::ForceF32`] asked for it, or the projections do not
+    /// ship as Q4_1).
     F32,
     /// Weights and activations rounded to BF16 as the BF16 path rounds them, multiplied in F32
-    /// on the portable GEMM ([`Bf16Kernel::Emulate`]): the BF16 path's numerics (a product of
+    /// on the portable GEMM ([`PrefillKernel::Emulate`]): the BF16 path's numerics (a product of
     /// two BF16 values is exact in F32) on any CPU, at F32 speed or worse. For measuring the
     /// BF16 tolerance where the CPU lacks the instructions.
     Bf16Emulated,
@@ -115,6 +124,7 @@ impl Prefill {
     pub fn name(self) -> &'static str {
         match self {
             Prefill::Bf16 => "bf16",
+            Prefill::Int8 => "int8",
             Prefill::F32 => "f32",
             Prefill::Bf16Emulated => "bf16-emulated",
         }
@@ -123,23 +133,29 @@ impl Prefill {
 
 /// What [`WeightFormat::Bf16PrefillQ4Decode`] asks of the CPU at load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Bf16Kernel {
-    /// BF16 where the CPU has AVX-512 BF16, else the F32 fallback.
+pub enum PrefillKernel {
+    /// BF16 where the CPU has AVX-512 BF16, else the int8 GEMM where it has AVX2 and the
+    /// projections ship as Q4_1, else the F32 fallback.
     #[default]
     Detect,
-    /// The F32 fallback even where BF16 would run (the fallback's test).
+    /// The F32 fallback even where a faster kernel would run (the fallback's test).
     ForceF32,
     /// [`Prefill::Bf16Emulated`].
     Emulate,
+    /// The int8 GEMM wherever it can run, AVX-512 BF16 or not (its tests on every CPU).
+    Int8,
 }
 
-impl Bf16Kernel {
-    /// What a BF16-prefill format gets with this choice on this CPU.
-    pub fn resolve(self) -> Prefill {
+impl PrefillKernel {
+    /// What a BF16-prefill format gets with this choice on this CPU, for projections shipped
+    /// as Q4_1 (`q4_1`) or not. `--cpu-level` caps what is detected.
+    pub fn resolve(self, q4_1: bool) -> Prefill {
+        let int8 = q4_1 && avx2();
         match self {
-            Bf16Kernel::Detect if avx512_bf16() => Prefill::Bf16,
-            Bf16Kernel::Detect | Bf16Kernel::ForceF32 => Prefill::F32,
-            Bf16Kernel::Emulate => Prefill::Bf16Emulated,
+            PrefillKernel::Detect if avx512_bf16() => Prefill::Bf16,
+            PrefillKernel::Detect | PrefillKernel::Int8 if int8 => Prefill::Int8,
+            PrefillKernel::Detect | PrefillKernel::Int8 | PrefillKernel::ForceF32 => Prefill::F32,
+            PrefillKernel::Emulate => Prefill::Bf16Emulated,
         }
     }
 }
@@ -150,6 +166,9 @@ enum Matmul {
     Candle(QMatMul),
     /// The shared BF16 GEMM (or its emulation), split by output columns over candle's threads.
     Linear(Arc<Bf16Proj>),
+    /// The Q4_1 × int8 GEMM ([`Prefill::Int8`]).
+    #[cfg(target_arch = "x86_64")]
+    Int8(Arc<Q4Panels>),
 }
 
 impl Matmul {
@@ -157,6 +176,21 @@ impl Matmul {
         match self {
             Matmul::Candle(m) => m.forward(x),
             Matmul::Linear(l) => l.forward(x),
+            #[cfg(target_arch = "x86_64")]
+            Matmul::Int8(p) => {
+                let (m, k) = x.dims2()?;
+                let a = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; m * p.out_features()];
+                if k != p.in_features() {
+                    candle_core::bail!(
+                        "[{m}, {k}] rows for a [{}, {}] projection",
+                        p.out_features(),
+                        p.in_features()
+                    );
+                }
+                p.forward_rows(&a, m, &mut out, None);
+                Tensor::from_vec(out, (m, p.out_features()), x.device())
+            }
         }
     }
 
@@ -167,6 +201,8 @@ impl Matmul {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
             Matmul::Linear(l) => l.bytes(),
+            #[cfg(target_arch = "x86_64")]
+            Matmul::Int8(p) => p.size_in_bytes(),
         }
     }
 }
@@ -314,6 +350,18 @@ impl Proj {
     ) -> candle_core::Result<()> {
         match &self.prefill {
             Matmul::Linear(l) => l.forward_rows(x, m, out, residual),
+            #[cfg(target_arch = "x86_64")]
+            Matmul::Int8(p) => {
+                let (n, k) = (p.out_features(), p.in_features());
+                if x.len() != m * k
+                    || out.len() != m * n
+                    || residual.is_some_and(|r| r.len() != m * n)
+                {
+                    candle_core::bail!("[{m}, {k}] rows for a [{n}, {k}] projection: wrong sizes");
+                }
+                p.forward_rows(x, m, out, residual);
+                Ok(())
+            }
             Matmul::Candle(_) => {
                 let k = x.len() / m.max(1);
                 let y = self
@@ -371,12 +419,17 @@ impl Weights {
         output: Option<QTensor>,
         final_norm: QTensor,
         format: WeightFormat,
-        bf16: Bf16Kernel,
+        kernel: PrefillKernel,
         device: &Device,
         rope: (&Tensor, &Tensor),
     ) -> candle_core::Result<Weights> {
         let prefill = if format == WeightFormat::Bf16PrefillQ4Decode && device.is_cpu() {
-            bf16.resolve()
+            let q4_1 = raw_layers.iter().all(|[_, q, k, v, o, _, gate, up, down]| {
+                [q, k, v, o, gate, up, down]
+                    .iter()
+                    .all(|t| t.dtype() == GgmlDType::Q4_1)
+            });
+            kernel.resolve(q4_1)
         } else {
             Prefill::F32
         };
@@ -679,6 +732,18 @@ fn proj(
                 let m = f32(dense()?)?;
                 (m.clone(), m)
             }
+            #[cfg(target_arch = "x86_64")]
+            Prefill::Int8 => {
+                let panels = Q4Panels::pack(&QMatrix::from_qtensors(parts)?)
+                    .ok_or_else(|| candle_core::Error::Msg("int8 prefill needs Q4_1".into()))?;
+                let m = Matmul::Int8(Arc::new(panels));
+                return Ok(Proj {
+                    prefill: m.clone(),
+                    decode: m,
+                });
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Prefill::Int8 => unreachable!("the int8 prefill resolves only where AVX2 runs"),
             Prefill::Bf16 | Prefill::Bf16Emulated => {
                 let emulate = prefill == Prefill::Bf16Emulated;
                 let m = Matmul::Linear(Arc::new(Bf16Proj::new(&dense()?, emulate)?));

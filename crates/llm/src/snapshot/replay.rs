@@ -321,7 +321,7 @@ pub fn load_for_replay(
         tokenizer,
         &Device::Cpu,
         snapshot.model.context_window,
-        (format, crate::llama::Bf16Kernel::Detect),
+        (format, crate::llama::PrefillKernel::Detect),
         |gguf| perturb.iter().try_for_each(|p| p.apply(gguf)),
     )?;
     // A run on candle's tensors replays on the CPU decoder where the format has one: F32 both.

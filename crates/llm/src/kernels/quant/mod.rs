@@ -17,6 +17,9 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+pub mod prefill;
+
 /// Weights per quantisation block.
 pub const BLOCK: usize = 32;
 
@@ -295,22 +298,69 @@ impl QActs {
     }
 }
 
-/// One block: ggml's Q8_1 rounding (d = max|x| / 127, q = round(x / d)); returns d and
-/// d · Σq. On x86 with AVX2 the rounding runs in vector instructions (without it, `round` is a
-/// libm call per value: ~0.3 ms per decode step).
+/// One block: ggml's Q8_1 rounding (d = max|x| / 127, q = round(x / d), halves away from
+/// zero); returns d and d · Σq. On x86 with AVX2 it runs in vector instructions, the same
+/// results bit for bit (the portable loop is a libm `round` and a saturating cast per value:
+/// ~0.3 ms per decode step, and 8% of a 588-token prefill on the int8 GEMM).
 fn quantize_block(x: &[f32], q: &mut [i8; BLOCK]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if Isa::detect() != Isa::Portable {
         // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
-        return unsafe { quantize_block_avx2(x, q) };
+        return unsafe { quantize_block_avx2(x.try_into().expect("a block"), q) };
     }
     quantize_block_body(x, q)
 }
 
+/// [`quantize_block_body`] in eight-lane registers: round half away from zero as truncation
+/// plus a step away from zero where the dropped fraction is at least one half (exact for
+/// |y| < 2²³, and here |y| ≤ 127).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_block_avx2(x: &[f32], q: &mut [i8; BLOCK]) -> (f32, f32) {
-    quantize_block_body(x, q)
+unsafe fn quantize_block_avx2(x: &[f32; BLOCK], q: &mut [i8; BLOCK]) -> (f32, f32) {
+    use std::arch::x86_64::*;
+    // SAFETY: every load and store is within the two 32-element arrays.
+    unsafe {
+        let sign = _mm256_set1_ps(-0.0);
+        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(x.as_ptr().add(8 * i)));
+        let abs = |v: __m256| _mm256_andnot_ps(sign, v);
+        let m = _mm256_max_ps(
+            _mm256_max_ps(abs(v[0]), abs(v[1])),
+            _mm256_max_ps(abs(v[2]), abs(v[3])),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        let ints: [__m256i; 4] = std::array::from_fn(|i| {
+            let y = _mm256_mul_ps(v[i], id);
+            let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let away = _mm256_cmp_ps::<_CMP_GE_OQ>(abs(_mm256_sub_ps(y, t)), half);
+            let step = _mm256_and_ps(away, _mm256_or_ps(_mm256_and_ps(y, sign), one));
+            _mm256_cvttps_epi32(_mm256_add_ps(t, step))
+        });
+        let total = _mm256_add_epi32(
+            _mm256_add_epi32(ints[0], ints[1]),
+            _mm256_add_epi32(ints[2], ints[3]),
+        );
+        let t = _mm_add_epi32(
+            _mm256_castsi256_si128(total),
+            _mm256_extracti128_si256(total, 1),
+        );
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01_00_11_10));
+        let t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10_11_00_01));
+        let sum = _mm_cvtsi128_si32(t);
+        // Packing narrows within each 128-bit half; the permute puts the four-value groups
+        // back in order.
+        let bytes = _mm256_packs_epi16(
+            _mm256_packs_epi32(ints[0], ints[1]),
+            _mm256_packs_epi32(ints[2], ints[3]),
+        );
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, bytes);
+        (d, d * sum as f32)
+    }
 }
 
 #[inline(always)]

@@ -130,3 +130,124 @@ fn quantizing_zeros_gives_zeros() {
     matmul(&w, &acts, &mut out);
     assert_eq!(out, [0.0]);
 }
+
+/// The prefill GEMM on Q4_1 against the portable decode kernel (the same integer arithmetic,
+/// summed in another order): a partial last group of columns, both inner sizes of the model,
+/// row counts around the register tile and past a work item, with and without the residual.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn prefill_gemm_matches_the_portable_kernel() {
+    if !crate::kernels::avx2() {
+        eprintln!("no AVX2 here: the prefill GEMM does not run");
+        return;
+    }
+    for (n, k) in [(37, 576), (64, 1536), (300, 576)] {
+        let w = q4_matrix(n, k);
+        let panels = prefill::Q4Panels::pack(&w).expect("Q4_1 packs");
+        for m in [1, 2, 3, 4, 5, 67] {
+            let x = values(m * k, 7 + m as u64);
+            let mut acts = QActs::default();
+            acts.quantize(&x, m, k);
+            let mut reference = vec![0f32; m * n];
+            matmul_with(Isa::Portable, &w, &acts, &mut reference);
+            let residual = values(m * n, 13);
+            let mut out = vec![0f32; m * n];
+            let mut added = vec![0f32; m * n];
+            panels.forward_rows(&x, m, &mut out, None);
+            panels.forward_rows(&x, m, &mut added, Some(&residual));
+            for (i, &want) in reference.iter().enumerate() {
+                let what = format!("({n}, {k}) × {m} rows, output {i}");
+                assert!(
+                    (out[i] - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "{what}: {} vs {want}",
+                    out[i]
+                );
+                assert_eq!(added[i], out[i] + residual[i], "{what}: residual");
+            }
+        }
+    }
+}
+
+/// A row's outputs do not depend on the rows beside it: the same rows in one call of 131, in
+/// calls of 32 and one by one are bit-identical (what chunked prefill relies on).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn prefill_gemm_rows_are_the_same_in_any_chunking() {
+    if !crate::kernels::avx2() {
+        return;
+    }
+    let (n, k, m) = (96, 576, 131);
+    let panels = prefill::Q4Panels::pack(&q4_matrix(n, k)).expect("Q4_1 packs");
+    let x = values(m * k, 21);
+    let mut whole = vec![0f32; m * n];
+    panels.forward_rows(&x, m, &mut whole, None);
+    for chunk in [32, 1] {
+        let mut parts = vec![0f32; m * n];
+        for (xs, out) in x.chunks(chunk * k).zip(parts.chunks_mut(chunk * n)) {
+            panels.forward_rows(xs, xs.len() / k, out, None);
+        }
+        assert_eq!(parts, whole, "chunks of {chunk}");
+    }
+}
+
+/// The 16-bit block sums at their largest: weights all at nibble 15 and activations all at
+/// ±127 give 8 · 2 · 15 · 127 per lane, still exact.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn prefill_gemm_block_sums_do_not_overflow() {
+    if !crate::kernels::avx2() {
+        return;
+    }
+    let (n, k) = (8, 64);
+    // Each block: one 0 and 31 ones, so q = 15 for all but one weight.
+    let dense: Vec<f32> = (0..n * k)
+        .map(|i| if i % 32 == 5 { 0.0 } else { 1.0 })
+        .collect();
+    let t = candle_core::Tensor::from_vec(dense, (n, k), &candle_core::Device::Cpu).unwrap();
+    let w = QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1).unwrap()]).unwrap();
+    let panels = prefill::Q4Panels::pack(&w).expect("Q4_1 packs");
+    for sign in [1.0f32, -1.0] {
+        let x = vec![sign; 2 * k];
+        let mut acts = QActs::default();
+        acts.quantize(&x, 2, k);
+        let mut reference = vec![0f32; 2 * n];
+        matmul_with(Isa::Portable, &w, &acts, &mut reference);
+        let mut out = vec![0f32; 2 * n];
+        panels.forward_rows(&x, 2, &mut out, None);
+        for (a, b) in out.iter().zip(&reference) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+            assert!((a - sign * 62.0).abs() < 0.5, "{a}: 62 ones in two blocks");
+        }
+    }
+}
+
+/// The vector rounding is the portable one bit for bit: random blocks, blocks of exact
+/// halves (ties round away from zero), zeros and one large value among small ones.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn vector_quantisation_is_the_portable_rounding() {
+    if Isa::detect() == Isa::Portable {
+        return;
+    }
+    let mut blocks: Vec<Vec<f32>> = (0..200).map(|i| values(BLOCK, 40 + i)).collect();
+    // amax 127 makes d = 1, so these are the values' own ties.
+    blocks.push((0..BLOCK).map(|i| i as f32 - 15.5).collect());
+    blocks.last_mut().unwrap()[0] = 127.0;
+    blocks.push((0..BLOCK).map(|i| -(i as f32) - 0.5).collect());
+    blocks.last_mut().unwrap()[31] = -127.0;
+    blocks.push(vec![0.0; BLOCK]);
+    blocks.push(
+        (0..BLOCK)
+            .map(|i| if i == 7 { 1e4 } else { 1e-3 * i as f32 })
+            .collect(),
+    );
+    for x in &blocks {
+        let (mut want, mut got) = ([0i8; BLOCK], [0i8; BLOCK]);
+        let expected = quantize_block_body(x, &mut want);
+        // SAFETY: the CPU has AVX2 and FMA (`Isa::detect`).
+        let vector = unsafe { quantize_block_avx2(x[..].try_into().unwrap(), &mut got) };
+        assert_eq!(got, want, "{x:?}");
+        assert_eq!(vector.0.to_bits(), expected.0.to_bits());
+        assert_eq!(vector.1.to_bits(), expected.1.to_bits());
+    }
+}

@@ -1,0 +1,264 @@
+//! Prefill's matrix multiply on the file's own Q4_1 weights, for CPUs with AVX2 but without
+//! AVX-512 BF16: many activation rows, each quantised to 8 bits per block of 32 as decode's
+//! ([`super::QActs`], ggml's Q8_1 rounding), against the weights as shipped, so prefill computes
+//! what decode computes and holds 0.6 bytes per weight instead of dense F32's 4.
+//!
+//! The weights are repacked once at load into groups of eight output columns. In a group, one
+//! block (32 inputs) is four 32-byte vectors; vector j holds, for each of the eight columns,
+//! bytes 4j..4j + 4 of that column's block as shipped: the nibbles of inputs 4j..4j + 4 (low)
+//! and 16 + 4j..16 + 4j + 4 (high). Masked and shifted, a vector is four consecutive inputs of
+//! eight columns; an activation row's matching four bytes, broadcast, meet all eight in one
+//! `vpmaddubsw` (unsigned weights × signed activations). A block's 16 products per lane stay in
+//! 16 bits (|Σ| ≤ 8 · 2 · 15 · 127 = 30480 < 2¹⁵), so a block costs eight multiplies, then one
+//! widening, one conversion and two scaled adds per eight outputs: w = d·q + m gives
+//! Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The decode kernel's layout (a block per register)
+//! spends the widening and conversion on every single output, which is why many rows there
+//! cost almost as much as F32.
+//!
+//! Each output sums its blocks in one fixed order, whatever the number of rows or the tile a
+//! row falls in, so a prompt's rows come out the same however it is chunked.
+
+use std::arch::x86_64::*;
+
+use super::{quantize_block, BlockFormat, QMatrix, BLOCK};
+use crate::kernels::Shared;
+
+/// Output columns per packed group: one 256-bit register of i32 or f32.
+const GROUP: usize = 8;
+/// Bytes of one group's block of quants: four vectors.
+const GROUP_BLOCK_BYTES: usize = GROUP * BLOCK / 2;
+/// Activation rows per register tile; each group's unpacked weights serve them all.
+const TILE_ROWS: usize = 4;
+/// Rows per work item: a multiple of [`TILE_ROWS`].
+const ROW_BLOCK: usize = 64;
+/// Groups per work item (64 columns): their weights (k = 1536: 72 KiB) stay in L2 while the
+/// item's rows pass over them, each row tile's activations in L1.
+const ITEM_GROUPS: usize = 8;
+
+/// A Q4_1 weight matrix `(n, k)` (n output columns, each a row of the GGUF matrix) in the
+/// group layout above.
+pub struct Q4Panels {
+    n: usize,
+    k: usize,
+    /// Group after group, block after block, [`GROUP_BLOCK_BYTES`] each.
+    quants: Vec<u8>,
+    /// Per group and block: the eight columns' scales d, then their minimums m (f32; zero for
+    /// the columns past `n` in the last group).
+    scales: Vec<f32>,
+}
+
+impl Q4Panels {
+    /// The layout above, from a Q4_1 matrix (`None` for any other format).
+    pub fn pack(w: &QMatrix) -> Option<Q4Panels> {
+        if w.format != BlockFormat::Q4_1 {
+            return None;
+        }
+        let (n, k) = (w.rows, w.cols);
+        let (nb, groups) = (k / BLOCK, n.div_ceil(GROUP));
+        let mut quants = vec![0u8; groups * nb * GROUP_BLOCK_BYTES];
+        let mut scales = vec![0f32; groups * nb * 2 * GROUP];
+        for c in 0..n {
+            let row = w.row(c);
+            let (g, i) = (c / GROUP, c % GROUP);
+            for b in 0..nb {
+                let src = &row.quants[b * BLOCK / 2..(b + 1) * BLOCK / 2];
+                let dst = &mut quants[(g * nb + b) * GROUP_BLOCK_BYTES..][..GROUP_BLOCK_BYTES];
+                for j in 0..4 {
+                    dst[j * 32 + 4 * i..][..4].copy_from_slice(&src[4 * j..4 * j + 4]);
+                }
+                let s = &mut scales[(g * nb + b) * 2 * GROUP..][..2 * GROUP];
+                s[i] = half::f16::from_bits(row.d[b]).to_f32();
+                s[GROUP + i] = half::f16::from_bits(row.m[b]).to_f32();
+            }
+        }
+        Some(Q4Panels {
+            n,
+            k,
+            quants,
+            scales,
+        })
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.n
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.k
+    }
+
+    /// Bytes held: quants and the f32 scales.
+    pub fn size_in_bytes(&self) -> usize {
+        self.quants.len() + 4 * self.scales.len()
+    }
+
+    /// `out = x Wᵀ (+ residual)` for the `m` rows of `x` `(m, k)`; `out` and `residual` are
+    /// `(m, n)`. The rows are quantised, then (64 columns, 64 rows) items go over candle's
+    /// thread pool. Needs AVX2 with FMA ([`crate::kernels::avx2`]).
+    pub fn forward_rows(&self, x: &[f32], m: usize, out: &mut [f32], residual: Option<&[f32]>) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(x.len(), m * k, "input rows");
+        assert_eq!(out.len(), m * n, "output rows");
+        assert!(residual.is_none_or(|r| r.len() == m * n), "residual rows");
+        assert!(
+            crate::kernels::avx2(),
+            "the Q4_1 prefill GEMM needs AVX2 and FMA"
+        );
+        ACTS.with(|acts| {
+            let mut acts = acts.borrow_mut();
+            acts.quantize(x, m, k);
+            let acts = &*acts;
+            let (groups, row_blocks) = (n.div_ceil(GROUP), m.div_ceil(ROW_BLOCK));
+            let col_items = groups.div_ceil(ITEM_GROUPS);
+            let dst = Shared::new(out);
+            let item = |i: usize| {
+                let (g0, r0) = (i / row_blocks * ITEM_GROUPS, i % row_blocks * ROW_BLOCK);
+                let (g1, r1) = ((g0 + ITEM_GROUPS).min(groups), (r0 + ROW_BLOCK).min(m));
+                // SAFETY: the CPU has AVX2 and FMA (asserted above); the item writes only rows
+                // r0..r1 × columns of groups g0..g1 of `out`, which no other item touches.
+                unsafe { self.item(acts, (r0, r1), (g0, g1), dst.ptr(), residual) }
+            };
+            candle_core::utils::barrier_pool()
+                .execute_chunked(col_items * row_blocks, |items| items.for_each(item));
+        });
+    }
+
+    /// Rows `r0..r1` × groups `g0..g1`, row tile by row tile.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn item(
+        &self,
+        acts: &Acts,
+        (r0, r1): (usize, usize),
+        (g0, g1): (usize, usize),
+        out: *mut f32,
+        residual: Option<&[f32]>,
+    ) {
+        let mut r = r0;
+        while r < r1 {
+            let rows = TILE_ROWS.min(r1 - r);
+            for g in g0..g1 {
+                // SAFETY: as the caller's.
+                unsafe {
+                    match rows {
+                        4 => self.tile::<4>(acts, r, g, out, residual),
+                        3 => self.tile::<3>(acts, r, g, out, residual),
+                        2 => self.tile::<2>(acts, r, g, out, residual),
+                        _ => self.tile::<1>(acts, r, g, out, residual),
+                    }
+                }
+            }
+            r += rows;
+        }
+    }
+
+    /// Rows `r..r + R` × group `g`'s eight columns.
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        &self,
+        acts: &Acts,
+        r: usize,
+        g: usize,
+        out: *mut f32,
+        residual: Option<&[f32]>,
+    ) {
+        let (n, k, nb) = (self.n, self.k, self.k / BLOCK);
+        assert!(r + R <= acts.rows && (g + 1) * nb * GROUP_BLOCK_BYTES <= self.quants.len());
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            let ones = _mm256_set1_epi16(1);
+            let quants = self.quants.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
+            let scales = self.scales.as_ptr().add(g * nb * 2 * GROUP);
+            let aq = |i: usize, at: usize| acts.q.as_ptr().add((r + i) * k + at) as *const i32;
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let wq = quants.add(b * GROUP_BLOCK_BYTES);
+                let mut isum = [_mm256_setzero_si256(); R];
+                for j in 0..4 {
+                    let x = _mm256_loadu_si256(wq.add(32 * j) as *const __m256i);
+                    let lo = _mm256_and_si256(x, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+                    for (i, isum) in isum.iter_mut().enumerate() {
+                        let a_lo = _mm256_set1_epi32(aq(i, b * BLOCK + 4 * j).read_unaligned());
+                        let a_hi =
+                            _mm256_set1_epi32(aq(i, b * BLOCK + 16 + 4 * j).read_unaligned());
+                        *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(lo, a_lo));
+                        *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(hi, a_hi));
+                    }
+                }
+                let d = _mm256_loadu_ps(scales.add(b * 2 * GROUP));
+                let m = _mm256_loadu_ps(scales.add(b * 2 * GROUP + GROUP));
+                for (i, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
+                    let at = (r + i) * nb + b;
+                    let da = _mm256_set1_ps(*acts.d.get_unchecked(at));
+                    let sa = _mm256_set1_ps(*acts.s.get_unchecked(at));
+                    let dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum, ones));
+                    *acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, da), *acc);
+                    *acc = _mm256_fmadd_ps(m, sa, *acc);
+                }
+            }
+            let (c0, cols) = (g * GROUP, GROUP.min(n - g * GROUP));
+            for (i, acc) in acc.into_iter().enumerate() {
+                let at = (r + i) * n + c0;
+                let mut v = [0f32; GROUP];
+                _mm256_storeu_ps(v.as_mut_ptr(), acc);
+                if let Some(res) = residual {
+                    for (v, x) in v.iter_mut().zip(&res[at..at + cols]) {
+                        *v += x;
+                    }
+                }
+                std::ptr::copy_nonoverlapping(v.as_ptr(), out.add(at), cols);
+            }
+        }
+    }
+}
+
+/// Activation rows quantised for [`Q4Panels::forward_rows`]: per block the 32 values, the scale
+/// d_a and d_a·Σ q_a, as [`super::QActs`] has them (without its AVX-512 layout).
+#[derive(Default)]
+struct Acts {
+    rows: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+thread_local! {
+    /// The calling thread's quantised rows, kept at the largest size seen.
+    static ACTS: std::cell::RefCell<Acts> = std::cell::RefCell::new(Acts::default());
+}
+
+impl Acts {
+    /// `x` `(rows, k)`, quantised block by block over the pool.
+    fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
+        let nb = k / BLOCK;
+        assert!(k.is_multiple_of(BLOCK));
+        self.rows = rows;
+        self.q.resize(rows * k, 0);
+        self.d.resize(rows * nb, 0.0);
+        self.s.resize(rows * nb, 0.0);
+        let blocks = rows * nb;
+        let (q, d, s) = (
+            Shared::new(&mut self.q),
+            Shared::new(&mut self.d),
+            Shared::new(&mut self.s),
+        );
+        // 256 blocks per item: 8192 values.
+        const ITEM: usize = 256;
+        candle_core::utils::barrier_pool().execute_chunked(blocks.div_ceil(ITEM), |items| {
+            for item in items {
+                for j in item * ITEM..((item + 1) * ITEM).min(blocks) {
+                    // SAFETY: block j's values and scales are this item's alone.
+                    let q = unsafe { q.part(j * BLOCK..(j + 1) * BLOCK) };
+                    let (dj, sj) = quantize_block(
+                        &x[j * BLOCK..(j + 1) * BLOCK],
+                        q.try_into().expect("a block"),
+                    );
+                    unsafe {
+                        d.part(j..j + 1)[0] = dj;
+                        s.part(j..j + 1)[0] = sj;
+                    }
+                }
+            }
+        });
+    }
+}
