@@ -8,7 +8,8 @@
 //! - [`overhead`]: what telemetry costs a server under load.
 //! - [`peers`]: the fixed inputs of the comparison with llama.cpp and PyTorch
 //!   (`scripts/bench-peers`), and the decode-stream, prefill-interference and prefill-only
-//!   measurements on the same inputs ([`streams`], [`interference`]).
+//!   measurements on the same inputs ([`streams`], [`interference`]); and the RAG-answer
+//!   decode workload of the same comparison ([`rag_answers`]).
 //! - [`speculation`]: RAG answers' decode with and without speculative decoding from the
 //!   prompt, through the whole pipeline on the evaluation questions.
 //! - [`micro`]: one piece of compute at a time: the decode kernels, one decode step, the
@@ -18,6 +19,7 @@ mod interference;
 mod micro;
 mod overhead;
 mod peers;
+mod rag_answers;
 mod speculation;
 mod stages;
 mod streams;
@@ -56,8 +58,9 @@ enum Experiment {
     /// caches off (or equally warm): each cost with its 95% interval.
     Overhead(OverheadArgs),
     /// Generation and embedding on the fixed inputs of the comparison with llama.cpp and
-    /// PyTorch (`scripts/bench-peers`), built into `DIR/inputs.json` first if absent.
-    Peers(PeersArgs),
+    /// PyTorch (`scripts/bench-peers`), built into `DIR/inputs.json` first if absent; with
+    /// `--rag-answers`, greedy decode of the default RAG prompts instead.
+    Peers(PeersCompareArgs),
     /// On the peer inputs: decode with this many concurrent streams at once and report the
     /// aggregate decode tokens/s and time per output token.
     Streams(StreamsArgs),
@@ -147,6 +150,22 @@ struct PeersArgs {
 }
 
 #[derive(Debug, Clone, Args)]
+struct PeersCompareArgs {
+    /// Instead of the fixed inputs: for each evaluation question, the prompt the default
+    /// pipeline builds, decoded greedily for as many tokens as our greedy answer to it has,
+    /// with speculation off and as `--speculation` sets it (`DIR/rag-inputs.json`, written
+    /// first if absent).
+    #[arg(long)]
+    rag_answers: bool,
+    /// With `--rag-answers`: the first this many questions (0: all) when `rag-inputs.json` is
+    /// built.
+    #[arg(long, default_value_t = 0, requires = "rag_answers")]
+    limit: usize,
+    #[command(flatten)]
+    peers: PeersArgs,
+}
+
+#[derive(Debug, Clone, Args)]
 struct StreamsArgs {
     /// Concurrent streams to measure, e.g. `1,2,4,8,16`.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
@@ -211,7 +230,8 @@ impl Experiment {
         match self {
             Experiment::Stages(a) => Some(&a.setup),
             Experiment::Overhead(a) => Some(&a.setup),
-            Experiment::Peers(a) | Experiment::Prefill(a) => Some(&a.setup),
+            Experiment::Peers(a) => Some(&a.peers.setup),
+            Experiment::Prefill(a) => Some(&a.setup),
             Experiment::Streams(a) => Some(&a.peers.setup),
             Experiment::Interference(a) => Some(&a.peers.setup),
             Experiment::DecodeStep(setup) => Some(setup),
@@ -259,8 +279,15 @@ async fn run() -> Result<()> {
             };
             overhead::run(&a.setup, plan).await
         }
+        Experiment::Peers(a) if a.rag_answers => {
+            let handle = tokio::runtime::Handle::current();
+            blocking(Box::new(move || {
+                rag_answers::run(&a.peers, a.limit, &handle)
+            }))
+            .await?
+        }
         Experiment::Peers(a) => {
-            blocking(Box::new(move || peers::run(&a, peers::Mode::Compare))).await?
+            blocking(Box::new(move || peers::run(&a.peers, peers::Mode::Compare))).await?
         }
         Experiment::Prefill(a) => {
             blocking(Box::new(move || peers::run(&a, peers::Mode::Prefill))).await?

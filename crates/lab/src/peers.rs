@@ -140,23 +140,13 @@ pub enum Mode {
 
 pub fn run(peers: &PeersArgs, mode: Mode) -> Result<()> {
     let (args, dir) = (&peers.setup, peers.inputs.as_path());
-    let (m, g) = (&args.load.models, &args.load.generator);
-    let device = llm::device::device(&g.device)?;
+    let m = &args.load.models;
+    let device = llm::device::device(&args.load.generator.device)?;
     let embed_dir =
         llm::models::resolve(&m.embed_model, &m.models_dir, &EMBED_FILES, m.fetch_models)?;
     let embedder = BertEmbedder::load(&embed_dir, &m.embed_model, &device)
         .with_context(|| format!("loading embedder from {}", embed_dir.display()))?;
-    let gen_dir = llm::models::resolve(&g.gen_model, &m.models_dir, &[], m.fetch_models)?;
-    let format = g
-        .weight_format
-        .unwrap_or_else(|| WeightFormat::for_device(&device));
-    let generator = app::load_generator_as(&gen_dir, &device, g.max_context, format)
-        .with_context(|| format!("loading generator from {}", gen_dir.display()))?
-        .with_prefill_chunk(g.prefill_chunk_tokens);
-    let generator = match g.kv_cache_dtype {
-        Some(dtype) => generator.with_kv_dtype(dtype)?,
-        None => generator,
-    };
+    let (generator, gen_dir) = load_generator(args, &device)?;
 
     std::fs::create_dir_all(dir)?;
     let path = dir.join("inputs.json");
@@ -227,6 +217,35 @@ pub fn run(peers: &PeersArgs, mode: Mode) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The generator as the comparison runs it: the server's weight format, prefill chunk and KV
+/// cache settings, no prefix cache (every prompt is computed) and speculation off until set.
+pub(crate) fn load_generator(
+    args: &crate::Setup,
+    device: &candle_core::Device,
+) -> Result<(Llama, PathBuf)> {
+    let (m, g) = (&args.load.models, &args.load.generator);
+    let gen_dir = llm::models::resolve(&g.gen_model, &m.models_dir, &[], m.fetch_models)?;
+    let format = g
+        .weight_format
+        .unwrap_or_else(|| WeightFormat::for_device(device));
+    let generator = app::load_generator_as(&gen_dir, device, g.max_context, format)
+        .with_context(|| format!("loading generator from {}", gen_dir.display()))?
+        .with_prefill_chunk(g.prefill_chunk_tokens);
+    let generator = match g.kv_cache_dtype {
+        Some(dtype) => generator.with_kv_dtype(dtype)?,
+        None => generator,
+    };
+    Ok((generator, gen_dir))
+}
+
+/// The token ids that end a generation: the ones both sides never pick in the benchmarks.
+pub(crate) fn eos_tokens(generator: &Llama) -> Vec<u32> {
+    ["<|im_end|>", "<|endoftext|>"]
+        .iter()
+        .filter_map(|t| generator.hf_tokenizer().token_to_id(t))
+        .collect()
 }
 
 /// `--prefill-only`: `rounds` prefills of `prompt` for one token each, after a warm-up.
@@ -306,10 +325,7 @@ fn build_inputs(
     }
 
     let gguf = app::gguf_in(gen_dir)?;
-    let eos_tokens = ["<|im_end|>", "<|endoftext|>"]
-        .iter()
-        .filter_map(|t| generator.hf_tokenizer().token_to_id(t))
-        .collect();
+    let eos_tokens = eos_tokens(generator);
     Ok(PeerInputs {
         gguf: std::path::absolute(gguf)?,
         embed_dir: std::path::absolute(embed_dir)?,
