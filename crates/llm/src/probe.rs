@@ -83,8 +83,9 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
         let q = QTensor::quantize(&t, GgmlDType::Q4_1)?;
         let f32 = candle_core::quantized::QMatMul::Tensor(q.dequantize(&Device::Cpu)?);
         #[cfg(target_arch = "x86_64")]
-        let int8 = if crate::kernels::avx2() {
+        let mut int8 = if crate::kernels::avx2() {
             crate::kernels::quant::prefill::Q4Panels::pack(&QMatrix::from_qtensors(&[&q])?)
+                .map(|p| (p, vec![0f32; rows * n]))
         } else {
             None
         };
@@ -92,16 +93,15 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
             .map(|i| ((i * 104_729) % 2000) as f32 / 1000.0 - 1.0)
             .collect();
         let xt = Tensor::from_slice(&x, (rows, k), &Device::Cpu)?;
-        let mut out = vec![0f32; rows * n];
         let (mut f32_ms, mut int8_ms) = (Vec::new(), Vec::new());
         for round in 0..=rounds {
             let t0 = Instant::now();
             candle_core::Module::forward(&f32, &xt)?;
             let f = t0.elapsed().as_secs_f64() * 1e3;
             #[cfg(target_arch = "x86_64")]
-            if let Some(p) = &int8 {
+            if let Some((p, out)) = &mut int8 {
                 let t0 = Instant::now();
-                p.forward_rows(&x, rows, &mut out, None);
+                p.forward_rows(&x, rows, out, None);
                 if round > 0 {
                     int8_ms.push(t0.elapsed().as_secs_f64() * 1e3);
                 }
@@ -121,7 +121,6 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
             f32_ms: median(&mut f32_ms).unwrap_or(f64::NAN),
             int8_ms: median(&mut int8_ms),
         });
-        let _ = &mut out;
     }
     Ok(timings)
 }

@@ -163,6 +163,31 @@ unsafe fn attention_head_avx2(
     attention_head_body(head, keys_t, scale, out, scratch)
 }
 
+/// A call's transposed keys and per-query score rows: `keys_t`'s keys, or `head.k`'s
+/// transposed into `scratch`, then `rows` score rows of `padded` each, zeroed, after them.
+/// Returns the keys `[d, padded]`, `padded` and the score rows.
+fn keys_and_scores<'a>(
+    head: &Head<'_>,
+    keys_t: Option<KeysT<'a>>,
+    d: usize,
+    rows: usize,
+    scratch: &'a mut Vec<f32>,
+) -> (&'a [f32], usize, &'a mut [f32]) {
+    match keys_t {
+        Some(t) => {
+            scratch.clear();
+            scratch.resize(rows * t.padded, 0.0);
+            (t.data, t.padded, scratch)
+        }
+        None => {
+            let padded = transpose_keys(head.k, head.keys, d, scratch);
+            scratch.resize(d * padded + rows * padded, 0.0);
+            let (kt, scores) = scratch.split_at_mut(d * padded);
+            (kt, padded, scores)
+        }
+    }
+}
+
 #[inline(always)]
 pub(super) fn attention_head_body(
     head: &Head<'_>,
@@ -175,19 +200,7 @@ pub(super) fn attention_head_body(
     // Keys transposed to [d, padded], so a query's scores are d multiply-adds over whole
     // 16-lane rows (the padding is zero and its scores are dropped): a sequence of 30 tokens
     // would otherwise spend most of its time in scalar remainder loops.
-    let (kt, padded, scores): (&[f32], usize, &mut [f32]) = match keys_t {
-        Some(t) => {
-            scratch.clear();
-            scratch.resize(t.padded, 0.0);
-            (t.data, t.padded, scratch)
-        }
-        None => {
-            let padded = transpose_keys(head.k, head.keys, d, scratch);
-            scratch.resize(d * padded + padded, 0.0);
-            let (kt, scores) = scratch.split_at_mut(d * padded);
-            (kt, padded, scores)
-        }
-    };
+    let (kt, padded, scores) = keys_and_scores(head, keys_t, d, 1, scratch);
     for i in 0..head.queries {
         let len = head.visible(i);
         let width = len.next_multiple_of(LANES);
@@ -297,19 +310,7 @@ mod avx2 {
     ) {
         let d = 8 * V;
         // Keys transposed to [d, padded] (a multiple of 32 keys, the padding zero).
-        let (kt, padded, scores): (&[f32], usize, &mut [f32]) = match keys_t {
-            Some(t) => {
-                scratch.clear();
-                scratch.resize(TILE * t.padded, 0.0);
-                (t.data, t.padded, scratch)
-            }
-            None => {
-                let padded = super::transpose_keys(head.k, head.keys, d, scratch);
-                scratch.resize(d * padded + TILE * padded, 0.0);
-                let (kt, scores) = scratch.split_at_mut(d * padded);
-                (kt, padded, scores)
-            }
-        };
+        let (kt, padded, scores) = super::keys_and_scores(head, keys_t, d, TILE, scratch);
         let mut i = 0;
         while i < head.queries {
             let n = (head.queries - i).min(TILE);
@@ -454,19 +455,7 @@ mod x86 {
     ) {
         let d = 16 * V;
         // Keys transposed to [d, padded]; whole pairs of 16-key blocks, the padding zero.
-        let (kt, padded, scores): (&[f32], usize, &mut [f32]) = match keys_t {
-            Some(t) => {
-                scratch.clear();
-                scratch.resize(TILE * t.padded, 0.0);
-                (t.data, t.padded, scratch)
-            }
-            None => {
-                let padded = super::transpose_keys(head.k, head.keys, d, scratch);
-                scratch.resize(d * padded + TILE * padded, 0.0);
-                let (kt, scores) = scratch.split_at_mut(d * padded);
-                (kt, padded, scores)
-            }
-        };
+        let (kt, padded, scores) = super::keys_and_scores(head, keys_t, d, TILE, scratch);
         let mut i = 0;
         while i < head.queries {
             let n = (head.queries - i).min(TILE);
