@@ -28,13 +28,18 @@ pub fn kernels() -> Result<()> {
     for p in llm::probe::prefill_gemms(rows, 10)? {
         let (n, k) = p.shape;
         let gflops = |ms: f64| 2.0 * (rows * n * k) as f64 / ms / 1e6;
-        let int8 = p.int8_ms.map_or("-".to_string(), |ms| {
-            format!("{ms:.2} ({:.0} GFLOP/s, {:.2}x)", gflops(ms), p.f32_ms / ms)
-        });
+        let against_f32 = |ms: Option<f64>| {
+            ms.map_or("-".to_string(), |ms| {
+                format!("{ms:.2} ({:.0} GFLOP/s, {:.2}x)", gflops(ms), p.f32_ms / ms)
+            })
+        };
         println!(
-            "  {n:>5} x {k:<5} f32 {:.2} ({:.0} GFLOP/s)  int8 {int8}",
+            "  {n:>5} x {k:<5} f32 {:.2} ({:.0} GFLOP/s)  int8 {}  bf16 {}  bf16-amx {}",
             p.f32_ms,
-            gflops(p.f32_ms)
+            gflops(p.f32_ms),
+            against_f32(p.int8_ms),
+            against_f32(p.bf16_ms),
+            against_f32(p.amx_ms)
         );
     }
     Ok(())

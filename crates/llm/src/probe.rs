@@ -12,7 +12,8 @@ use candle_core::{Device, Tensor};
 
 use crate::cpu_decode::{HostKv, SeqStep};
 use crate::kernels::quant::{matmul, QActs, QMatrix};
-use crate::llama::Llama;
+use crate::llama::{Llama, Prefill};
+use crate::weights::Bf16Proj;
 use crate::KvDtype;
 
 /// One decode matmul: the weights' format, activation rows, time and weight bytes read per second.
@@ -68,6 +69,10 @@ pub struct PrefillGemmTiming {
     pub f32_ms: f64,
     /// The Q4_1 × 8-bit GEMM ([`crate::llama::Prefill::Int8`]); `None` without AVX2.
     pub int8_ms: Option<f64>,
+    /// BF16 on AVX-512 BF16 ([`crate::llama::Prefill::Bf16`]); `None` without it.
+    pub bf16_ms: Option<f64>,
+    /// BF16 on AMX tiles ([`crate::llama::Prefill::Amx`]); `None` without them.
+    pub amx_ms: Option<f64>,
 }
 
 /// The prefill projections of the default generator's layer shapes (q, k and v stacked; the
@@ -93,8 +98,31 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
             .map(|i| ((i * 104_729) % 2000) as f32 / 1000.0 - 1.0)
             .collect();
         let xt = Tensor::from_slice(&x, (rows, k), &Device::Cpu)?;
+        // The BF16 projections the default format builds on each kernel the CPU runs.
+        let dense = q.dequantize(&Device::Cpu)?;
+        let mut bf16 = Vec::new();
+        for (prefill, runs) in [
+            (Prefill::Bf16, crate::kernels::avx512_bf16()),
+            (Prefill::Amx, crate::kernels::amx()),
+        ] {
+            if runs {
+                bf16.push((
+                    prefill,
+                    Bf16Proj::new(&dense, prefill)?,
+                    vec![0f32; rows * n],
+                    Vec::new(),
+                ));
+            }
+        }
         let (mut f32_ms, mut int8_ms) = (Vec::new(), Vec::new());
         for round in 0..=rounds {
+            for (_, proj, out, ms) in &mut bf16 {
+                let t0 = Instant::now();
+                proj.forward_rows(&x, rows, out, None)?;
+                if round > 0 {
+                    ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
             let t0 = Instant::now();
             candle_core::Module::forward(&f32, &xt)?;
             let f = t0.elapsed().as_secs_f64() * 1e3;
@@ -120,7 +148,16 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
             rows,
             f32_ms: median(&mut f32_ms).unwrap_or(f64::NAN),
             int8_ms: median(&mut int8_ms),
+            bf16_ms: None,
+            amx_ms: None,
         });
+        let last = timings.last_mut().expect("pushed just above");
+        for (prefill, _, _, mut ms) in bf16 {
+            match prefill {
+                Prefill::Amx => last.amx_ms = median(&mut ms),
+                _ => last.bf16_ms = median(&mut ms),
+            }
+        }
     }
     Ok(timings)
 }

@@ -17,8 +17,8 @@ pub struct GeneratorArgs {
     /// Where models run: cpu, cuda, cuda:N or auto.
     #[arg(long, env = "RAGSCOPE_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// The highest instruction-set level the CPU kernels may use: `portable`, `avx2`, `avx512`
-    /// or `avx512bf16`; unset: the best this CPU has. Lower levels give the same answers
+    /// The highest instruction-set level the CPU kernels may use: `portable`, `avx2`, `avx512`,
+    /// `avx512bf16` or `amx`; unset: the best this CPU has. Lower levels give the same answers
     /// within the tolerances the tests hold them to, slower: for testing the fallbacks.
     #[arg(long, env = "RAGSCOPE_CPU_LEVEL", value_enum)]
     pub cpu_level: Option<crate::cpu::Level>,

@@ -16,7 +16,7 @@ use super::GenerateError;
 #[cfg(target_arch = "x86_64")]
 use crate::kernels::quant::{prefill::Q4Panels, QMatrix};
 use crate::kernels::{
-    avx2, avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear,
+    amx, avx2, avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear,
     Precision, Rows, Shared, PANEL,
 };
 
@@ -100,6 +100,10 @@ pub(super) struct Config {
 /// How [`WeightFormat::Bf16PrefillQ4Decode`] runs its prefill projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prefill {
+    /// BF16 weights and activations, F32 accumulation, on AMX tiles (`tdpbf16ps`, Intel Xeons
+    /// from Sapphire Rapids on, once the operating system granted the tile state): the
+    /// [`Prefill::Bf16`] arithmetic, 16 × 16 × 32 products per instruction.
+    Amx,
     /// BF16 weights and activations, F32 accumulation, on AVX-512 BF16.
     Bf16,
     /// The file's own Q4_1 weights against activations rounded to 8 bits per block of 32
@@ -123,6 +127,7 @@ impl Prefill {
     /// As the `prefill` span's `rag.prefill.precision` says it.
     pub fn name(self) -> &'static str {
         match self {
+            Prefill::Amx => "bf16-amx",
             Prefill::Bf16 => "bf16",
             Prefill::Int8 => "int8",
             Prefill::F32 => "f32",
@@ -134,10 +139,14 @@ impl Prefill {
 /// What [`WeightFormat::Bf16PrefillQ4Decode`] asks of the CPU at load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillKernel {
-    /// BF16 where the CPU has AVX-512 BF16, else the int8 GEMM where it has AVX2 and the
-    /// projections ship as Q4_1, else the F32 fallback.
+    /// BF16 on AMX tiles where the CPU has them and they were granted, else BF16 where the CPU
+    /// has AVX-512 BF16, else the int8 GEMM where it has AVX2 and the projections ship as
+    /// Q4_1, else the F32 fallback.
     #[default]
     Detect,
+    /// BF16 on AVX-512 BF16 even where AMX would run (the AMX tests' comparison); where the CPU
+    /// lacks AVX-512 BF16, as [`PrefillKernel::Detect`].
+    Bf16,
     /// The F32 fallback even where a faster kernel would run (the fallback's test).
     ForceF32,
     /// [`Prefill::Bf16Emulated`].
@@ -152,9 +161,15 @@ impl PrefillKernel {
     pub fn resolve(self, q4_1: bool) -> Prefill {
         let int8 = q4_1 && avx2();
         match self {
-            PrefillKernel::Detect if avx512_bf16() => Prefill::Bf16,
-            PrefillKernel::Detect | PrefillKernel::Int8 if int8 => Prefill::Int8,
-            PrefillKernel::Detect | PrefillKernel::Int8 | PrefillKernel::ForceF32 => Prefill::F32,
+            PrefillKernel::Detect if amx() => Prefill::Amx,
+            PrefillKernel::Detect | PrefillKernel::Bf16 if avx512_bf16() => Prefill::Bf16,
+            PrefillKernel::Detect | PrefillKernel::Bf16 | PrefillKernel::Int8 if int8 => {
+                Prefill::Int8
+            }
+            PrefillKernel::Detect
+            | PrefillKernel::Bf16
+            | PrefillKernel::Int8
+            | PrefillKernel::ForceF32 => Prefill::F32,
             PrefillKernel::Emulate => Prefill::Bf16Emulated,
         }
     }
@@ -208,7 +223,7 @@ impl Matmul {
 }
 
 /// A projection for the embedder's [`Linear`] (zero bias: llama projections have none).
-struct Bf16Proj {
+pub(crate) struct Bf16Proj {
     linear: Linear,
     /// Round the input rows to BF16 before an F32 multiply ([`Prefill::Bf16Emulated`]).
     emulate: bool,
@@ -216,8 +231,10 @@ struct Bf16Proj {
 }
 
 impl Bf16Proj {
-    /// `dense` is `[n, k]` F32. With `emulate`, the weights are rounded to BF16 and kept in F32.
-    fn new(dense: &Tensor, emulate: bool) -> candle_core::Result<Bf16Proj> {
+    /// `dense` is `[n, k]` F32, for `prefill` ([`Prefill::Amx`], [`Prefill::Bf16`] or
+    /// [`Prefill::Bf16Emulated`]). Emulated, the weights are rounded to BF16 and kept in F32.
+    pub(crate) fn new(dense: &Tensor, prefill: Prefill) -> candle_core::Result<Bf16Proj> {
+        let emulate = prefill == Prefill::Bf16Emulated;
         let (n, k) = dense.dims2()?;
         let mut w = dense.flatten_all()?.to_vec1::<f32>()?;
         let precision = if emulate {
@@ -228,9 +245,14 @@ impl Bf16Proj {
         } else {
             Precision::Bf16
         };
-        let linear = Linear::new(&w, &vec![0.0; n], n, k, precision);
+        let mut linear = Linear::new(&w, &vec![0.0; n], n, k, precision);
         if !emulate && linear.precision() != Precision::Bf16 {
             candle_core::bail!("[{n}, {k}] cannot be packed for the BF16 kernel");
+        }
+        if prefill != Prefill::Amx {
+            linear = linear.without_tiles();
+        } else if !linear.on_tiles() {
+            candle_core::bail!("[{n}, {k}] cannot run on AMX tiles");
         }
         Ok(Bf16Proj { linear, emulate, k })
     }
@@ -257,7 +279,7 @@ impl Bf16Proj {
     /// thread pool, so a matrix of few panels still keeps every thread busy. Each output
     /// element sums its `k` products in one fixed order whatever `m` is, so this gives a row
     /// the same result in any chunking of the prompt.
-    fn forward_rows(
+    pub(crate) fn forward_rows(
         &self,
         x: &[f32],
         m: usize,
@@ -321,7 +343,8 @@ thread_local! {
     static BF16_ROWS: std::cell::RefCell<Vec<u16>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Rows per work item of [`Bf16Proj::forward_rows`] (a multiple of the kernel's 6-row tile).
+/// Rows per work item of [`Bf16Proj::forward_rows`]: a multiple of the AVX-512 kernel's 6-row
+/// tile and of the AMX kernel's 32-row block.
 const ROW_BLOCK: usize = 96;
 
 /// One projection, held twice when prefill and decode prefer different formats.
@@ -744,9 +767,8 @@ fn proj(
             }
             #[cfg(not(target_arch = "x86_64"))]
             Prefill::Int8 => unreachable!("the int8 prefill resolves only where AVX2 runs"),
-            Prefill::Bf16 | Prefill::Bf16Emulated => {
-                let emulate = prefill == Prefill::Bf16Emulated;
-                let m = Matmul::Linear(Arc::new(Bf16Proj::new(&dense()?, emulate)?));
+            Prefill::Amx | Prefill::Bf16 | Prefill::Bf16Emulated => {
+                let m = Matmul::Linear(Arc::new(Bf16Proj::new(&dense()?, prefill)?));
                 return Ok(Proj {
                     prefill: m.clone(),
                     decode: m,
@@ -769,6 +791,27 @@ fn proj(
 mod tests {
     use super::*;
     use crate::testing::{model, model_path};
+
+    /// Each choice resolves by the kernels this CPU runs at the level in force: the test
+    /// command runs this at every level the CPU has, so on an AMX machine it sees AMX, then
+    /// each fallback below it.
+    #[test]
+    fn prefill_kernels_resolve_by_what_this_cpu_runs() {
+        use PrefillKernel as K;
+        let int8 = if avx2() { Prefill::Int8 } else { Prefill::F32 };
+        let vector = if avx512_bf16() { Prefill::Bf16 } else { int8 };
+        let detected = if amx() { Prefill::Amx } else { vector };
+        assert_eq!(K::Detect.resolve(true), detected);
+        assert_eq!(K::Bf16.resolve(true), vector);
+        assert_eq!(K::Int8.resolve(true), int8);
+        assert_eq!(K::ForceF32.resolve(true), Prefill::F32);
+        assert_eq!(K::Emulate.resolve(true), Prefill::Bf16Emulated);
+        // Projections not shipped as Q4_1 have no int8 path.
+        let no_q4 = |p: Prefill| if p == Prefill::Int8 { Prefill::F32 } else { p };
+        assert_eq!(K::Detect.resolve(false), no_q4(detected));
+        assert_eq!(K::Bf16.resolve(false), no_q4(vector));
+        assert_eq!(K::Int8.resolve(false), Prefill::F32);
+    }
 
     #[test]
     fn decode_weight_bytes_counts_the_shipped_projections_the_head_and_the_norms() {

@@ -338,7 +338,8 @@ names! {
         PREFILL_TOKENS_PER_SECOND = "rag.prefill.tokens_per_second",
         PREFILL_CACHED_TOKENS = "rag.prefill.cached_tokens",
         PREFILL_COMPUTED_TOKENS = "rag.prefill.computed_tokens",
-        /// How the prefill projections multiplied: `bf16`, `int8`, `f32` or `bf16-emulated`.
+        /// How the prefill projections multiplied: `bf16-amx`, `bf16`, `int8`, `f32` or
+        /// `bf16-emulated`.
         PREFILL_PRECISION = "rag.prefill.precision",
         /// Tokens per prefill chunk (`--prefill-chunk-tokens`) and the chunks this prompt took.
         PREFILL_CHUNK_SIZE = "rag.prefill.chunk_size",

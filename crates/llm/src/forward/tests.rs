@@ -7,7 +7,7 @@ use candle_core::DType;
 use candle_transformers::models::quantized_llama::ModelWeights;
 
 use super::*;
-use crate::kernels::{avx2, avx512_bf16};
+use crate::kernels::{amx, avx2, avx512_bf16};
 use crate::llama::{Llama, Prefill, PrefillKernel, WeightFormat};
 use crate::testing::{
     f32_model, long_prompt, max_abs_diff, model, model_path, our_logits, rag_messages, request,
@@ -400,7 +400,7 @@ fn bf16_prefill_stays_within_the_documented_tolerance_of_f32() {
     let bf16 = load(WeightFormat::Bf16PrefillQ4Decode, kernel);
     assert_ne!(bf16.prefill_kind(), Prefill::F32);
     let ours = within_of_f32(&bf16, f32_model, &prompt, (1.5, 0.15));
-    if bf16.prefill_kind() == Prefill::Bf16 {
+    if matches!(bf16.prefill_kind(), Prefill::Bf16 | Prefill::Amx) {
         // The kernel against its emulation: the same roundings, only the order of the F32
         // sums differs.
         let emulated = all_logits(
@@ -510,15 +510,17 @@ fn int8_prefill_stays_within_the_documented_tolerance_of_f32() {
     within_of_f32(&int8, f32_model, &prompt, (4.0, 0.3));
 }
 
-/// Left to detect, the BF16 format takes BF16 exactly where the CPU has AVX-512 BF16, else
-/// the int8 GEMM where it has AVX2, else F32. Forced to the fallback
+/// Left to detect, the BF16 format takes AMX tiles exactly where they were granted, else BF16
+/// where the CPU has AVX-512 BF16, else the int8 GEMM where it has AVX2, else F32. Forced to the fallback
 /// ([`PrefillKernel::ForceF32`]) it runs the F32 prefill: bit-identical logits and the same
 /// greedy tokens.
 #[test]
 fn bf16_format_falls_back_to_the_f32_prefill_without_the_instructions() {
     let Some(f32_model) = f32_model() else { return };
     let detected = load(WeightFormat::Bf16PrefillQ4Decode, PrefillKernel::Detect);
-    let expected = if avx512_bf16() {
+    let expected = if amx() {
+        Prefill::Amx
+    } else if avx512_bf16() {
         Prefill::Bf16
     } else if avx2() {
         Prefill::Int8
@@ -590,4 +592,33 @@ fn chunked_prefill_gives_the_unchunked_greedy_tokens() {
     let m = m.with_prefill_chunk(1);
     assert_eq!(m.prefill_chunk(), PREFILL_CHUNK_MULTIPLE);
     assert_eq!(m.with_prefill_chunk(4096).prefill_chunk(), PREFILL_CHUNK);
+}
+
+/// The AMX prefill, where the CPU has AMX and the tiles were granted (elsewhere skipped; run
+/// anyway, it fails).
+mod needs_amx {
+    use super::*;
+    use crate::cpu::Level;
+
+    /// Detected, the default format prefills on AMX tiles, within the BF16 path's documented
+    /// tolerance of F32 (the same roundings: [`bf16_prefill_stays_within_the_documented_tolerance_of_f32`])
+    /// and near the AVX-512 BF16 kernel ([`PrefillKernel::Bf16`]), which differs from it only
+    /// in the order of the F32 sums: mean |Δlogit| below 0.15, top-1 agreement at least 0.98.
+    #[test]
+    fn amx_prefill_stays_within_the_bf16_tolerance_of_f32() {
+        crate::cpu::require(Level::Amx);
+        let Some(f32_model) = f32_model() else { return };
+        let tiles = load(WeightFormat::Bf16PrefillQ4Decode, PrefillKernel::Detect);
+        assert_eq!(tiles.prefill_kind(), Prefill::Amx);
+        let prompt = long_prompt(f32_model);
+        let ours = within_of_f32(&tiles, f32_model, &prompt, (1.5, 0.15));
+        let vector = load(WeightFormat::Bf16PrefillQ4Decode, PrefillKernel::Bf16);
+        assert_eq!(vector.prefill_kind(), Prefill::Bf16);
+        let (max, mean, agree) = logit_distance(&ours, &all_logits(&vector, &prompt));
+        eprintln!("AMX vs AVX-512 BF16: max {max}, mean {mean}, top-1 agreement {agree:.3}");
+        assert!(
+            mean < 0.15 && agree >= 0.98,
+            "the two BF16 kernels disagree"
+        );
+    }
 }

@@ -59,6 +59,19 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     silu_mul_body(gate, up, out)
 }
 
+/// `x = gelu(x)` for each element: the AMX kernel's epilogue, 16 lanes at a time where the CPU
+/// has the AVX-512 kernels (every AMX CPU does).
+pub(super) fn gelu_in_place(xs: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::avx512_bf16() {
+        // SAFETY: the CPU has the features `x86::gelu_in_place` is compiled for.
+        return unsafe { x86::gelu_in_place(xs) };
+    }
+    for x in xs {
+        *x = gelu(*x);
+    }
+}
+
 /// The portable loop compiled for AVX2, where `exp`'s rounding is one instruction and the
 /// loop vectorises (on baseline x86-64 it is a libm call per element).
 #[cfg(target_arch = "x86_64")]
@@ -127,6 +140,22 @@ pub(super) mod x86 {
             p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
         }
         _mm512_scalef_ps(p, n)
+    }
+
+    /// [`super::gelu_in_place`], 16 lanes at a time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")]
+    pub(in crate::kernels) unsafe fn gelu_in_place(xs: &mut [f32]) {
+        let n = xs.len() / 16 * 16;
+        for i in (0..n).step_by(16) {
+            // SAFETY: i + 16 ≤ n ≤ len.
+            unsafe {
+                let p = xs.as_mut_ptr().add(i);
+                _mm512_storeu_ps(p, gelu_ps(_mm512_loadu_ps(p)));
+            }
+        }
+        for x in &mut xs[n..] {
+            *x = super::gelu(*x);
+        }
     }
 
     /// [`super::silu_mul`], 16 lanes at a time.

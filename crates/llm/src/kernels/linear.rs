@@ -1,7 +1,8 @@
 //! A linear layer `y = x Wᵀ + b` whose weights are prepared once at load for the kernel that
 //! runs it, computed a share of output columns at a time so the forward's threads split one
 //! multiply; the bias and an epilogue (GELU or a residual add) are applied as each output is
-//! written. BF16 layers run the `bf16` tile kernel; F32 ones the portable path here.
+//! written. BF16 layers run the `amx` tile kernel where the CPU has AMX, else the AVX-512
+//! `bf16` one; F32 ones the portable path here.
 
 use std::ops::Range;
 
@@ -9,7 +10,7 @@ use super::activation::gelu;
 use super::bf16::pack_panels;
 #[cfg(target_arch = "x86_64")]
 use super::bf16::x86;
-use super::{avx512_bf16, Precision, PANEL};
+use super::{amx, avx512_bf16, Precision, PANEL};
 
 /// The input rows of a matrix multiply, in the precision of the layer's weights.
 #[derive(Clone, Copy)]
@@ -35,6 +36,8 @@ pub struct Linear {
     k: usize,
     bias: Vec<f32>,
     weights: Weights,
+    /// BF16 weights multiplied on AMX tiles rather than by `vdpbf16ps` (same packing).
+    tiles: bool,
 }
 
 enum Weights {
@@ -49,7 +52,9 @@ enum Weights {
 
 impl Linear {
     /// `weight` is row-major `[n, k]`. BF16 needs AVX-512 BF16, `n` a multiple of [`PANEL`] and
-    /// `k` even (true of every BERT layer); otherwise the layer is F32.
+    /// `k` even (true of every BERT layer); otherwise the layer is F32. A BF16 layer runs on AMX
+    /// tiles where [`amx`] holds and `k` is whole tile steps of 32 (every BERT and llama
+    /// projection here), unless [`Linear::without_tiles`] says otherwise.
     pub fn new(weight: &[f32], bias: &[f32], n: usize, k: usize, precision: Precision) -> Linear {
         assert_eq!(weight.len(), n * k, "weight is not [{n}, {k}]");
         assert_eq!(bias.len(), n, "bias is not [{n}]");
@@ -62,12 +67,26 @@ impl Linear {
         } else {
             Weights::F32(weight.to_vec())
         };
+        let tiles = bf16 && amx() && k.is_multiple_of(super::amx::STEP);
         Linear {
             n,
             k,
             bias: bias.to_vec(),
             weights,
+            tiles,
         }
+    }
+
+    /// The same layer on the AVX-512 BF16 kernel even where AMX would run (the AMX tests'
+    /// comparison, and `PrefillKernel::Bf16`).
+    pub fn without_tiles(mut self) -> Linear {
+        self.tiles = false;
+        self
+    }
+
+    /// Whether this layer multiplies on AMX tiles.
+    pub fn on_tiles(&self) -> bool {
+        self.tiles
     }
 
     pub fn precision(&self) -> Precision {
@@ -111,6 +130,25 @@ impl Linear {
                 assert!(cols.start.is_multiple_of(PANEL) && cols.end.is_multiple_of(PANEL));
                 // `new` packs BF16 only where the CPU has it; the check is one atomic load.
                 assert!(avx512_bf16(), "BF16 weights on a CPU without AVX-512 BF16");
+                if self.tiles {
+                    assert!(amx(), "an AMX layer where the tiles were not granted");
+                    // SAFETY: AMX is granted to the process (`amx()`); `gemm` loads this
+                    // thread's configuration itself; `out` is the caller's contract.
+                    return unsafe {
+                        super::amx::gemm(
+                            &mut super::amx::Hardware,
+                            a,
+                            m,
+                            k,
+                            packed,
+                            &self.bias,
+                            n,
+                            out,
+                            cols,
+                            epilogue,
+                        )
+                    };
+                }
                 // SAFETY: the features are there; `out` is the caller's contract.
                 unsafe { x86::gemm_bf16(a, m, k, packed, &self.bias, n, out, cols, epilogue) }
             }

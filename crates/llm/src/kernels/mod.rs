@@ -5,11 +5,13 @@
 //! runs on any x86-64 or aarch64 CPU.
 //!
 //! By role: `linear` holds the layer and its portable F32 path, `bf16` the BF16 rounding, weight
-//! packing and AVX-512 BF16 tile kernel, `activation` the erf GELU and exp polynomials the
+//! packing and AVX-512 BF16 tile kernel, `amx` the same multiply on AMX tiles (Intel Xeons from
+//! Sapphire Rapids on), `activation` the erf GELU and exp polynomials the
 //! epilogues and the softmax use, `norm` LayerNorm and `attention` one head's attention. Each
 //! keeps its AVX-512 bodies in its own `x86` module.
 
 mod activation;
+mod amx;
 mod attention;
 mod bf16;
 mod linear;
@@ -58,6 +60,12 @@ impl Precision {
 /// the CPU has them and no lower level was asked for ([`crate::cpu`]).
 pub fn avx512_bf16() -> bool {
     crate::cpu::has(crate::cpu::Level::Avx512Bf16)
+}
+
+/// Whether the AMX tile kernels run here: the CPU has AMX with BF16, the operating system
+/// granted this process the tile state, and no lower level was asked for ([`crate::cpu`]).
+pub fn amx() -> bool {
+    crate::cpu::has(crate::cpu::Level::Amx)
 }
 
 /// Whether the AVX2 (with FMA) paths run here ([`crate::cpu`]).

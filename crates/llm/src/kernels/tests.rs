@@ -1,10 +1,12 @@
 //! The kernels against their definitions, in f64, and the dispatched paths against the portable
 //! ones: run at each level the CPU has (`RAGSCOPE_CPU_LEVEL`), that is each path. The BF16
-//! kernels' own tests are in `needs_avx512bf16`.
+//! kernels' own tests are in `needs_avx512bf16`, the AMX ones' in `needs_amx` (and their
+//! addressing on emulated tiles, here, on any CPU).
 
 use super::activation::silu_mul_body;
 #[cfg(target_arch = "x86_64")]
 use super::activation::x86;
+use super::amx::Emulated;
 use super::attention::attention_head_body;
 use super::norm::layer_norm_body;
 use super::*;
@@ -72,28 +74,43 @@ fn run(layer: &Linear, a: &[f32], m: usize, epilogue: Epilogue<'_>, parts: usize
 }
 
 fn check_linear(precision: Precision, m: usize, n: usize, k: usize) {
+    let layer = Linear::new(&values(n * k, 2), &values(n, 3), n, k, precision);
+    assert_eq!(layer.precision(), precision);
+    check_product(
+        precision == Precision::Bf16,
+        m,
+        n,
+        k,
+        &|a, epilogue, parts| run(&layer, a, m, epilogue, parts),
+    );
+}
+
+/// `multiply(a, epilogue, parts)`, a `[m, k] × [k, n]` product with weights `values(n * k, 2)`
+/// and bias `values(n, 3)` computed in `parts` column shares, against the naive product in
+/// f64 of the operands the kernel sees (BF16-rounded with `bf16`), with each epilogue.
+type Multiply<'a> = dyn Fn(&[f32], Epilogue<'_>, usize) -> Vec<f32> + 'a;
+
+fn check_product(bf16: bool, m: usize, n: usize, k: usize, multiply: &Multiply<'_>) {
     let a = values(m * k, 1);
     let w = values(n * k, 2);
     let bias = values(n, 3);
-    let layer = Linear::new(&w, &bias, n, k, precision);
-    assert_eq!(layer.precision(), precision);
     let residual = values(m * n, 4);
-    // The exact answer for the operands the kernel sees: BF16-rounded in BF16 mode.
     let round = |v: &[f32]| -> Vec<f32> {
-        match precision {
-            Precision::Bf16 => v.iter().map(|&x| from_bf16(to_bf16(x))).collect(),
-            Precision::F32 => v.to_vec(),
+        if bf16 {
+            v.iter().map(|&x| from_bf16(to_bf16(x))).collect()
+        } else {
+            v.to_vec()
         }
     };
     let want = naive(&round(&a), &round(&w), &bias, m, n, k);
     let tol = 1e-5 * k as f64;
     for parts in [1, 2, 3] {
-        let plain = run(&layer, &a, m, Epilogue::None, parts);
-        let added = run(&layer, &a, m, Epilogue::Add(&residual), parts);
-        let gelu = run(&layer, &a, m, Epilogue::Gelu, parts);
+        let plain = multiply(&a, Epilogue::None, parts);
+        let added = multiply(&a, Epilogue::Add(&residual), parts);
+        let gelu = multiply(&a, Epilogue::Gelu, parts);
         for i in 0..m * n {
             let (r, c) = (i / n, i % n);
-            let at = format!("{precision:?} m={m} n={n} k={k} parts={parts} [{r},{c}]");
+            let at = format!("bf16={bf16} m={m} n={n} k={k} parts={parts} [{r},{c}]");
             assert!(
                 (f64::from(plain[i]) - want[i]).abs() < tol,
                 "{at}: {} vs {}",
@@ -114,6 +131,40 @@ fn check_linear(precision: Precision, m: usize, n: usize, k: usize) {
             );
         }
     }
+}
+
+/// The AMX kernel on `tiles`: weights `values(n * k, 2)` packed in panels, `a` rounded to
+/// BF16, in `parts` column shares, each share a call of its own (as each pool thread makes).
+fn on_tiles<T: amx::Tiles>(
+    tiles: &mut T,
+    a: &[f32],
+    (m, n, k): (usize, usize, usize),
+    epilogue: Epilogue<'_>,
+    parts: usize,
+) -> Vec<f32> {
+    let packed = bf16::pack_panels(&values(n * k, 2), n, k);
+    let rows = a.iter().map(|&x| to_bf16(x)).collect::<Vec<_>>();
+    let bias = values(n, 3);
+    let mut out = vec![f32::NAN; m * n];
+    for part in 0..parts {
+        let cols = column_share(n, part, parts);
+        // SAFETY: k is whole tile steps; `out` is [m, n] and only this call touches it.
+        unsafe {
+            amx::gemm(
+                tiles,
+                &rows,
+                m,
+                k,
+                &packed,
+                &bias,
+                n,
+                out.as_mut_ptr(),
+                cols,
+                epilogue,
+            )
+        };
+    }
+    out
 }
 
 #[test]
@@ -379,6 +430,69 @@ fn a_causal_query_gives_the_same_result_whatever_shares_its_call() {
     assert_eq!(alone[..], among[12 * d..13 * d]);
 }
 
+/// The AMX kernel's addressing, shapes and epilogues, on the tiles emulated as the Intel SDM
+/// defines each instruction (with the CPU's shape checks): every row count around the 16-row
+/// tile and the 32-row block, one to three panels in one to three column shares, one tile
+/// step of inputs and many. The instructions themselves run in `needs_amx`.
+#[test]
+fn amx_kernel_on_emulated_tiles_matches_a_naive_product() {
+    for (m, n, k) in [
+        (1, 64, 32),
+        (15, 128, 64),
+        (16, 64, 32),
+        (17, 192, 96),
+        (32, 64, 64),
+        (45, 128, 576),
+        (70, 64, 32),
+    ] {
+        let tiles = std::cell::RefCell::new(Emulated::new());
+        check_product(true, m, n, k, &|a, epilogue, parts| {
+            on_tiles(&mut *tiles.borrow_mut(), a, (m, n, k), epilogue, parts)
+        });
+        // Per call: a configuration for the full blocks and one for a shorter last block,
+        // four tile products per step of a full block, and the tiles released at the end.
+        let [configured, _, dots, _, released] = tiles.into_inner().counts;
+        let calls = 3 * (1 + 2 + 3);
+        assert_eq!(released, calls, "m={m} n={n} k={k}");
+        assert!(configured >= calls && configured <= 2 * calls);
+        let per_block = |rows: usize| k / amx::STEP * if rows > 16 { 4 } else { 2 };
+        let blocks: usize = (0..m).step_by(32).map(|r| per_block((m - r).min(32))).sum();
+        // Every epilogue covers all columns once per share count: 3 × 3 times.
+        assert_eq!(dots, 9 * blocks * n / 32, "m={m} n={n} k={k}");
+    }
+}
+
+/// A row's outputs on tiles do not depend on the rows beside it: a prompt's rows in one call
+/// and in chunks of other sizes are the same bits (what chunked prefill relies on).
+#[test]
+fn amx_rows_are_the_same_in_any_chunking() {
+    let (m, n, k) = (77, 128, 96);
+    let a = values(m * k, 9);
+    let whole = on_tiles(&mut Emulated::new(), &a, (m, n, k), Epilogue::None, 2);
+    let mut chunked = Vec::new();
+    for (r0, r1) in [(0, 5), (5, 38), (38, 77)] {
+        let part = &a[r0 * k..r1 * k];
+        chunked.extend(on_tiles(
+            &mut Emulated::new(),
+            part,
+            (r1 - r0, n, k),
+            Epilogue::None,
+            1,
+        ));
+    }
+    assert_eq!(whole, chunked);
+}
+
+/// The emulation refuses what the CPU would fault on, so a kernel that forgot its
+/// configuration cannot pass on it.
+#[test]
+#[should_panic(expected = "before ldtilecfg")]
+fn emulated_tiles_refuse_an_instruction_before_the_configuration() {
+    let row = [0u8; 64];
+    // SAFETY: the emulation reads `row` only after the configuration it panics without.
+    unsafe { amx::Tiles::load(&mut Emulated::new(), 4, row.as_ptr(), 64) };
+}
+
 /// The AVX-512 BF16 kernels alone: the test command runs these only where the CPU has them
 /// (elsewhere they show as skipped), and each fails rather than passes on a CPU without them.
 #[cfg(target_arch = "x86_64")]
@@ -412,6 +526,74 @@ mod needs_avx512bf16 {
                 (f64::from(v[3]) - want).abs() < 3e-7 * (1.0 + x.abs() as f64),
                 "gelu16({x})"
             );
+        }
+    }
+}
+
+/// The AMX kernels alone, on the instructions themselves: run only where the CPU has AMX and the
+/// operating system granted the tiles (elsewhere skipped; run anyway, they fail).
+#[cfg(target_arch = "x86_64")]
+mod needs_amx {
+    use super::*;
+    use crate::cpu::Level;
+
+    #[test]
+    fn amx_linear_matches_a_naive_product_of_the_rounded_operands() {
+        crate::cpu::require(Level::Amx);
+        for (m, n, k) in [
+            (1, 64, 32),
+            (15, 128, 64),
+            (17, 192, 384),
+            (45, 384, 1536),
+            (96, 64, 576),
+        ] {
+            assert!(
+                Linear::new(&values(n * k, 2), &values(n, 3), n, k, Precision::Bf16).on_tiles()
+            );
+            check_linear(Precision::Bf16, m, n, k);
+        }
+    }
+
+    /// The instructions against their emulation: the same operands and the same order of
+    /// steps, so only the order of the sums inside one `tdpbf16ps` may differ.
+    #[test]
+    fn amx_instructions_agree_with_their_emulation() {
+        crate::cpu::require(Level::Amx);
+        let (m, n, k) = (45, 128, 576);
+        let a = values(m * k, 7);
+        let hardware = on_tiles(&mut amx::Hardware, &a, (m, n, k), Epilogue::None, 2);
+        let emulated = on_tiles(&mut Emulated::new(), &a, (m, n, k), Epilogue::None, 2);
+        let worst = hardware
+            .iter()
+            .zip(&emulated)
+            .map(|(h, e)| (h - e).abs())
+            .fold(0f32, f32::max);
+        eprintln!(
+            "AMX against its emulation: max |Δ| {worst} over {} outputs",
+            m * n
+        );
+        assert!(worst < 1e-4, "max |Δ| {worst}");
+    }
+
+    /// Fresh threads, none of which has run a tile instruction before, each multiply at once:
+    /// each loads its own configuration (the SIGILL llama.cpp's AMX build dies of is a pool
+    /// thread's first tile instruction without one).
+    #[test]
+    fn fresh_threads_each_configure_their_own_tiles() {
+        crate::cpu::require(Level::Amx);
+        let (m, n, k) = (40, 256, 576);
+        let layer = Linear::new(&values(n * k, 2), &values(n, 3), n, k, Precision::Bf16);
+        assert!(layer.on_tiles());
+        let a = values(m * k, 1);
+        let alone = run(&layer, &a, m, Epilogue::None, 1);
+        let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| run(&layer, &a, m, Epilogue::None, 4)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in results {
+            assert_eq!(r, alone);
         }
     }
 }
