@@ -404,6 +404,32 @@ impl Partial {
                 }
             }
             if Isa::detect() != Isa::Portable {
+                if hd == 64 && nh % nkv == 0 {
+                    // SAFETY: `Isa::detect` saw avx2, fma and f16c on this CPU.
+                    match nh / nkv {
+                        1 => {
+                            return unsafe {
+                                self.attend_avx2_64::<1, T>(q, kv, dims, range, scale)
+                            }
+                        }
+                        2 => {
+                            return unsafe {
+                                self.attend_avx2_64::<2, T>(q, kv, dims, range, scale)
+                            }
+                        }
+                        3 => {
+                            return unsafe {
+                                self.attend_avx2_64::<3, T>(q, kv, dims, range, scale)
+                            }
+                        }
+                        4 => {
+                            return unsafe {
+                                self.attend_avx2_64::<4, T>(q, kv, dims, range, scale)
+                            }
+                        }
+                        _ => {}
+                    }
+                }
                 // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
                 return unsafe { self.attend_avx2(q, kv, dims, range, scale) };
             }
@@ -532,6 +558,109 @@ impl Partial {
         }
     }
 
+    /// [`Partial::attend`] on AVX2 for heads of 64 and `R` query heads per kv head, the
+    /// AVX-512 body's plan at eight lanes within sixteen registers: each key is read once, a
+    /// register chunk at a time, for the `R` scores of four keys at once (`4R` accumulators,
+    /// reduced together by [`sum4_avx2`]); the context rows stay in registers, in two halves
+    /// of 32 columns (`4R` accumulators each). The portable loops, which this replaces on
+    /// AVX2, widen every row into memory, reduce every score alone, and read and write the
+    /// context rows in memory for every key: at 600 positions they took half the decode step.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, FMA and F16C; `q` is `(n_head, 64)` and the caches hold `range` of
+    /// every kv head (as [`Partial::attend`]'s callers guarantee).
+    #[allow(clippy::needless_range_loop)]
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn attend_avx2_64<const R: usize, T: KvElem>(
+        &mut self,
+        q: &[f32],
+        (k, v): (&[T], &[T]),
+        (nh, nkv, cap, hd): (usize, usize, usize, usize),
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) {
+        use std::arch::x86_64::*;
+
+        let n = range.len();
+        self.reset(nh, hd, R * n);
+        assert!(hd == 64 && nh == R * nkv);
+        assert!(q.len() >= nh * hd && k.len() >= nkv * cap * hd && v.len() >= nkv * cap * hd);
+        assert!(range.end <= cap);
+        let scores = self.scores.as_mut_ptr();
+        // SAFETY (whole body): q rows h < nh, cache rows (g, range) and score slots r * n + j
+        // are in bounds by the asserts above; `out` is `nh * 64`.
+        unsafe {
+            let zero = _mm256_setzero_ps();
+            for g in 0..nkv {
+                let h0 = g * R;
+                let qs: [*const f32; R] = std::array::from_fn(|r| q.as_ptr().add((h0 + r) * hd));
+                let key_row = |j: usize| k.as_ptr().add((g * cap + range.start + j) * hd);
+                let mut j = 0;
+                while j + 4 <= n {
+                    let mut acc = [[zero; 4]; R];
+                    for c in 0..8 {
+                        for i in 0..4 {
+                            let key = T::load8(key_row(j + i).add(8 * c));
+                            for r in 0..R {
+                                let q = _mm256_loadu_ps(qs[r].add(8 * c));
+                                acc[r][i] = _mm256_fmadd_ps(q, key, acc[r][i]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        let sums = _mm_mul_ps(sum4_avx2(acc[r]), _mm_set1_ps(scale));
+                        _mm_storeu_ps(scores.add(r * n + j), sums);
+                    }
+                    j += 4;
+                }
+                for j in j..n {
+                    let mut acc = [zero; R];
+                    for c in 0..8 {
+                        let key = T::load8(key_row(j).add(8 * c));
+                        for r in 0..R {
+                            let q = _mm256_loadu_ps(qs[r].add(8 * c));
+                            acc[r] = _mm256_fmadd_ps(q, key, acc[r]);
+                        }
+                    }
+                    for r in 0..R {
+                        let sums = sum4_avx2([acc[r], zero, zero, zero]);
+                        *scores.add(r * n + j) = _mm_cvtss_f32(sums) * scale;
+                    }
+                }
+                for r in 0..R {
+                    let row = std::slice::from_raw_parts_mut(scores.add(r * n), n);
+                    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                    for s in row.iter_mut() {
+                        *s = exp(*s - max);
+                    }
+                    self.max[h0 + r] = max;
+                    self.sum[h0 + r] = lanes_sum(row);
+                }
+                for half in 0..2 {
+                    let mut ctx = [[zero; 4]; R];
+                    for j in 0..n {
+                        let row = v.as_ptr().add((g * cap + range.start + j) * hd + 32 * half);
+                        let w: [__m256; R] =
+                            std::array::from_fn(|r| _mm256_set1_ps(*scores.add(r * n + j)));
+                        for c in 0..4 {
+                            let value = T::load8(row.add(8 * c));
+                            for r in 0..R {
+                                ctx[r][c] = _mm256_fmadd_ps(w[r], value, ctx[r][c]);
+                            }
+                        }
+                    }
+                    for r in 0..R {
+                        let out = self.out.as_mut_ptr().add((h0 + r) * hd + 32 * half);
+                        for c in 0..4 {
+                            _mm256_storeu_ps(out.add(8 * c), ctx[r][c]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// The same loops compiled for AVX2: eight lanes per instruction instead of SSE2's four
     /// (same arithmetic in the same order, so the same results).
     #[cfg(target_arch = "x86_64")]
@@ -620,6 +749,34 @@ fn sum4(a: [std::arch::x86_64::__m512; 4]) -> std::arch::x86_64::__m128 {
     _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, v))
 }
 
+/// The lane sums of four 8-lane vectors, as one: pairs of lanes, then pairs of pairs within
+/// each 128-bit half, then the halves (three horizontal adds and one add for the four).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn sum4_avx2(a: [std::arch::x86_64::__m256; 4]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // [a0 01, a0 23, a1 01, a1 23 | a0 45, a0 67, a1 45, a1 67], likewise a2 and a3.
+    let (p01, p23) = (_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    // [a0 0-3, a1 0-3, a2 0-3, a3 0-3 | a0 4-7, a1 4-7, a2 4-7, a3 4-7]
+    let q = _mm256_hadd_ps(p01, p23);
+    _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps::<1>(q))
+}
+
+/// A sum in eight independent lanes, so the compiler can vectorise it.
+#[inline(always)]
+fn lanes_sum(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a += x;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// Rescales every range to the overall max of its head, then normalises, into `out`
 /// `(n_head * head_dim)`.
 pub(super) fn merge(parts: &[Partial], nh: usize, hd: usize, out: &mut [f32]) {
@@ -696,6 +853,15 @@ mod tests {
 
     use super::*;
 
+    /// Four vectors of `W` lanes of small integers (every order of their sums is exact), and
+    /// each one's lane sum.
+    #[cfg(target_arch = "x86_64")]
+    fn four_vectors<const W: usize>() -> ([[f32; W]; 4], [f32; 4]) {
+        let xs: [[f32; W]; 4] =
+            std::array::from_fn(|v| std::array::from_fn(|l| (v * 100 + l * l) as f32));
+        (xs, xs.map(|x| x.iter().sum::<f32>()))
+    }
+
     /// The AVX-512 helpers alone (the test command runs them only where the CPU has them).
     #[cfg(target_arch = "x86_64")]
     mod needs_avx512 {
@@ -705,23 +871,44 @@ mod tests {
         #[test]
         fn sum4_gives_each_vectors_lane_sum() {
             crate::cpu::require(Level::Avx512);
-            let xs: [[f32; 16]; 4] =
-                std::array::from_fn(|v| std::array::from_fn(|l| (v * 100 + l * l) as f32));
+            let (xs, want) = super::four_vectors::<16>();
             let mut got = [0f32; 4];
             // SAFETY: the CPU runs AVX-512 (required above); every pointer covers what it is
             // read or written for.
             unsafe {
                 use std::arch::x86_64::*;
-                let vs = xs.map(|x| _mm512_loadu_ps(x.as_ptr()));
-                _mm_storeu_ps(got.as_mut_ptr(), sum4(vs));
+                _mm_storeu_ps(
+                    got.as_mut_ptr(),
+                    sum4(xs.map(|x| _mm512_loadu_ps(x.as_ptr()))),
+                );
             }
-            // Small integers: every order of the sums is exact.
-            assert_eq!(got, xs.map(|x| x.iter().sum::<f32>()));
+            assert_eq!(got, want);
+        }
+    }
+
+    /// The AVX2 helper alone (the test command runs it only where the CPU has AVX2).
+    #[cfg(target_arch = "x86_64")]
+    mod needs_avx2 {
+        use super::super::sum4_avx2;
+        use crate::cpu::Level;
+
+        #[test]
+        fn sum4_avx2_gives_each_vectors_lane_sum() {
+            crate::cpu::require(Level::Avx2);
+            let (xs, want) = super::four_vectors::<8>();
+            let mut got = [0f32; 4];
+            // SAFETY: as in `needs_avx512`, for AVX2.
+            unsafe {
+                use std::arch::x86_64::*;
+                let vs = xs.map(|x| _mm256_loadu_ps(x.as_ptr()));
+                _mm_storeu_ps(got.as_mut_ptr(), sum4_avx2(vs));
+            }
+            assert_eq!(got, want);
         }
     }
 
     /// Attention over an F16 cache is attention over the same values widened to F32: the
-    /// AVX-512 body loads them with `vcvtph2ps`, the portable body converts each row first,
+    /// AVX-512 and AVX2 bodies load them with `vcvtph2ps`, the portable body converts each row first,
     /// and both then do the F32 arithmetic of the F32 cache, bit for bit.
     #[test]
     fn attention_over_f16_rows_is_attention_over_their_f32_values() {
@@ -752,7 +939,7 @@ mod tests {
             merge(std::slice::from_ref(&b), nh, hd, &mut yb);
             merge(std::slice::from_ref(&c), nh, hd, &mut yc);
             assert_eq!(ya, yb, "{range:?}: dispatched body, F16 against F32 rows");
-            // The portable body sums in another order than the AVX-512 one.
+            // The portable body sums in another order than the AVX-512 and AVX2 ones.
             let diff = yc
                 .iter()
                 .zip(&yb)

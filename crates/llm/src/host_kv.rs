@@ -182,6 +182,13 @@ pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     /// The CPU has AVX-512 F, and `p` is readable for sixteen elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+
+    /// Eight elements from `p`, as F32 lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C, and `p` is readable for eight elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl KvElem for f32 {
@@ -196,6 +203,14 @@ impl KvElem for f32 {
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
 }
 
@@ -215,6 +230,15 @@ impl KvElem for f16 {
         // SAFETY: the caller's contract; `f16` is a transparent `u16`, so sixteen of them are
         // the 256 bits `vcvtph2ps` widens.
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; eight `f16` are the 128 bits `vcvtph2ps` widens.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
     }
 }
 
