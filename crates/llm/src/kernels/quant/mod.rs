@@ -438,10 +438,13 @@ const PARALLEL_MIN_WORK: usize = 64;
 
 /// Weight rows per kernel call for a tile of `n` activations. Measured (`ragscope-lab
 /// kernels`, 2 threads): Q4_1 with one activation runs 1.6 ms with four rows per call against
-/// 2.1 ms with one; Q8_0 the other way round (5.6 ms with four rows, 2.2 ms with one).
+/// 2.1 ms with one; Q8_0 5.6 ms with four rows, 2.2 ms with one. Two Q8_0 rows per call
+/// (AVX2-only EPYC family 25, three alternations, noisy): one activation 2.2-3.1 ms against
+/// 2.5-3.6 with one row, two 2.4 against 3.1-4.6, four 3.7-3.8 against 4.8-7.2; the output
+/// head of the decode step 1.0-1.2 ms against 1.3-1.9 (five alternations of `decode-step`).
 fn row_tile(format: BlockFormat, n: usize) -> usize {
     match (format, n) {
-        (BlockFormat::Q8_0, _) => 1,
+        (BlockFormat::Q8_0, _) => 2,
         (BlockFormat::Q4_1, 1) => ROW_TILE,
         (BlockFormat::Q4_1, _) => 2,
     }
