@@ -6,7 +6,9 @@
 //! - the process asks the kernel for the tile state once (`arch_prctl`, at detection);
 //! - every thread loads a tile configuration before its first tile instruction, so each call
 //!   of [`gemm`] loads its own (a pool thread that never ran a tile kernel has none: that is
-//!   the SIGILL llama.cpp's AMX build dies of);
+//!   the SIGILL llama.cpp's AMX build dies of), and puts back the one the thread had when it
+//!   leaves: candle's own AMX matmuls (Q4_K, on the same pool) configure a thread once and
+//!   expect it to stay configured;
 //! - the tile registers are not Rust values, so the kernel is written against [`Tiles`], whose
 //!   hardware form is one instruction per method and whose emulated form ([`Emulated`], in the
 //!   tests) checks each instruction's shape rules as the CPU would and runs on any CPU.
@@ -40,10 +42,19 @@ pub struct TileConfig {
 }
 
 impl TileConfig {
+    /// No configuration: what `sttilecfg` stores where none is loaded.
+    pub const EMPTY: TileConfig = TileConfig {
+        palette: 0,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+
     /// The configuration for a block of `top + bottom` output rows (`top` in 1..=16, `bottom`
     /// in 0..=16): tiles 0, 1 and 4 hold the first `top` rows, 2, 3 and 5 the next `bottom`
     /// (unconfigured when 0), 6 and 7 the weights.
-    fn for_rows(top: usize, bottom: usize) -> TileConfig {
+    pub(super) fn for_rows(top: usize, bottom: usize) -> TileConfig {
         assert!((1..=16).contains(&top) && bottom <= 16);
         let mut cfg = TileConfig {
             palette: 1,
@@ -80,6 +91,8 @@ impl TileConfig {
 /// for `store`) bytes of the configured tile's shape.
 pub trait Tiles {
     unsafe fn configure(&mut self, cfg: &TileConfig);
+    /// `sttilecfg`: the configuration in force (all zeros where none is).
+    unsafe fn current(&mut self) -> TileConfig;
     unsafe fn load(&mut self, tile: usize, base: *const u8, stride: usize);
     /// `tdpbf16ps c, a, b`: `c[m][n] += Σ_k a[m][2k..2k+2] · b[k][2n..2n+2]`.
     unsafe fn dot(&mut self, c: usize, a: usize, b: usize);
@@ -117,6 +130,8 @@ pub unsafe fn gemm<T: Tiles>(
     assert!(cols.start.is_multiple_of(PANEL) && cols.end.is_multiple_of(PANEL) && cols.end <= n);
     let pairs = k / 2;
     let (lda, ldc, ldb) = (k * 2, n * 4, PANEL * 2 * 2);
+    // SAFETY: storing the configuration is always allowed where AMX is granted.
+    let previous = unsafe { tiles.current() };
     let mut loaded = None;
     for r0 in (0..m).step_by(BLOCK) {
         let rows = (m - r0).min(BLOCK);
@@ -185,9 +200,17 @@ pub unsafe fn gemm<T: Tiles>(
             }
         }
     }
-    // SAFETY: releasing is always allowed once configured; it returns the tile state to its
-    // initial form, so the thread's context switches and signals save none of it.
-    unsafe { tiles.release() };
+    // SAFETY: both are always allowed where AMX is granted. Releasing returns the tile state
+    // to its initial form, so the thread's context switches and signals save none of it;
+    // where the thread had a configuration of its own, it gets it back (its tiles' data is
+    // zeroed either way, as every `ldtilecfg` does).
+    unsafe {
+        if previous.palette == 0 {
+            tiles.release();
+        } else {
+            tiles.configure(&previous);
+        }
+    }
 }
 
 /// The instructions themselves. Only for a process [`crate::cpu`] found AMX in and was granted
@@ -203,6 +226,16 @@ impl Tiles for Hardware {
         unsafe {
             std::arch::asm!("ldtilecfg [{}]", in(reg) cfg as *const TileConfig, options(nostack))
         };
+    }
+
+    #[inline(always)]
+    unsafe fn current(&mut self) -> TileConfig {
+        let mut cfg = TileConfig::EMPTY;
+        // SAFETY: the caller's contract (see `Tiles`); 64 writable, aligned bytes.
+        unsafe {
+            std::arch::asm!("sttilecfg [{}]", in(reg) &mut cfg as *mut TileConfig, options(nostack))
+        };
+        cfg
     }
 
     #[inline(always)]
@@ -282,9 +315,12 @@ impl Tiles for Hardware {
     }
 }
 
-/// The tile instructions in plain Rust, as the Intel SDM defines them, with the checks the
-/// CPU makes (a tile used before a configuration, or in shapes that do not fit, is `#UD`
-/// there and a panic here): the kernel's addressing and shapes, tested on any CPU.
+/// The tile instructions in plain Rust, as the Intel SDM describes them, with the checks the
+/// CPU makes (a configuration it would refuse, a tile used before one, shapes that do not fit,
+/// or one tile as two operands are `#GP` or `#UD` there and a panic here): the kernel's
+/// addressing and shapes, tested on any CPU. Its `tdpbf16ps` sums one step's products in one
+/// order (each pair's dot product, the step's sum, then into C); the CPU's order inside an
+/// instruction is its own, so the two agree to rounding, not bit for bit.
 #[cfg(test)]
 pub struct Emulated {
     cfg: Option<TileConfig>,
@@ -301,6 +337,11 @@ impl Emulated {
             tiles: [[0; 1024]; 8],
             counts: [0; 5],
         }
+    }
+
+    /// The configuration in force, if any.
+    pub fn config(&self) -> Option<TileConfig> {
+        self.cfg
     }
 
     /// (rows, bytes per row) of a configured tile.
@@ -332,12 +373,27 @@ impl Emulated {
 impl Tiles for Emulated {
     unsafe fn configure(&mut self, cfg: &TileConfig) {
         assert_eq!(cfg.palette, 1);
-        for t in 0..8 {
-            assert!(cfg.rows[t] <= 16 && cfg.colsb[t] <= 64, "tmm{t} too large");
+        assert!(
+            cfg.start_row == 0 && cfg.reserved == [0; 14],
+            "reserved bytes set"
+        );
+        for t in 0..16 {
+            let (rows, colsb) = (cfg.rows[t], cfg.colsb[t]);
+            assert!(rows <= 16 && colsb <= 64, "tmm{t} too large");
+            assert_eq!(
+                rows == 0,
+                colsb == 0,
+                "tmm{t}: rows {rows} with {colsb} bytes a row"
+            );
+            assert!(t < 8 || rows == 0, "tmm{t} does not exist");
         }
         self.cfg = Some(*cfg);
         self.tiles = [[0; 1024]; 8];
         self.counts[0] += 1;
+    }
+
+    unsafe fn current(&mut self) -> TileConfig {
+        self.cfg.unwrap_or(TileConfig::EMPTY)
     }
 
     unsafe fn load(&mut self, tile: usize, base: *const u8, stride: usize) {
@@ -352,6 +408,10 @@ impl Tiles for Emulated {
     }
 
     unsafe fn dot(&mut self, c: usize, a: usize, b: usize) {
+        assert!(
+            c != a && c != b && a != b,
+            "tdpbf16ps tmm{c}, tmm{a}, tmm{b}: a tile twice"
+        );
         let ((c_rows, c_colsb), (a_rows, a_colsb), (b_rows, b_colsb)) =
             (self.shape(c), self.shape(a), self.shape(b));
         assert!(
@@ -361,11 +421,12 @@ impl Tiles for Emulated {
         );
         for m in 0..c_rows {
             for n in 0..c_colsb / 4 {
-                let mut acc = self.f32_at(c, m, n);
+                let mut step = 0f32;
                 for kk in 0..a_colsb / 4 {
-                    acc += self.bf16_at(a, m, 2 * kk) * self.bf16_at(b, kk, 2 * n);
-                    acc += self.bf16_at(a, m, 2 * kk + 1) * self.bf16_at(b, kk, 2 * n + 1);
+                    step += self.bf16_at(a, m, 2 * kk) * self.bf16_at(b, kk, 2 * n)
+                        + self.bf16_at(a, m, 2 * kk + 1) * self.bf16_at(b, kk, 2 * n + 1);
                 }
+                let acc = self.f32_at(c, m, n) + step;
                 let at = m * 64 + n * 4;
                 self.tiles[c][at..at + 4].copy_from_slice(&acc.to_le_bytes());
             }
