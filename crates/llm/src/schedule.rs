@@ -463,6 +463,9 @@ fn step_service() -> Option<&'static str> {
     Some(telemetry::names::STEPS_SERVICE)
 }
 
+/// One step as its span records it: (index, batch size, rows, start, end, compute-lock wait).
+type StepFacts = (u64, usize, usize, Instant, Instant, Duration);
+
 /// Steps run since the last step span (`sampled:N`), summed for the next one.
 #[derive(Default)]
 struct Window {
@@ -471,18 +474,14 @@ struct Window {
     /// Each member once, with the positions its steps computed (one a step, more when a
     /// step verified a draft).
     members: Vec<(Arc<Member>, i64)>,
-    /// The latest step: (index, batch size, start, end, compute-lock wait).
-    last: Option<(u64, usize, Instant, Instant, Duration)>,
+    /// The latest step: (index, batch size, rows, start, end, compute-lock wait).
+    last: Option<StepFacts>,
 }
 
 impl Window {
-    fn add(
-        &mut self,
-        step: (u64, usize, Instant, Instant, Duration),
-        members: &[(Arc<Member>, i64)],
-    ) {
+    fn add(&mut self, step: StepFacts, members: &[(Arc<Member>, i64)]) {
         self.steps += 1;
-        self.busy += step.3.saturating_duration_since(step.2);
+        self.busy += step.4.saturating_duration_since(step.3);
         for (m, rows) in members {
             match self.members.iter_mut().find(|(w, _)| Arc::ptr_eq(w, m)) {
                 Some((_, tokens)) => *tokens += rows,
@@ -509,11 +508,12 @@ impl Window {
 
     /// Records the steps no span has covered yet as one span over the latest of them.
     fn flush(&mut self) {
-        let Some((index, batch, started, ended, wait)) = self.last else {
+        let Some((index, batch, rows, started, ended, wait)) = self.last else {
             return;
         };
         let step = Stage::detached_at(span::DECODE_STEP, step_service(), started);
         step.set_all(step_attributes(index, batch, wait));
+        step.set(KeyValue::new(attr::DECODE_STEP_ROWS, rows as i64));
         step.set_all(self.take());
         step.end_at(ended);
     }
@@ -683,7 +683,7 @@ fn run<E: StepEngine>(
         }
         // The members have their logits; the span is written while they sample.
         let wait = computing.saturating_duration_since(started);
-        let facts = (index, b, started, ended, wait);
+        let facts = (index, b, rows, started, ended, wait);
         if let StepSpans::Sampled(_) = spans {
             window.add(facts, &members);
         }

@@ -212,6 +212,10 @@ async fn batched_decode_time_splits_among_the_requests_that_shared_the_steps() {
             .map(|s| (s["spanId"].as_str().unwrap(), s))
             .collect();
         assert_eq!(steps_by_id.len(), report.step_spans);
+        // Every step span says how many rows its step ran, the idle flush's included.
+        for step in steps_by_id.values() {
+            assert!(int_attribute(step, "rag.decode.step.rows") >= 1, "{step}");
+        }
         for share in &report.requests {
             let decode = otlp_spans(&traces)
                 .find(|s| s["traceId"] == share.trace_id.as_str() && s["name"] == "decode")
