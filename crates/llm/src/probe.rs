@@ -98,29 +98,29 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
             .map(|i| ((i * 104_729) % 2000) as f32 / 1000.0 - 1.0)
             .collect();
         let xt = Tensor::from_slice(&x, (rows, k), &Device::Cpu)?;
-        // The BF16 projections the default format builds on each kernel the CPU runs.
+        // The BF16 projections the default format builds, on each kernel the CPU runs.
         let dense = q.dequantize(&Device::Cpu)?;
-        let mut bf16 = Vec::new();
-        for (prefill, runs) in [
-            (Prefill::Bf16, crate::kernels::avx512_bf16()),
-            (Prefill::Amx, crate::kernels::amx()),
-        ] {
-            if runs {
-                bf16.push((
-                    prefill,
-                    Bf16Proj::new(&dense, prefill)?,
-                    vec![0f32; rows * n],
-                    Vec::new(),
-                ));
+        let bf16_proj = |prefill: Prefill, runs: bool| -> Result<_> {
+            if !runs {
+                return Ok(None);
             }
-        }
+            Ok(Some((
+                Bf16Proj::new(&dense, prefill)?,
+                vec![0f32; rows * n],
+            )))
+        };
+        let mut bf16 = bf16_proj(Prefill::Bf16, crate::kernels::avx512_bf16())?;
+        let mut amx = bf16_proj(Prefill::Amx, crate::kernels::amx())?;
+        let (mut bf16_ms, mut amx_ms) = (Vec::new(), Vec::new());
         let (mut f32_ms, mut int8_ms) = (Vec::new(), Vec::new());
         for round in 0..=rounds {
-            for (_, proj, out, ms) in &mut bf16 {
-                let t0 = Instant::now();
-                proj.forward_rows(&x, rows, out, None)?;
-                if round > 0 {
-                    ms.push(t0.elapsed().as_secs_f64() * 1e3);
+            for (proj, ms) in [(&mut bf16, &mut bf16_ms), (&mut amx, &mut amx_ms)] {
+                if let Some((proj, out)) = proj {
+                    let t0 = Instant::now();
+                    proj.forward_rows(&x, rows, out, None)?;
+                    if round > 0 {
+                        ms.push(t0.elapsed().as_secs_f64() * 1e3);
+                    }
                 }
             }
             let t0 = Instant::now();
@@ -148,16 +148,9 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
             rows,
             f32_ms: median(&mut f32_ms).unwrap_or(f64::NAN),
             int8_ms: median(&mut int8_ms),
-            bf16_ms: None,
-            amx_ms: None,
+            bf16_ms: median(&mut bf16_ms),
+            amx_ms: median(&mut amx_ms),
         });
-        let last = timings.last_mut().expect("pushed just above");
-        for (prefill, _, _, mut ms) in bf16 {
-            match prefill {
-                Prefill::Amx => last.amx_ms = median(&mut ms),
-                _ => last.bf16_ms = median(&mut ms),
-            }
-        }
     }
     Ok(timings)
 }
