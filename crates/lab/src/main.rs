@@ -75,7 +75,8 @@ enum Experiment {
     /// projection shape at 588 rows on candle's F32 GEMM and on the int8 GEMM. Needs no model.
     Kernels,
     /// One CPU decode step of the generator at 600-650 positions of context (and at 10-60), and
-    /// its layer matmuls and output head alone.
+    /// its layer matmuls and output head alone; then the same for a step of four rows (a token
+    /// and three drafts to verify).
     DecodeStep(Setup),
     /// RAG answers to the evaluation questions under each `--speculation` setting (the first
     /// is the baseline), every question under every setting in a rotating order: decode

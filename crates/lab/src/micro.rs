@@ -55,6 +55,17 @@ pub fn decode_step(args: &Setup) -> Result<()> {
         "step {:.2} ms (at 10-60 positions {:.2} ms), layer matmuls {:.2} ms, output head {:.2} ms",
         s.step_ms, s.short_step_ms, s.layer_matmuls_ms, s.output_head_ms
     );
+    println!(
+        "one row's attention over 620 positions, every layer, one thread: {:.2} ms",
+        s.attention_ms
+    );
+    println!(
+        "{}-row verify step {:.2} ms, layer matmuls {:.2} ms, output head {:.2} ms",
+        llm::probe::VERIFY_ROWS,
+        s.verify_step_ms,
+        s.verify_layer_matmuls_ms,
+        s.verify_output_head_ms
+    );
     Ok(())
 }
 

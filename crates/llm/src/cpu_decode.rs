@@ -15,13 +15,12 @@ use candle_core::quantized::QTensor;
 
 pub(crate) use super::host_kv::HostKv;
 use super::host_kv::KvLayer;
-use crate::kernels::quant::{matmul, QActs, QMatrix};
+use crate::kernels::quant::{matmul, DecodeMatrix, QActs, QMatrix};
 use crate::kernels::silu_mul;
 
 mod attention;
 
-use attention::ATTENTION_CHUNK;
-pub(super) use attention::{merge, Partial, PARALLEL_ATTENTION_MIN_LEN};
+pub(super) use attention::{merge, Partial, ATTENTION_CHUNK, PARALLEL_ATTENTION_MIN_LEN};
 
 /// The model's dimensions, as the decoder needs them.
 #[derive(Debug, Clone, Copy)]
@@ -46,12 +45,12 @@ pub(crate) struct SeqStep<'a> {
 pub(crate) struct Layer {
     pub(super) attn_norm: Vec<f32>,
     /// q, k and v stacked row-wise.
-    pub(crate) qkv: QMatrix,
-    pub(crate) attn_out: QMatrix,
+    pub(crate) qkv: DecodeMatrix,
+    pub(crate) attn_out: DecodeMatrix,
     pub(super) ffn_norm: Vec<f32>,
     /// gate and up stacked row-wise.
-    pub(crate) gate_up: QMatrix,
-    pub(crate) down: QMatrix,
+    pub(crate) gate_up: DecodeMatrix,
+    pub(crate) down: DecodeMatrix,
 }
 
 /// The decode weights (read-only, shared by all requests) and the step's scratch buffers.
@@ -118,11 +117,11 @@ impl CpuDecoder {
             .map(|l| {
                 Ok(Layer {
                     attn_norm: vector(l.attn_norm)?,
-                    qkv: QMatrix::from_qtensors(&[l.q, l.k, l.v])?,
-                    attn_out: QMatrix::from_qtensors(&[l.o])?,
+                    qkv: DecodeMatrix::new(QMatrix::from_qtensors(&[l.q, l.k, l.v])?),
+                    attn_out: DecodeMatrix::new(QMatrix::from_qtensors(&[l.o])?),
                     ffn_norm: vector(l.ffn_norm)?,
-                    gate_up: QMatrix::from_qtensors(&[l.gate, l.up])?,
-                    down: QMatrix::from_qtensors(&[l.down])?,
+                    gate_up: DecodeMatrix::new(QMatrix::from_qtensors(&[l.gate, l.up])?),
+                    down: DecodeMatrix::new(QMatrix::from_qtensors(&[l.down])?),
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -270,18 +269,18 @@ impl CpuDecoder {
         for (li, layer) in self.layers.iter().enumerate() {
             rms_norm_rows(&sc.x, &layer.attn_norm, rms_eps, &mut sc.h);
             sc.acts.quantize(&sc.h, b, hidden);
-            matmul(&layer.qkv, &sc.acts, &mut sc.qkv);
+            layer.qkv.matmul(&sc.acts, &mut sc.qkv);
             for (&(i, pos), row) in sc.rows.iter().zip(sc.qkv.chunks_exact_mut(qkv_width)) {
                 self.rope_and_cache(row, pos, seqs[i].kv, li);
             }
             self.attend(seqs, li, sc);
             sc.acts.quantize(&sc.y, b, hidden);
-            matmul(&layer.attn_out, &sc.acts, &mut sc.proj);
+            layer.attn_out.matmul(&sc.acts, &mut sc.proj);
             add_into(&mut sc.x, &sc.proj);
 
             rms_norm_rows(&sc.x, &layer.ffn_norm, rms_eps, &mut sc.h);
             sc.acts.quantize(&sc.h, b, hidden);
-            matmul(&layer.gate_up, &sc.acts, &mut sc.gate_up);
+            layer.gate_up.matmul(&sc.acts, &mut sc.gate_up);
             for (gu, out) in sc
                 .gate_up
                 .chunks_exact(2 * ffn)
@@ -291,7 +290,7 @@ impl CpuDecoder {
                 silu_mul(gate, up, out);
             }
             sc.acts.quantize(&sc.act, b, ffn);
-            matmul(&layer.down, &sc.acts, &mut sc.proj);
+            layer.down.matmul(&sc.acts, &mut sc.proj);
             add_into(&mut sc.x, &sc.proj);
         }
         rms_norm_rows(&sc.x, &self.final_norm, rms_eps, &mut sc.h);

@@ -10,7 +10,8 @@ use anyhow::{Context, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::cpu_decode::{HostKv, SeqStep};
+use crate::cpu_decode::{merge, HostKv, Partial, SeqStep, ATTENTION_CHUNK};
+use crate::host_kv::KvLayer;
 use crate::kernels::quant::{matmul, QActs, QMatrix};
 use crate::llama::{Llama, Prefill};
 use crate::weights::Bf16Proj;
@@ -26,7 +27,8 @@ pub struct KernelTiming {
 }
 
 /// The decode kernels on one 3072·30 × 576 matrix (the rows of the default generator's gate
-/// and up projections over its 30 layers), in Q4_1 and Q8_0, for 1 to 16 activation rows.
+/// and up projections over its 30 layers), in Q4_1 and Q8_0 as shipped and, where AVX2 runs
+/// it, in Q4_1 panels, for 1 to 16 activation rows.
 pub fn kernels() -> Result<Vec<KernelTiming>> {
     let (rows, cols) = (3072 * 30, 576);
     let dense: Vec<f32> = (0..rows * cols)
@@ -53,6 +55,28 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
                 rows: n,
                 ms: s * 1e3,
                 gb_per_s: w.size_in_bytes() as f64 / s / 1e9,
+            });
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::avx2() {
+        let panels = crate::kernels::quant::panels::Q4Panels::pack(&q4).context("Q4_1 packs")?;
+        for n in [1, 2, 4, 8, 16] {
+            let mut acts = QActs::default();
+            acts.quantize(&dense[..n * cols], n, cols);
+            let mut out = vec![0f32; n * rows];
+            panels.matmul(&acts, &mut out, None);
+            let t0 = Instant::now();
+            let reps = 10;
+            for _ in 0..reps {
+                panels.matmul(&acts, &mut out, None);
+            }
+            let s = t0.elapsed().as_secs_f64() / reps as f64;
+            timings.push(KernelTiming {
+                format: "Q4_1 panels".into(),
+                rows: n,
+                ms: s * 1e3,
+                gb_per_s: panels.size_in_bytes() as f64 / s / 1e9,
             });
         }
     }
@@ -89,7 +113,7 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
         let f32 = candle_core::quantized::QMatMul::Tensor(q.dequantize(&Device::Cpu)?);
         #[cfg(target_arch = "x86_64")]
         let mut int8 = if crate::kernels::avx2() {
-            crate::kernels::quant::prefill::Q4Panels::pack(&QMatrix::from_qtensors(&[&q])?)
+            crate::kernels::quant::panels::Q4Panels::pack(&QMatrix::from_qtensors(&[&q])?)
                 .map(|p| (p, vec![0f32; rows * n]))
         } else {
             None
@@ -155,7 +179,8 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
     Ok(timings)
 }
 
-/// Milliseconds of one sequence's CPU decode step and of its parts.
+/// Milliseconds of one sequence's CPU decode step and of its parts, for one row (a plain step)
+/// and for [`VERIFY_ROWS`] rows (a step that verifies three drafted tokens).
 #[derive(Debug, Clone, Copy)]
 pub struct DecodeStep {
     /// At 600-650 positions of context.
@@ -165,7 +190,17 @@ pub struct DecodeStep {
     /// Every layer's matmuls alone: what the step would cost if it only read the weights.
     pub layer_matmuls_ms: f64,
     pub output_head_ms: f64,
+    /// One row's attention over 620 positions in every layer, on one thread (the step
+    /// spreads it over the pool): median of five.
+    pub attention_ms: f64,
+    /// [`VERIFY_ROWS`] rows of one sequence at 600-650 positions.
+    pub verify_step_ms: f64,
+    pub verify_layer_matmuls_ms: f64,
+    pub verify_output_head_ms: f64,
 }
+
+/// Rows of the verify step [`decode_step`] times: a token and the default's three drafts.
+pub const VERIFY_ROWS: usize = 4;
 
 /// One decode step of the GGUF at `path` on the CPU decoder, with a KV cache in `dtype`.
 pub fn decode_step(path: &Path, dtype: KvDtype) -> Result<DecodeStep> {
@@ -183,53 +218,86 @@ pub fn decode_step(path: &Path, dtype: KvDtype) -> Result<DecodeStep> {
         1024,
         dtype,
     );
-    let mut logits = vec![0f32; d.vocab()];
-    let mut step = |pos: usize| {
-        let token = [100 + pos as u32];
-        let seq = SeqStep {
-            kv: &mut kv,
-            pos,
-            tokens: &token,
-        };
-        d.step(&mut [seq], &mut logits)
-    };
-    let mut time_steps = |positions: std::ops::Range<usize>| -> Result<f64> {
+    let mut logits = vec![0f32; VERIFY_ROWS * d.vocab()];
+    let mut time_steps = |positions: std::ops::Range<usize>, rows: usize| -> Result<f64> {
         let (n, t) = (positions.len(), Instant::now());
         for pos in positions {
-            step(pos)?;
+            let tokens: Vec<u32> = (0..rows).map(|j| (100 + pos + j) as u32).collect();
+            let seq = SeqStep {
+                kv: &mut kv,
+                pos,
+                tokens: &tokens,
+            };
+            d.step(&mut [seq], &mut logits[..rows * d.vocab()])?;
         }
         Ok(t.elapsed().as_secs_f64() * 1e3 / n as f64)
     };
-    time_steps(0..10)?;
-    let short_step_ms = time_steps(10..60)?;
-    time_steps(60..600)?;
-    let step_ms = time_steps(600..650)?;
-    let mut acts = QActs::default();
-    let x = vec![0.5f32; d.dims.ffn];
-    let mut out = vec![0f32; 2 * d.dims.ffn];
-    let hidden = d.dims.n_head * d.dims.head_dim;
-    let t = Instant::now();
-    for _ in 0..20 {
-        for l in &d.layers {
-            acts.quantize(&x[..hidden], 1, hidden);
-            matmul(&l.qkv, &acts, &mut out[..l.qkv.rows()]);
-            matmul(&l.attn_out, &acts, &mut out[..hidden]);
-            matmul(&l.gate_up, &acts, &mut out[..2 * d.dims.ffn]);
-            acts.quantize(&x, 1, d.dims.ffn);
-            matmul(&l.down, &acts, &mut out[..hidden]);
+    time_steps(0..10, 1)?;
+    let short_step_ms = time_steps(10..60, 1)?;
+    time_steps(60..600, 1)?;
+    let step_ms = time_steps(600..650, 1)?;
+    let verify_step_ms = time_steps(600..650, VERIFY_ROWS)?;
+    // One row's attention alone, on this thread: the step's positions 0..650 are in the cache.
+    let (nh, nkv, hd) = (d.dims.n_head, d.dims.n_kv_head, d.dims.head_dim);
+    let q: Vec<f32> = (0..nh * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+    let len: usize = 620;
+    let mut parts: Vec<Partial> = (0..len.div_ceil(ATTENTION_CHUNK))
+        .map(|_| Partial::default())
+        .collect();
+    let mut y = vec![0f32; nh * hd];
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        for layer in 0..d.layers.len() {
+            for (i, part) in parts.iter_mut().enumerate() {
+                let range = i * ATTENTION_CHUNK..((i + 1) * ATTENTION_CHUNK).min(len);
+                let dims = (nh, nkv, kv.capacity, hd);
+                match kv.layer(layer) {
+                    KvLayer::F32(k, v) => part.attend(&q, (k, v), dims, range, scale),
+                    KvLayer::F16(k, v) => part.attend(&q, (k, v), dims, range, scale),
+                }
+            }
+            merge(&parts, nh, hd, &mut y);
         }
+        times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let layer_matmuls_ms = t.elapsed().as_secs_f64() * 1e3 / 20.0;
-    acts.quantize(&x[..hidden], 1, hidden);
-    let t = Instant::now();
-    for _ in 0..20 {
-        d.head_matmul(&acts, &mut logits);
-    }
-    let output_head_ms = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+    times.sort_by(f64::total_cmp);
+    let attention_ms = times[times.len() / 2];
+    let hidden = d.dims.n_head * d.dims.head_dim;
+    let mut parts = |rows: usize| {
+        let mut acts = QActs::default();
+        let x = vec![0.5f32; rows * d.dims.ffn];
+        let mut out = vec![0f32; rows * 2 * d.dims.ffn];
+        let t = Instant::now();
+        for _ in 0..20 {
+            for l in &d.layers {
+                acts.quantize(&x[..rows * hidden], rows, hidden);
+                l.qkv.matmul(&acts, &mut out[..rows * l.qkv.rows()]);
+                l.attn_out.matmul(&acts, &mut out[..rows * hidden]);
+                l.gate_up.matmul(&acts, &mut out[..rows * 2 * d.dims.ffn]);
+                acts.quantize(&x, rows, d.dims.ffn);
+                l.down.matmul(&acts, &mut out[..rows * hidden]);
+            }
+        }
+        let layers_ms = t.elapsed().as_secs_f64() * 1e3 / 20.0;
+        acts.quantize(&x[..rows * hidden], rows, hidden);
+        let t = Instant::now();
+        for _ in 0..20 {
+            d.head_matmul(&acts, &mut logits[..rows * d.vocab()]);
+        }
+        (layers_ms, t.elapsed().as_secs_f64() * 1e3 / 20.0)
+    };
+    let (layer_matmuls_ms, output_head_ms) = parts(1);
+    let (verify_layer_matmuls_ms, verify_output_head_ms) = parts(VERIFY_ROWS);
     Ok(DecodeStep {
         step_ms,
         short_step_ms,
         layer_matmuls_ms,
         output_head_ms,
+        attention_ms,
+        verify_step_ms,
+        verify_layer_matmuls_ms,
+        verify_output_head_ms,
     })
 }

@@ -13,8 +13,9 @@ use super::cpu_decode::{self, CpuDecoder, RawLayer};
 use super::cpu_prefill::by_rows;
 use super::template::ChatTemplate;
 use super::GenerateError;
+use crate::kernels::quant::DecodeMatrix;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::quant::{prefill::Q4Panels, QMatrix};
+use crate::kernels::quant::{panels::Q4Panels, QMatrix};
 use crate::kernels::{
     amx, avx2, avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear,
     Precision, Rows, Shared, PANEL,
@@ -108,7 +109,7 @@ pub enum Prefill {
     Bf16,
     /// The file's own Q4_1 weights against activations rounded to 8 bits per block of 32
     /// (decode's arithmetic), integer dot products on AVX2
-    /// ([`crate::kernels::quant::prefill`]): on CPUs with AVX2 but not AVX-512 BF16, about
+    /// ([`crate::kernels::quant::panels`]): on CPUs with AVX2 but not AVX-512 BF16, about
     /// twice candle's F32 GEMM per projection (`ragscope-lab kernels`) in a seventh of the
     /// memory.
     Int8,
@@ -498,14 +499,23 @@ impl Weights {
         };
         let vector = |t: &QTensor| t.dequantize(&Device::Cpu)?.to_device(device);
         let mut layers = Vec::with_capacity(cfg.n_layer);
-        for [attn_norm, q, k, v, o, ffn_norm, gate, up, down] in &raw_layers {
+        for (i, [attn_norm, q, k, v, o, ffn_norm, gate, up, down]) in raw_layers.iter().enumerate()
+        {
+            // The decoder's copy, which the int8 prefill shares where both are panels.
+            let dec = decoder.as_ref().map(|d| &d.layers[i]);
             layers.push(Layer {
                 attn_norm: vector(attn_norm)?,
-                qkv: proj(&[q, k, v], format, prefill, device)?,
-                attn_out: proj(&[o], format, prefill, device)?,
+                qkv: proj(&[q, k, v], dec.map(|l| &l.qkv), format, prefill, device)?,
+                attn_out: proj(&[o], dec.map(|l| &l.attn_out), format, prefill, device)?,
                 ffn_norm: vector(ffn_norm)?,
-                gate_up: proj(&[gate, up], format, prefill, device)?,
-                down: proj(&[down], format, prefill, device)?,
+                gate_up: proj(
+                    &[gate, up],
+                    dec.map(|l| &l.gate_up),
+                    format,
+                    prefill,
+                    device,
+                )?,
+                down: proj(&[down], dec.map(|l| &l.down), format, prefill, device)?,
             });
         }
         let embed = Arc::new(move_q(embed, device)?);
@@ -706,8 +716,11 @@ fn move_q(t: QTensor, device: &Device) -> candle_core::Result<QTensor> {
 
 /// Stacks the row-major matrices `parts` (each `(rows_i, k)`) into one `(Σ rows_i, k)` projection
 /// in `format`, its prefill multiplying as `prefill` says.
+/// `parts` stacked in the forms `format` and `prefill` ask for; `decoded` is the decoder's copy
+/// of the same matrix, if it has one.
 fn proj(
     parts: &[&QTensor],
+    decoded: Option<&DecodeMatrix>,
     format: WeightFormat,
     prefill: Prefill,
     device: &Device,
@@ -757,9 +770,13 @@ fn proj(
             }
             #[cfg(target_arch = "x86_64")]
             Prefill::Int8 => {
-                let panels = Q4Panels::pack(&QMatrix::from_qtensors(parts)?)
-                    .ok_or_else(|| candle_core::Error::Msg("int8 prefill needs Q4_1".into()))?;
-                let m = Matmul::Int8(Arc::new(panels));
+                let panels = match decoded.and_then(DecodeMatrix::panels) {
+                    Some(p) => p.clone(),
+                    None => Arc::new(Q4Panels::pack(&QMatrix::from_qtensors(parts)?).ok_or_else(
+                        || candle_core::Error::Msg("int8 prefill needs Q4_1".into()),
+                    )?),
+                };
+                let m = Matmul::Int8(panels);
                 return Ok(Proj {
                     prefill: m.clone(),
                     decode: m,

@@ -1,7 +1,8 @@
-//! Prefill's matrix multiply on the file's own Q4_1 weights, for CPUs with AVX2 but without
-//! AVX-512 BF16: many activation rows, each quantised to 8 bits per block of 32 as decode's
-//! ([`super::QActs`], ggml's Q8_1 rounding), against the weights as shipped, so prefill computes
-//! what decode computes and holds 0.6 bytes per weight instead of dense F32's 4.
+//! The file's own Q4_1 weights repacked in column panels, multiplied on AVX2 against activation
+//! rows quantised to 8 bits per block of 32 ([`super::QActs`], ggml's Q8_1 rounding). Prefill
+//! (hundreds of rows) and decode (one row per sequence, a few more when a step verifies drafts)
+//! both run it on CPUs with AVX2 but not AVX-512, so the two compute the same sums from one copy
+//! of the weights, 0.625 bytes per weight as shipped.
 //!
 //! The weights are repacked once at load into groups of eight output columns. In a group, one
 //! block (32 inputs) is four 32-byte vectors; vector j holds, for each of the eight columns,
@@ -11,16 +12,17 @@
 //! `vpmaddubsw` (unsigned weights × signed activations). A block's 16 products per lane stay in
 //! 16 bits (|Σ| ≤ 8 · 2 · 15 · 127 = 30480 < 2¹⁵), so a block costs eight multiplies, then one
 //! widening, one conversion and two scaled adds per eight outputs: w = d·q + m gives
-//! Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The decode kernel's layout (a block per register)
-//! spends the widening and conversion on every single output, which is why many rows there
-//! cost almost as much as F32.
+//! Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The blocks-as-shipped kernel ([`super::matmul`]) holds
+//! a block per register and spends the widening and conversion on every single output: on
+//! AVX2 it is compute-bound even for one row, and each further row costs nearly as much again.
 //!
 //! Each output sums its blocks in one fixed order, whatever the number of rows or the tile a
-//! row falls in, so a prompt's rows come out the same however it is chunked.
+//! row falls in, so a prompt's rows come out the same however it is chunked, and a decode row's
+//! logits do not depend on the rows verified or batched beside it.
 
 use std::arch::x86_64::*;
 
-use super::{quantize_block, BlockFormat, QMatrix, BLOCK};
+use super::{ActRow, BlockFormat, QActs, QMatrix, BLOCK};
 use crate::kernels::Shared;
 
 /// Output columns per packed group: one 256-bit register of i32 or f32.
@@ -42,9 +44,9 @@ pub struct Q4Panels {
     k: usize,
     /// Group after group, block after block, [`GROUP_BLOCK_BYTES`] each.
     quants: Vec<u8>,
-    /// Per group and block: the eight columns' scales d, then their minimums m (f32; zero for
-    /// the columns past `n` in the last group).
-    scales: Vec<f32>,
+    /// Per group and block: the eight columns' scales d, then their minimums m (f16 bits as
+    /// shipped; zero for the columns past `n` in the last group).
+    scales: Vec<u16>,
 }
 
 impl Q4Panels {
@@ -56,7 +58,7 @@ impl Q4Panels {
         let (n, k) = (w.rows, w.cols);
         let (nb, groups) = (k / BLOCK, n.div_ceil(GROUP));
         let mut quants = vec![0u8; groups * nb * GROUP_BLOCK_BYTES];
-        let mut scales = vec![0f32; groups * nb * 2 * GROUP];
+        let mut scales = vec![0u16; groups * nb * 2 * GROUP];
         for c in 0..n {
             let row = w.row(c);
             let (g, i) = (c / GROUP, c % GROUP);
@@ -67,8 +69,8 @@ impl Q4Panels {
                     dst[j * 32 + 4 * i..][..4].copy_from_slice(&src[4 * j..4 * j + 4]);
                 }
                 let s = &mut scales[(g * nb + b) * 2 * GROUP..][..2 * GROUP];
-                s[i] = half::f16::from_bits(row.d[b]).to_f32();
-                s[GROUP + i] = half::f16::from_bits(row.m[b]).to_f32();
+                s[i] = row.d[b];
+                s[GROUP + i] = row.m[b];
             }
         }
         Some(Q4Panels {
@@ -87,47 +89,57 @@ impl Q4Panels {
         self.k
     }
 
-    /// Bytes held: quants and the f32 scales.
+    /// Bytes held: quants and scales, as many as the blocks as shipped.
     pub fn size_in_bytes(&self) -> usize {
-        self.quants.len() + 4 * self.scales.len()
+        self.quants.len() + 2 * self.scales.len()
     }
 
     /// `out = x Wᵀ (+ residual)` for the `m` rows of `x` `(m, k)`; `out` and `residual` are
-    /// `(m, n)`. The rows are quantised, then (64 columns, 64 rows) items go over candle's
-    /// thread pool. Needs AVX2 with FMA ([`crate::kernels::avx2`]).
+    /// `(m, n)`. The rows are quantised into a buffer the calling thread keeps, then multiplied
+    /// by [`Q4Panels::matmul`]. Needs AVX2 with FMA and F16C ([`crate::kernels::avx2`]).
     pub fn forward_rows(&self, x: &[f32], m: usize, out: &mut [f32], residual: Option<&[f32]>) {
-        let (n, k) = (self.n, self.k);
-        assert_eq!(x.len(), m * k, "input rows");
+        assert_eq!(x.len(), m * self.k, "input rows");
+        ACTS.with(|acts| {
+            let mut acts = acts.borrow_mut();
+            acts.quantize(x, m, self.k);
+            self.matmul(&acts, out, residual);
+        });
+    }
+
+    /// `out = x Wᵀ (+ residual)` for the quantised rows `x`; `out` and `residual` are
+    /// `(x.rows, n)`. Work items of (64 columns, 64 rows) go over candle's thread pool. Needs
+    /// AVX2 with FMA and F16C ([`crate::kernels::avx2`]).
+    pub fn matmul(&self, x: &QActs, out: &mut [f32], residual: Option<&[f32]>) {
+        let (n, m) = (self.n, x.rows);
+        assert_eq!(x.cols, self.k, "inner dimensions differ");
         assert_eq!(out.len(), m * n, "output rows");
         assert!(residual.is_none_or(|r| r.len() == m * n), "residual rows");
         assert!(
             crate::kernels::avx2(),
-            "the Q4_1 prefill GEMM needs AVX2 and FMA"
+            "the Q4_1 panel kernel needs AVX2, FMA and F16C"
         );
-        ACTS.with(|acts| {
-            let mut acts = acts.borrow_mut();
-            acts.quantize(x, m, k);
-            let acts = &*acts;
-            let (groups, row_blocks) = (n.div_ceil(GROUP), m.div_ceil(ROW_BLOCK));
-            let col_items = groups.div_ceil(ITEM_GROUPS);
-            let dst = Shared::new(out);
-            let item = |i: usize| {
-                let (g0, r0) = (i / row_blocks * ITEM_GROUPS, i % row_blocks * ROW_BLOCK);
-                let (g1, r1) = ((g0 + ITEM_GROUPS).min(groups), (r0 + ROW_BLOCK).min(m));
-                // SAFETY: the CPU has AVX2 and FMA (asserted above); the item writes only rows
-                // r0..r1 × columns of groups g0..g1 of `out`, which no other item touches.
-                unsafe { self.item(acts, (r0, r1), (g0, g1), dst.ptr(), residual) }
-            };
-            candle_core::utils::barrier_pool()
-                .execute_chunked(col_items * row_blocks, |items| items.for_each(item));
-        });
+        let (groups, row_blocks) = (n.div_ceil(GROUP), m.div_ceil(ROW_BLOCK));
+        let items = groups.div_ceil(ITEM_GROUPS) * row_blocks;
+        let dst = Shared::new(out);
+        let item = |i: usize| {
+            let (g0, r0) = (i / row_blocks * ITEM_GROUPS, i % row_blocks * ROW_BLOCK);
+            let (g1, r1) = ((g0 + ITEM_GROUPS).min(groups), (r0 + ROW_BLOCK).min(m));
+            // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); the item writes only
+            // rows r0..r1 × columns of groups g0..g1 of `out`, which no other item touches.
+            unsafe { self.item(x, (r0, r1), (g0, g1), dst.ptr(), residual) }
+        };
+        if items == 1 {
+            item(0);
+        } else {
+            candle_core::utils::barrier_pool().execute_chunked(items, |items| items.for_each(item));
+        }
     }
 
     /// Rows `r0..r1` × groups `g0..g1`, row tile by row tile.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn item(
         &self,
-        acts: &Acts,
+        acts: &QActs,
         (r0, r1): (usize, usize),
         (g0, g1): (usize, usize),
         out: *mut f32,
@@ -136,39 +148,59 @@ impl Q4Panels {
         let mut r = r0;
         while r < r1 {
             let rows = TILE_ROWS.min(r1 - r);
-            for g in g0..g1 {
-                // SAFETY: as the caller's.
-                unsafe {
-                    match rows {
-                        4 => self.tile::<4>(acts, r, g, out, residual),
-                        3 => self.tile::<3>(acts, r, g, out, residual),
-                        2 => self.tile::<2>(acts, r, g, out, residual),
-                        _ => self.tile::<1>(acts, r, g, out, residual),
-                    }
+            // SAFETY (each arm): as the caller's.
+            unsafe {
+                match rows {
+                    4 => self.row_tile::<4>(acts, r, (g0, g1), out, residual),
+                    3 => self.row_tile::<3>(acts, r, (g0, g1), out, residual),
+                    2 => self.row_tile::<2>(acts, r, (g0, g1), out, residual),
+                    _ => self.row_tile::<1>(acts, r, (g0, g1), out, residual),
                 }
             }
             r += rows;
         }
     }
 
-    /// Rows `r..r + R` × group `g`'s eight columns.
+    /// Rows `r..r + R` × groups `g0..g1`.
+    #[inline(always)]
+    unsafe fn row_tile<const R: usize>(
+        &self,
+        acts: &QActs,
+        r: usize,
+        (g0, g1): (usize, usize),
+        out: *mut f32,
+        residual: Option<&[f32]>,
+    ) {
+        let nb = self.k / BLOCK;
+        assert!(r + R <= acts.rows);
+        let rows: [ActRow<'_>; R] = std::array::from_fn(|i| acts.row(r + i));
+        for a in &rows {
+            assert!(a.q.len() >= self.k && a.d.len() >= nb && a.s.len() >= nb);
+        }
+        for g in g0..g1 {
+            // SAFETY: as the caller's; the rows hold k values and nb scales each.
+            unsafe { self.tile(&rows, r, g, out, residual) }
+        }
+    }
+
+    /// Rows `r..r + R` (`rows`) × group `g`'s eight columns.
     #[inline(always)]
     unsafe fn tile<const R: usize>(
         &self,
-        acts: &Acts,
+        rows: &[ActRow<'_>; R],
         r: usize,
         g: usize,
         out: *mut f32,
         residual: Option<&[f32]>,
     ) {
-        let (n, k, nb) = (self.n, self.k, self.k / BLOCK);
-        assert!(r + R <= acts.rows && (g + 1) * nb * GROUP_BLOCK_BYTES <= self.quants.len());
+        let (n, nb) = (self.n, self.k / BLOCK);
+        assert!((g + 1) * nb * GROUP_BLOCK_BYTES <= self.quants.len());
         unsafe {
             let low = _mm256_set1_epi8(0x0f);
             let ones = _mm256_set1_epi16(1);
             let quants = self.quants.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
             let scales = self.scales.as_ptr().add(g * nb * 2 * GROUP);
-            let aq = |i: usize, at: usize| acts.q.as_ptr().add((r + i) * k + at) as *const i32;
+            let aq = |i: usize, at: usize| rows[i].q.as_ptr().add(at) as *const i32;
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 let wq = quants.add(b * GROUP_BLOCK_BYTES);
@@ -185,12 +217,12 @@ impl Q4Panels {
                         *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(hi, a_hi));
                     }
                 }
-                let d = _mm256_loadu_ps(scales.add(b * 2 * GROUP));
-                let m = _mm256_loadu_ps(scales.add(b * 2 * GROUP + GROUP));
+                let half8 = |at: usize| _mm_loadu_si128(scales.add(at) as *const __m128i);
+                let d = _mm256_cvtph_ps(half8(b * 2 * GROUP));
+                let m = _mm256_cvtph_ps(half8(b * 2 * GROUP + GROUP));
                 for (i, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
-                    let at = (r + i) * nb + b;
-                    let da = _mm256_set1_ps(*acts.d.get_unchecked(at));
-                    let sa = _mm256_set1_ps(*acts.s.get_unchecked(at));
+                    let da = _mm256_set1_ps(*rows[i].d.get_unchecked(b));
+                    let sa = _mm256_set1_ps(*rows[i].s.get_unchecked(b));
                     let dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum, ones));
                     *acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, da), *acc);
                     *acc = _mm256_fmadd_ps(m, sa, *acc);
@@ -212,53 +244,7 @@ impl Q4Panels {
     }
 }
 
-/// Activation rows quantised for [`Q4Panels::forward_rows`]: per block the 32 values, the scale
-/// d_a and d_a·Σ q_a, as [`super::QActs`] has them (without its AVX-512 layout).
-#[derive(Default)]
-struct Acts {
-    rows: usize,
-    q: Vec<i8>,
-    d: Vec<f32>,
-    s: Vec<f32>,
-}
-
 thread_local! {
-    /// The calling thread's quantised rows, kept at the largest size seen.
-    static ACTS: std::cell::RefCell<Acts> = std::cell::RefCell::new(Acts::default());
-}
-
-impl Acts {
-    /// `x` `(rows, k)`, quantised block by block over the pool.
-    fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
-        let nb = k / BLOCK;
-        assert!(k.is_multiple_of(BLOCK));
-        self.rows = rows;
-        self.q.resize(rows * k, 0);
-        self.d.resize(rows * nb, 0.0);
-        self.s.resize(rows * nb, 0.0);
-        let blocks = rows * nb;
-        let (q, d, s) = (
-            Shared::new(&mut self.q),
-            Shared::new(&mut self.d),
-            Shared::new(&mut self.s),
-        );
-        // 256 blocks per item: 8192 values.
-        const ITEM: usize = 256;
-        candle_core::utils::barrier_pool().execute_chunked(blocks.div_ceil(ITEM), |items| {
-            for item in items {
-                for j in item * ITEM..((item + 1) * ITEM).min(blocks) {
-                    // SAFETY: block j's values and scales are this item's alone.
-                    let q = unsafe { q.part(j * BLOCK..(j + 1) * BLOCK) };
-                    let (dj, sj) = quantize_block(
-                        &x[j * BLOCK..(j + 1) * BLOCK],
-                        q.try_into().expect("a block"),
-                    );
-                    unsafe {
-                        d.part(j..j + 1)[0] = dj;
-                        s.part(j..j + 1)[0] = sj;
-                    }
-                }
-            }
-        });
-    }
+    /// The calling thread's quantised prefill rows, kept at the largest size seen.
+    static ACTS: std::cell::RefCell<QActs> = std::cell::RefCell::new(QActs::default());
 }

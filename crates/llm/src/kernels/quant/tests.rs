@@ -131,19 +131,20 @@ fn quantizing_zeros_gives_zeros() {
     assert_eq!(out, [0.0]);
 }
 
-/// The prefill GEMM on Q4_1 against the portable decode kernel (the same integer arithmetic,
-/// summed in another order): a partial last group of columns, both inner sizes of the model,
-/// row counts around the register tile and past a work item, with and without the residual.
+/// The panel kernel on Q4_1 against the portable blocks-as-shipped kernel (the same integer
+/// arithmetic, summed in another order): a partial last group of columns, both inner sizes of
+/// the model, row counts around the register tile and past a work item, with and without the
+/// residual; from f32 rows (prefill) and from quantised ones (decode), the same bits.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn prefill_gemm_matches_the_portable_kernel() {
+fn panel_kernel_matches_the_portable_kernel() {
     if !crate::kernels::avx2() {
-        eprintln!("no AVX2 here: the prefill GEMM does not run");
+        eprintln!("no AVX2 here: the panel kernel does not run");
         return;
     }
     for (n, k) in [(37, 576), (64, 1536), (300, 576)] {
         let w = q4_matrix(n, k);
-        let panels = prefill::Q4Panels::pack(&w).expect("Q4_1 packs");
+        let panels = panels::Q4Panels::pack(&w).expect("Q4_1 packs");
         for m in [1, 2, 3, 4, 5, 67] {
             let x = values(m * k, 7 + m as u64);
             let mut acts = QActs::default();
@@ -155,6 +156,9 @@ fn prefill_gemm_matches_the_portable_kernel() {
             let mut added = vec![0f32; m * n];
             panels.forward_rows(&x, m, &mut out, None);
             panels.forward_rows(&x, m, &mut added, Some(&residual));
+            let mut decoded = vec![0f32; m * n];
+            panels.matmul(&acts, &mut decoded, None);
+            assert_eq!(decoded, out, "({n}, {k}) × {m} rows: quantised first");
             for (i, &want) in reference.iter().enumerate() {
                 let what = format!("({n}, {k}) × {m} rows, output {i}");
                 assert!(
@@ -169,19 +173,20 @@ fn prefill_gemm_matches_the_portable_kernel() {
 }
 
 /// A row's outputs do not depend on the rows beside it: the same rows in one call of 131, in
-/// calls of 32 and one by one are bit-identical (what chunked prefill relies on).
+/// calls of 32, of 3 and one by one are bit-identical (what chunked prefill relies on, and a
+/// decode step verifying drafts or batching sequences).
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn prefill_gemm_rows_are_the_same_in_any_chunking() {
+fn panel_kernel_rows_are_the_same_in_any_chunking() {
     if !crate::kernels::avx2() {
         return;
     }
     let (n, k, m) = (96, 576, 131);
-    let panels = prefill::Q4Panels::pack(&q4_matrix(n, k)).expect("Q4_1 packs");
+    let panels = panels::Q4Panels::pack(&q4_matrix(n, k)).expect("Q4_1 packs");
     let x = values(m * k, 21);
     let mut whole = vec![0f32; m * n];
     panels.forward_rows(&x, m, &mut whole, None);
-    for chunk in [32, 1] {
+    for chunk in [32, 3, 1] {
         let mut parts = vec![0f32; m * n];
         for (xs, out) in x.chunks(chunk * k).zip(parts.chunks_mut(chunk * n)) {
             panels.forward_rows(xs, xs.len() / k, out, None);
@@ -194,7 +199,7 @@ fn prefill_gemm_rows_are_the_same_in_any_chunking() {
 /// ±127 give 8 · 2 · 15 · 127 per lane, still exact.
 #[cfg(target_arch = "x86_64")]
 #[test]
-fn prefill_gemm_block_sums_do_not_overflow() {
+fn panel_kernel_block_sums_do_not_overflow() {
     if !crate::kernels::avx2() {
         return;
     }
@@ -205,7 +210,7 @@ fn prefill_gemm_block_sums_do_not_overflow() {
         .collect();
     let t = candle_core::Tensor::from_vec(dense, (n, k), &candle_core::Device::Cpu).unwrap();
     let w = QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1).unwrap()]).unwrap();
-    let panels = prefill::Q4Panels::pack(&w).expect("Q4_1 packs");
+    let panels = panels::Q4Panels::pack(&w).expect("Q4_1 packs");
     for sign in [1.0f32, -1.0] {
         let x = vec![sign; 2 * k];
         let mut acts = QActs::default();
@@ -249,5 +254,58 @@ fn vector_quantisation_is_the_portable_rounding() {
         assert_eq!(got, want, "{x:?}");
         assert_eq!(vector.0.to_bits(), expected.0.to_bits());
         assert_eq!(vector.1.to_bits(), expected.1.to_bits());
+    }
+}
+
+/// Decode reads Q4_1 in panels exactly where the kernels run at the AVX2 level (the test
+/// command runs this at each level the CPU has), and Q8_0 as shipped everywhere; either way
+/// the product is the blocks-as-shipped one.
+#[test]
+fn decode_takes_panels_at_the_avx2_level_only() {
+    let (rows, cols) = (40, 576);
+    let q4 = DecodeMatrix::new(q4_matrix(rows, cols));
+    let q8 = DecodeMatrix::new(QMatrix::quantize_q8(&values(rows * cols, 5), rows, cols));
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert_eq!(q4.panels().is_some(), Isa::detect() == Isa::Avx2);
+        assert!(q8.panels().is_none());
+    }
+    assert_eq!(q4.size_in_bytes(), q4_matrix(rows, cols).size_in_bytes());
+    let x = values(3 * cols, 17);
+    let mut acts = QActs::default();
+    acts.quantize(&x, 3, cols);
+    for (got, w) in [
+        (&q4, q4_matrix(rows, cols)),
+        (
+            &q8,
+            QMatrix::quantize_q8(&values(rows * cols, 5), rows, cols),
+        ),
+    ] {
+        assert_eq!(got.rows(), rows);
+        let (mut out, mut want) = (vec![0f32; 3 * rows], vec![0f32; 3 * rows]);
+        got.matmul(&acts, &mut out);
+        matmul_with(Isa::Portable, &w, &acts, &mut want);
+        for (a, b) in out.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+}
+
+/// Many rows are quantised over the thread pool, a few on the calling thread: the same values.
+#[test]
+fn quantising_over_the_pool_gives_the_serial_values() {
+    let cols = 1536;
+    let rows = PARALLEL_QUANTIZE_BLOCKS / (cols / BLOCK) + 3;
+    let x = values(rows * cols, 23);
+    let mut all = QActs::default();
+    all.quantize(&x, rows, cols);
+    assert!(rows * cols / BLOCK >= PARALLEL_QUANTIZE_BLOCKS);
+    for r in [0, rows / 2, rows - 1] {
+        let mut one = QActs::default();
+        one.quantize(&x[r * cols..(r + 1) * cols], 1, cols);
+        let (a, b) = (all.row(r), one.row(0));
+        assert_eq!(a.q, b.q, "row {r}");
+        assert_eq!(a.d, b.d, "row {r}");
+        assert_eq!(a.s, b.s, "row {r}");
     }
 }
