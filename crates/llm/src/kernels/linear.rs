@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use super::activation::gelu;
+use super::activation::gelu_exact_in_place;
 use super::bf16::pack_panels;
 #[cfg(target_arch = "x86_64")]
 use super::bf16::x86;
@@ -222,9 +222,7 @@ unsafe fn gemm_f32(
         for r in 0..m {
             // SAFETY: as above.
             let row = unsafe { std::slice::from_raw_parts_mut(out.add(r * n + cols.start), width) };
-            for y in row {
-                *y = gelu(*y);
-            }
+            gelu_exact_in_place(row);
         }
     }
 }

@@ -234,6 +234,20 @@ fn exp_and_gelu_are_accurate() {
     }
 }
 
+/// The F32 GEMM's GELU epilogue is `gelu` element by element, bit for bit, on the AVX2-compiled
+/// loop and the baseline one alike (ties in `exp`'s rounding included: x = ±k·ln2 / 2).
+#[test]
+fn the_exact_gelu_loop_is_gelu_bit_for_bit() {
+    let mut xs: Vec<f32> = (-1200..=1200).map(|i| i as f32 / 100.0).collect();
+    xs.extend((-40..=40).map(|k| k as f32 * std::f32::consts::LN_2 / 2.0));
+    xs.extend([0.0, -0.0, 1e-30, -1e-30, 80.0, -80.0]);
+    let mut got = xs.clone();
+    super::activation::gelu_exact_in_place(&mut got);
+    for (x, g) in xs.iter().zip(&got) {
+        assert_eq!(g.to_bits(), gelu(*x).to_bits(), "gelu({x})");
+    }
+}
+
 #[test]
 fn silu_mul_matches_the_definition() {
     // 203 values: whole 16-lane vectors and a tail, from -30 to 30.
