@@ -11,8 +11,11 @@
 //! a = d_a·q_a: Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The integer sums use 8-bit multiplies
 //! with 32-bit accumulation (AVX-512 VNNI `vpdpbusd` where the CPU has it, else AVX2
 //! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. With AVX-512,
-//! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout). The
-//! ISA is picked once at run time, so one portable binary uses what the machine has.
+//! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout). With
+//! AVX2 but not AVX-512, the layer projections are read repacked in column panels instead
+//! ([`panels`], chosen per matrix by [`DecodeMatrix`]): the same bytes, one conversion per
+//! eight outputs rather than one per output. The ISA is picked once at run time, so one
+//! portable binary uses what the machine has.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
