@@ -43,42 +43,27 @@ impl Partial {
         {
             use crate::kernels::quant::Isa;
             let (nh, nkv, _, hd) = dims;
-            if Isa::detect() == Isa::Avx512Vnni && hd == 64 && nh % nkv == 0 {
-                // SAFETY: `Isa::detect` saw avx512f, avx512vl, avx2 and fma on this CPU.
-                match nh / nkv {
-                    1 => return unsafe { self.attend_avx512::<1, T>(q, kv, dims, range, scale) },
-                    2 => return unsafe { self.attend_avx512::<2, T>(q, kv, dims, range, scale) },
-                    3 => return unsafe { self.attend_avx512::<3, T>(q, kv, dims, range, scale) },
-                    4 => return unsafe { self.attend_avx512::<4, T>(q, kv, dims, range, scale) },
-                    _ => {}
-                }
-            }
-            if Isa::detect() != Isa::Portable {
-                if hd == 64 && nh % nkv == 0 {
-                    // SAFETY: `Isa::detect` saw avx2, fma and f16c on this CPU.
+            // The body for heads of 64 monomorphised for this many query heads per kv head.
+            macro_rules! per_group {
+                ($body:ident) => {
                     match nh / nkv {
-                        1 => {
-                            return unsafe {
-                                self.attend_avx2_64::<1, T>(q, kv, dims, range, scale)
-                            }
-                        }
-                        2 => {
-                            return unsafe {
-                                self.attend_avx2_64::<2, T>(q, kv, dims, range, scale)
-                            }
-                        }
-                        3 => {
-                            return unsafe {
-                                self.attend_avx2_64::<3, T>(q, kv, dims, range, scale)
-                            }
-                        }
-                        4 => {
-                            return unsafe {
-                                self.attend_avx2_64::<4, T>(q, kv, dims, range, scale)
-                            }
-                        }
+                        1 => return unsafe { self.$body::<1, T>(q, kv, dims, range, scale) },
+                        2 => return unsafe { self.$body::<2, T>(q, kv, dims, range, scale) },
+                        3 => return unsafe { self.$body::<3, T>(q, kv, dims, range, scale) },
+                        4 => return unsafe { self.$body::<4, T>(q, kv, dims, range, scale) },
                         _ => {}
                     }
+                };
+            }
+            let heads_of_64 = hd == 64 && nh % nkv == 0;
+            if Isa::detect() == Isa::Avx512Vnni && heads_of_64 {
+                // SAFETY: `Isa::detect` saw avx512f, avx512vl, avx2 and fma on this CPU.
+                per_group!(attend_avx512);
+            }
+            if Isa::detect() != Isa::Portable {
+                if heads_of_64 {
+                    // SAFETY: `Isa::detect` saw avx2, fma and f16c on this CPU.
+                    per_group!(attend_avx2_64);
                 }
                 // SAFETY: `Isa::detect` saw avx2 and fma on this CPU.
                 return unsafe { self.attend_avx2(q, kv, dims, range, scale) };
