@@ -38,47 +38,36 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
     let q4 = QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1)?])?;
     let q8 = QMatrix::quantize_q8(&dense, rows, cols);
     let mut timings = Vec::new();
-    for w in [&q4, &q8] {
+    let mut time = |format: String, bytes: usize, multiply: &dyn Fn(&QActs, &mut [f32])| {
         for n in [1, 2, 4, 8, 16] {
             let mut acts = QActs::default();
             acts.quantize(&dense[..n * cols], n, cols);
             let mut out = vec![0f32; n * rows];
-            matmul(w, &acts, &mut out);
-            let t0 = Instant::now();
-            let reps = 10;
+            multiply(&acts, &mut out);
+            let (reps, t0) = (10, Instant::now());
             for _ in 0..reps {
-                matmul(w, &acts, &mut out);
+                multiply(&acts, &mut out);
             }
             let s = t0.elapsed().as_secs_f64() / reps as f64;
             timings.push(KernelTiming {
-                format: format!("{:?}", w.format()),
+                format: format.clone(),
                 rows: n,
                 ms: s * 1e3,
-                gb_per_s: w.size_in_bytes() as f64 / s / 1e9,
+                gb_per_s: bytes as f64 / s / 1e9,
             });
         }
+    };
+    for w in [&q4, &q8] {
+        time(format!("{:?}", w.format()), w.size_in_bytes(), &|a, o| {
+            matmul(w, a, o)
+        });
     }
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::avx2() {
         let panels = crate::kernels::quant::panels::Q4Panels::pack(&q4).context("Q4_1 packs")?;
-        for n in [1, 2, 4, 8, 16] {
-            let mut acts = QActs::default();
-            acts.quantize(&dense[..n * cols], n, cols);
-            let mut out = vec![0f32; n * rows];
-            panels.matmul(&acts, &mut out, None);
-            let t0 = Instant::now();
-            let reps = 10;
-            for _ in 0..reps {
-                panels.matmul(&acts, &mut out, None);
-            }
-            let s = t0.elapsed().as_secs_f64() / reps as f64;
-            timings.push(KernelTiming {
-                format: "Q4_1 panels".into(),
-                rows: n,
-                ms: s * 1e3,
-                gb_per_s: panels.size_in_bytes() as f64 / s / 1e9,
-            });
-        }
+        time("Q4_1 panels".into(), panels.size_in_bytes(), &|a, o| {
+            panels.matmul(a, o, None)
+        });
     }
     Ok(timings)
 }
