@@ -65,9 +65,17 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
     #[cfg(target_arch = "x86_64")]
     if crate::kernels::avx2() {
         let panels = crate::kernels::quant::panels::Q4Panels::pack(&q4).context("Q4_1 packs")?;
-        time("Q4_1 panels".into(), panels.size_in_bytes(), &|a, o| {
-            panels.matmul(a, o, None)
-        });
+        use crate::kernels::quant::Isa;
+        let mut isas = vec![Isa::Avx2];
+        if crate::cpu::has(crate::cpu::Level::Avx512) {
+            isas.push(Isa::Avx512Vnni);
+        }
+        for isa in isas {
+            let name = format!("Q4_1 panels {}", isa.name());
+            time(name, panels.size_in_bytes(), &|a, o| {
+                panels.matmul_with(isa, a, o, None)
+            });
+        }
     }
     Ok(timings)
 }

@@ -11,11 +11,12 @@
 //! a = d_a·q_a: Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The integer sums use 8-bit multiplies
 //! with 32-bit accumulation (AVX-512 VNNI `vpdpbusd` where the CPU has it, else AVX2
 //! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. With AVX-512,
-//! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout). With
-//! AVX2 but not AVX-512, the layer projections are read repacked in column panels instead
+//! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout).
+//! Wherever AVX2 runs, though, the Q4_1 layer projections are read repacked in column panels
 //! ([`panels`], chosen per matrix by [`DecodeMatrix`]): the same bytes, one conversion per
-//! eight outputs rather than one per output. The ISA is picked once at run time, so one
-//! portable binary uses what the machine has.
+//! eight outputs rather than one per output, with `vpdpbusd` where VNNI runs. The blocks as
+//! shipped keep the Q8_0 output head and every CPU without AVX2. The ISA is picked once at run
+//! time, so one portable binary uses what the machine has.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -239,13 +240,16 @@ impl QMatrix {
 }
 
 /// A decode projection in the layout its kernel on this CPU reads: Q4_1 in column panels where
-/// the kernels run at the AVX2 level ([`panels`]), else the blocks as shipped ([`matmul`]).
+/// the kernels run at the AVX2 level or above ([`panels`]), else the blocks as shipped
+/// ([`matmul`]).
 ///
 /// Measured on an AVX2-only AMD EPYC (family 25, 2 threads), the 30 layers' projections of the
 /// default generator, medians of 15 interleaved rounds: panels 3.30 ms for one row against
 /// 3.99 for the blocks as shipped, 3.60 against 4.86 for two, 4.84 against 8.18 for four, 7.95
-/// against 15.02 for eight. With AVX-512 the blocks as shipped go four at a time through VNNI
-/// (measured on a Zen 5), and stay.
+/// against 15.02 for eight. On an AMD EPYC with AVX-512 VNNI (family 25 model 17, 2 threads;
+/// `ragscope-lab kernels`, 92,160 × 576, two runs) the VNNI panels took 0.83-0.94 ms for one
+/// row against 1.61-1.78 for the blocks as shipped four at a time through 512-bit VNNI, and
+/// 1.01-1.51 against 4.09-4.57 for four.
 pub enum DecodeMatrix {
     Blocks(QMatrix),
     #[cfg(target_arch = "x86_64")]
@@ -256,7 +260,7 @@ impl DecodeMatrix {
     /// `w` in the layout for the kernels [`Isa::detect`] picks.
     pub fn new(w: QMatrix) -> DecodeMatrix {
         #[cfg(target_arch = "x86_64")]
-        if Isa::detect() == Isa::Avx2 {
+        if Isa::detect() != Isa::Portable {
             if let Some(p) = panels::Q4Panels::pack(&w) {
                 return DecodeMatrix::Panels(std::sync::Arc::new(p));
             }

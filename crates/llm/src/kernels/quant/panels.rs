@@ -1,8 +1,9 @@
-//! The file's own Q4_1 weights repacked in column panels, multiplied on AVX2 against activation
-//! rows quantised to 8 bits per block of 32 ([`super::QActs`], ggml's Q8_1 rounding). Prefill
-//! (hundreds of rows) and decode (one row per sequence, a few more when a step verifies drafts)
-//! both run it on CPUs with AVX2 but not AVX-512, so the two compute the same sums from one copy
-//! of the weights, 0.625 bytes per weight as shipped.
+//! The file's own Q4_1 weights repacked in column panels, multiplied on AVX2 (with AVX-512
+//! VNNI where it runs) against activation rows quantised to 8 bits per block of 32
+//! ([`super::QActs`], ggml's Q8_1 rounding). Decode (one row per sequence, a few more when a
+//! step verifies drafts) runs it on every CPU with AVX2, and prefill (hundreds of rows) on
+//! CPUs with AVX2 but not AVX-512 BF16, where the two compute the same sums from one copy of
+//! the weights, 0.625 bytes per weight as shipped.
 //!
 //! The weights are repacked once at load into groups of eight output columns. In a group, one
 //! block (32 inputs) is four 32-byte vectors; vector j holds, for each of the eight columns,
@@ -15,6 +16,8 @@
 //! Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The blocks-as-shipped kernel ([`super::matmul`]) holds
 //! a block per register and spends the widening and conversion on every single output: on
 //! AVX2 it is compute-bound even for one row, and each further row costs nearly as much again.
+//! With AVX-512 VNNI, `vpdpbusd` adds each vector's products straight into 32-bit sums: half
+//! the integer instructions for the same sums, so the same bits.
 //!
 //! Each output sums its blocks in one fixed order, whatever the number of rows or the tile a
 //! row falls in, so a prompt's rows come out the same however it is chunked, and a decode row's
@@ -22,7 +25,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{ActRow, BlockFormat, QActs, QMatrix, BLOCK};
+use super::{ActRow, BlockFormat, Isa, QActs, QMatrix, BLOCK};
 use crate::kernels::Shared;
 
 /// Output columns per packed group: one 256-bit register of i32 or f32.
@@ -110,6 +113,12 @@ impl Q4Panels {
     /// `(x.rows, n)`. Work items of (64 columns, 64 rows) go over candle's thread pool. Needs
     /// AVX2 with FMA and F16C ([`crate::kernels::avx2`]).
     pub fn matmul(&self, x: &QActs, out: &mut [f32], residual: Option<&[f32]>) {
+        self.matmul_with(Isa::detect(), x, out, residual)
+    }
+
+    /// [`Q4Panels::matmul`] on the byte dot products of `isa`: `vpdpbusd` with AVX-512 VNNI,
+    /// else AVX2's `vpmaddubsw` (the same integer sums, so the same bits).
+    pub fn matmul_with(&self, isa: Isa, x: &QActs, out: &mut [f32], residual: Option<&[f32]>) {
         let (n, m) = (self.n, x.rows);
         assert_eq!(x.cols, self.k, "inner dimensions differ");
         assert_eq!(out.len(), m * n, "output rows");
@@ -120,13 +129,26 @@ impl Q4Panels {
         );
         let (groups, row_blocks) = (n.div_ceil(GROUP), m.div_ceil(ROW_BLOCK));
         let items = groups.div_ceil(ITEM_GROUPS) * row_blocks;
+        let vnni = isa == Isa::Avx512Vnni;
+        assert!(
+            !vnni || crate::cpu::has(crate::cpu::Level::Avx512),
+            "the VNNI panel kernel needs AVX-512 VNNI"
+        );
         let dst = Shared::new(out);
         let item = |i: usize| {
             let (g0, r0) = (i / row_blocks * ITEM_GROUPS, i % row_blocks * ROW_BLOCK);
             let (g1, r1) = ((g0 + ITEM_GROUPS).min(groups), (r0 + ROW_BLOCK).min(m));
-            // SAFETY: the CPU has AVX2, FMA and F16C (asserted above); the item writes only
-            // rows r0..r1 × columns of groups g0..g1 of `out`, which no other item touches.
-            unsafe { self.item(x, (r0, r1), (g0, g1), dst.ptr(), residual) }
+            let (rows, groups) = ((r0, r1), (g0, g1));
+            // SAFETY: the CPU has AVX2, FMA and F16C, and VNNI where it is asked for (asserted
+            // above); the item writes only rows r0..r1 × columns of groups g0..g1 of `out`,
+            // which no other item touches.
+            unsafe {
+                if vnni {
+                    self.item_vnni(x, rows, groups, dst.ptr(), residual)
+                } else {
+                    self.item_avx2(x, rows, groups, dst.ptr(), residual)
+                }
+            }
         };
         if items == 1 {
             item(0);
@@ -135,9 +157,35 @@ impl Q4Panels {
         }
     }
 
-    /// Rows `r0..r1` × groups `g0..g1`, row tile by row tile.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn item(
+    unsafe fn item_avx2(
+        &self,
+        acts: &QActs,
+        rows: (usize, usize),
+        groups: (usize, usize),
+        out: *mut f32,
+        residual: Option<&[f32]>,
+    ) {
+        // SAFETY: as the caller's.
+        unsafe { self.item::<false>(acts, rows, groups, out, residual) }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl")]
+    unsafe fn item_vnni(
+        &self,
+        acts: &QActs,
+        rows: (usize, usize),
+        groups: (usize, usize),
+        out: *mut f32,
+        residual: Option<&[f32]>,
+    ) {
+        // SAFETY: as the caller's.
+        unsafe { self.item::<true>(acts, rows, groups, out, residual) }
+    }
+
+    /// Rows `r0..r1` × groups `g0..g1`, row tile by row tile.
+    #[inline(always)]
+    unsafe fn item<const VNNI: bool>(
         &self,
         acts: &QActs,
         (r0, r1): (usize, usize),
@@ -151,10 +199,10 @@ impl Q4Panels {
             // SAFETY (each arm): as the caller's.
             unsafe {
                 match rows {
-                    4 => self.row_tile::<4>(acts, r, (g0, g1), out, residual),
-                    3 => self.row_tile::<3>(acts, r, (g0, g1), out, residual),
-                    2 => self.row_tile::<2>(acts, r, (g0, g1), out, residual),
-                    _ => self.row_tile::<1>(acts, r, (g0, g1), out, residual),
+                    4 => self.row_tile::<VNNI, 4>(acts, r, (g0, g1), out, residual),
+                    3 => self.row_tile::<VNNI, 3>(acts, r, (g0, g1), out, residual),
+                    2 => self.row_tile::<VNNI, 2>(acts, r, (g0, g1), out, residual),
+                    _ => self.row_tile::<VNNI, 1>(acts, r, (g0, g1), out, residual),
                 }
             }
             r += rows;
@@ -163,7 +211,7 @@ impl Q4Panels {
 
     /// Rows `r..r + R` × groups `g0..g1`.
     #[inline(always)]
-    unsafe fn row_tile<const R: usize>(
+    unsafe fn row_tile<const VNNI: bool, const R: usize>(
         &self,
         acts: &QActs,
         r: usize,
@@ -179,13 +227,15 @@ impl Q4Panels {
         }
         for g in g0..g1 {
             // SAFETY: as the caller's; the rows hold k values and nb scales each.
-            unsafe { self.tile(&rows, r, g, out, residual) }
+            unsafe { self.tile::<VNNI, R>(&rows, r, g, out, residual) }
         }
     }
 
-    /// Rows `r..r + R` (`rows`) × group `g`'s eight columns.
+    /// Rows `r..r + R` (`rows`) × group `g`'s eight columns. With `VNNI` each `vpdpbusd`
+    /// adds four products straight into 32 bits; else pairs go into 16 bits, widened once a
+    /// block.
     #[inline(always)]
-    unsafe fn tile<const R: usize>(
+    unsafe fn tile<const VNNI: bool, const R: usize>(
         &self,
         rows: &[ActRow<'_>; R],
         r: usize,
@@ -213,8 +263,13 @@ impl Q4Panels {
                         let a_lo = _mm256_set1_epi32(aq(i, b * BLOCK + 4 * j).read_unaligned());
                         let a_hi =
                             _mm256_set1_epi32(aq(i, b * BLOCK + 16 + 4 * j).read_unaligned());
-                        *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(lo, a_lo));
-                        *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(hi, a_hi));
+                        if VNNI {
+                            *isum = _mm256_dpbusd_epi32(*isum, lo, a_lo);
+                            *isum = _mm256_dpbusd_epi32(*isum, hi, a_hi);
+                        } else {
+                            *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(lo, a_lo));
+                            *isum = _mm256_add_epi16(*isum, _mm256_maddubs_epi16(hi, a_hi));
+                        }
                     }
                 }
                 let half8 = |at: usize| _mm_loadu_si128(scales.add(at) as *const __m128i);
@@ -223,7 +278,12 @@ impl Q4Panels {
                 for (i, (acc, isum)) in acc.iter_mut().zip(isum).enumerate() {
                     let da = _mm256_set1_ps(*rows[i].d.get_unchecked(b));
                     let sa = _mm256_set1_ps(*rows[i].s.get_unchecked(b));
-                    let dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(isum, ones));
+                    let isum = if VNNI {
+                        isum
+                    } else {
+                        _mm256_madd_epi16(isum, ones)
+                    };
+                    let dots = _mm256_cvtepi32_ps(isum);
                     *acc = _mm256_fmadd_ps(dots, _mm256_mul_ps(d, da), *acc);
                     *acc = _mm256_fmadd_ps(m, sa, *acc);
                 }

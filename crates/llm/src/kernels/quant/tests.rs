@@ -257,17 +257,17 @@ fn vector_quantisation_is_the_portable_rounding() {
     }
 }
 
-/// Decode reads Q4_1 in panels exactly where the kernels run at the AVX2 level (the test
-/// command runs this at each level the CPU has), and Q8_0 as shipped everywhere; either way
-/// the product is the blocks-as-shipped one.
+/// Decode reads Q4_1 in panels exactly where the kernels run at the AVX2 level or above (the
+/// test command runs this at each level the CPU has), and Q8_0 as shipped everywhere; either
+/// way the product is the blocks-as-shipped one.
 #[test]
-fn decode_takes_panels_at_the_avx2_level_only() {
+fn decode_takes_panels_from_the_avx2_level_up() {
     let (rows, cols) = (40, 576);
     let q4 = DecodeMatrix::new(q4_matrix(rows, cols));
     let q8 = DecodeMatrix::new(QMatrix::quantize_q8(&values(rows * cols, 5), rows, cols));
     #[cfg(target_arch = "x86_64")]
     {
-        assert_eq!(q4.panels().is_some(), Isa::detect() == Isa::Avx2);
+        assert_eq!(q4.panels().is_some(), Isa::detect() != Isa::Portable);
         assert!(q8.panels().is_none());
     }
     assert_eq!(q4.size_in_bytes(), q4_matrix(rows, cols).size_in_bytes());
@@ -307,5 +307,54 @@ fn quantising_over_the_pool_gives_the_serial_values() {
         assert_eq!(a.q, b.q, "row {r}");
         assert_eq!(a.d, b.d, "row {r}");
         assert_eq!(a.s, b.s, "row {r}");
+    }
+}
+
+/// The VNNI panel kernel alone (the test command runs it only where the CPU has AVX-512).
+#[cfg(target_arch = "x86_64")]
+mod needs_avx512 {
+    use super::*;
+    use crate::cpu::Level;
+
+    /// `vpdpbusd` adds the same integers as AVX2's 16-bit pairs, so the two panel kernels
+    /// give the same bits: random weights, a partial last group, row counts around the
+    /// register tile and past a work item, with the residual; and the largest block sums
+    /// (nibbles of 15 against ±127, a row of each sign).
+    #[test]
+    fn vnni_panels_are_the_avx2_panels_bit_for_bit() {
+        crate::cpu::require(Level::Avx512);
+        let extreme = {
+            let (n, k) = (8, 64);
+            let dense: Vec<f32> = (0..n * k)
+                .map(|i| if i % 32 == 5 { 0.0 } else { 1.0 })
+                .collect();
+            let t =
+                candle_core::Tensor::from_vec(dense, (n, k), &candle_core::Device::Cpu).unwrap();
+            QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1).unwrap()]).unwrap()
+        };
+        let cases = [
+            (q4_matrix(37, 576), None),
+            (q4_matrix(300, 1536), None),
+            (extreme, Some(1.0f32)),
+        ];
+        for (w, fill) in cases {
+            let (n, k) = (w.rows(), w.cols());
+            let panels = panels::Q4Panels::pack(&w).expect("Q4_1 packs");
+            for m in [1, 2, 3, 4, 5, 67] {
+                let x = match fill {
+                    Some(v) => (0..m * k)
+                        .map(|i| if (i / k) % 2 == 0 { v } else { -v })
+                        .collect(),
+                    None => values(m * k, 31 + m as u64),
+                };
+                let mut acts = QActs::default();
+                acts.quantize(&x, m, k);
+                let residual = values(m * n, 5);
+                let (mut avx2, mut vnni) = (vec![0f32; m * n], vec![0f32; m * n]);
+                panels.matmul_with(Isa::Avx2, &acts, &mut avx2, Some(&residual));
+                panels.matmul_with(Isa::Avx512Vnni, &acts, &mut vnni, Some(&residual));
+                assert_eq!(vnni, avx2, "({n}, {k}) × {m} rows");
+            }
+        }
     }
 }
