@@ -15,11 +15,6 @@ pub struct QActs {
     pub(super) rows: usize,
     pub(super) cols: usize,
     q: Vec<i8>,
-    /// `q` in the quad layout the AVX-512 Q4_1 kernel reads: per four blocks of a row, the
-    /// first 16 values of each block (which meet the weights' low nibbles), then the last 16
-    /// (the high nibbles); the blocks past the row's last full four as in `q`. Empty where
-    /// that kernel does not run.
-    quad: Vec<i8>,
     /// Per block: the scale d_a (rows padded with zeros as the weights' scales).
     d: Vec<f32>,
     /// Per block: d_a · Σ q_a (for the Q4_1 minimums), laid out as `d`.
@@ -64,46 +59,12 @@ impl QActs {
         } else {
             candle_core::utils::barrier_pool().execute_chunked(blocks, quantize);
         }
-        self.quad.clear();
-        #[cfg(target_arch = "x86_64")]
-        if Isa::detect() == Isa::Avx512Vnni {
-            self.build_quads();
-        }
-    }
-
-    /// [`QActs::quad`] from `q`.
-    #[cfg(target_arch = "x86_64")]
-    fn build_quads(&mut self) {
-        let (rows, cols) = (self.rows, self.cols);
-        self.quad.resize(rows * cols, 0);
-        let full = cols / BLOCK / 4 * 4 * BLOCK;
-        for (q, quad) in self
-            .q
-            .chunks_exact(cols)
-            .zip(self.quad.chunks_exact_mut(cols))
-        {
-            for (q, quad) in q[..full]
-                .chunks_exact(4 * BLOCK)
-                .zip(quad.chunks_exact_mut(4 * BLOCK))
-            {
-                for (k, block) in q.chunks_exact(BLOCK).enumerate() {
-                    let half = BLOCK / 2;
-                    quad[k * half..(k + 1) * half].copy_from_slice(&block[..half]);
-                    quad[(4 + k) * half..(5 + k) * half].copy_from_slice(&block[half..]);
-                }
-            }
-            quad[full..].copy_from_slice(&q[full..]);
-        }
     }
 
     pub(super) fn row(&self, r: usize) -> ActRow<'_> {
         let stride = scale_stride(self.cols);
         ActRow {
             q: &self.q[r * self.cols..(r + 1) * self.cols],
-            quad: self
-                .quad
-                .get(r * self.cols..(r + 1) * self.cols)
-                .unwrap_or(&[]),
             d: &self.d[r * stride..(r + 1) * stride],
             s: &self.s[r * stride..(r + 1) * stride],
         }
@@ -192,7 +153,6 @@ pub(super) fn quantize_block_body(x: &[f32], q: &mut [i8; BLOCK]) -> (f32, f32) 
 #[derive(Clone, Copy)]
 pub(super) struct ActRow<'a> {
     pub(super) q: &'a [i8],
-    pub(super) quad: &'a [i8],
     pub(super) d: &'a [f32],
     pub(super) s: &'a [f32],
 }

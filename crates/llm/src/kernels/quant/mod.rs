@@ -10,12 +10,11 @@
 //! One block's dot product, with w = d·q + m (Q4_1, q in 0..16) or w = d·q (Q8_0, q signed) and
 //! a = d_a·q_a: Σ w·a = d·d_a·Σ q·q_a + m·(d_a·Σ q_a). The integer sums use 8-bit multiplies
 //! with 32-bit accumulation (AVX-512 VNNI `vpdpbusd` where the CPU has it, else AVX2
-//! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. With AVX-512,
-//! Q4_1 blocks go four at a time through 512-bit registers (see [`QActs`]'s quad layout).
-//! Wherever AVX2 runs, though, the Q4_1 layer projections are read repacked in column panels
-//! ([`panels`], chosen per matrix by [`DecodeMatrix`]): the same bytes, one conversion per
-//! eight outputs rather than one per output, with `vpdpbusd` where VNNI runs. The blocks as
-//! shipped keep the Q8_0 output head and every CPU without AVX2. The ISA is picked once at run
+//! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. Wherever AVX2
+//! runs, the Q4_1 layer projections are read repacked in column panels instead ([`panels`],
+//! chosen per matrix by [`DecodeMatrix`]): the same bytes, one conversion per eight outputs
+//! rather than one per output, with `vpdpbusd` where VNNI runs. The blocks as shipped keep the
+//! Q8_0 output head, and Q4_1 on CPUs without AVX2. The ISA is picked once at run
 //! time, so one portable binary uses what the machine has.
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -248,8 +247,8 @@ impl QMatrix {
 /// 3.99 for the blocks as shipped, 3.60 against 4.86 for two, 4.84 against 8.18 for four, 7.95
 /// against 15.02 for eight. On an AMD EPYC with AVX-512 VNNI (family 25 model 17, 2 threads;
 /// `ragscope-lab kernels`, 92,160 × 576, two runs) the VNNI panels took 0.83-0.94 ms for one
-/// row against 1.61-1.78 for the blocks as shipped four at a time through 512-bit VNNI, and
-/// 1.01-1.51 against 4.09-4.57 for four.
+/// row against 1.61-1.78 for the blocks as shipped four at a time through 512-bit VNNI (a
+/// kernel since removed), and 1.01-1.51 against 4.09-4.57 for four.
 pub enum DecodeMatrix {
     Blocks(QMatrix),
     #[cfg(target_arch = "x86_64")]
@@ -484,82 +483,20 @@ mod x86 {
 
     /// One instruction set's byte dot products.
     trait ByteDot {
-        /// Whether [`ByteDot::quad`] runs: Q4_1 blocks four at a time (AVX-512).
-        const QUADS: bool;
-
         /// 32 products of unsigned and signed bytes, summed in groups of four into 8 × i32.
         unsafe fn dot(u: __m256i, s: __m256i) -> __m256i;
-
-        /// Four Q4_1 blocks from `blk` (a multiple of four, the blocks `at..at + 4` of the
-        /// group whose `scales` are given) of every row against every activation row in
-        /// [`ActRow::quad`] layout, added to `acc` (lanes `4k..4k + 4` hold block k). Only
-        /// called where `QUADS` is true.
-        unsafe fn quad<const R: usize, const N: usize>(
-            _rows: &[Row<'_>; R],
-            _acts: &[ActRow<'_>; N],
-            _blk: usize,
-            _at: usize,
-            _scales: &[[[f32; 8]; N]; R],
-            _acc: &mut [[__m512; N]; R],
-        ) {
-            unreachable!("no 512-bit registers")
-        }
     }
 
     struct Vnni;
     impl ByteDot for Vnni {
-        const QUADS: bool = true;
-
         #[inline(always)]
         unsafe fn dot(u: __m256i, s: __m256i) -> __m256i {
             _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
-        }
-
-        /// 64 bytes of nibbles are four blocks; masked and shifted they are each block's
-        /// first and last 16 weights, which meet the quad layout's two 64-byte halves in two
-        /// `vpdpbusd` (the 256-bit path spends as many instructions on one block).
-        #[inline(always)]
-        unsafe fn quad<const R: usize, const N: usize>(
-            rows: &[Row<'_>; R],
-            acts: &[ActRow<'_>; N],
-            blk: usize,
-            at: usize,
-            scales: &[[[f32; 8]; N]; R],
-            acc: &mut [[__m512; N]; R],
-        ) {
-            unsafe {
-                let low = _mm512_set1_epi8(0x0f);
-                // Lanes 4k..4k + 4 take block k's scale.
-                let block_of_lane =
-                    _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-                let idx = _mm512_add_epi32(block_of_lane, _mm512_set1_epi32(at as i32));
-                let mut a = [(_mm512_setzero_si512(), _mm512_setzero_si512()); N];
-                for (a, act) in a.iter_mut().zip(acts) {
-                    let p = act.quad.as_ptr().add(blk * BLOCK) as *const __m512i;
-                    *a = (_mm512_loadu_si512(p), _mm512_loadu_si512(p.add(1)));
-                }
-                for (r, w) in rows.iter().enumerate() {
-                    let x = _mm512_loadu_si512(
-                        w.quants.as_ptr().add(blk * BLOCK / 2) as *const __m512i
-                    );
-                    let lo = _mm512_and_si512(x, low);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16(x, 4), low);
-                    for n in 0..N {
-                        let isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a[n].0);
-                        let isum = _mm512_dpbusd_epi32(isum, hi, a[n].1);
-                        let group = _mm512_castps256_ps512(_mm256_loadu_ps(scales[r][n].as_ptr()));
-                        let scale = _mm512_permutexvar_ps(idx, group);
-                        acc[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r][n]);
-                    }
-                }
-            }
         }
     }
 
     struct Avx2;
     impl ByteDot for Avx2 {
-        const QUADS: bool = false;
-
         /// Pairs first (i16, no overflow: |q| ≤ 128 × 127 × 2), then pairs of pairs.
         #[inline(always)]
         unsafe fn dot(u: __m256i, s: __m256i) -> __m256i {
@@ -647,13 +584,10 @@ mod x86 {
             }
             for a in acts {
                 assert!(a.q.len() >= nb * BLOCK && a.d.len() >= stride && a.s.len() >= stride);
-                assert!(!D::QUADS || a.quad.len() >= nb * BLOCK);
             }
             let mut acc = [[_mm256_setzero_ps(); N]; R];
             // Σ m · d_a·Σq_a per lane (Q4_1 only).
             let mut acc_min = [[_mm256_setzero_ps(); N]; R];
-            // The quads' sums (AVX-512 only); all-zero bits are 0.0 in every lane.
-            let mut wide: [[__m512; N]; R] = std::mem::zeroed();
             let low = _mm_set1_epi8(0x0f);
             let mut group = 0;
             while group < nb {
@@ -686,15 +620,7 @@ mod x86 {
                         }
                     }
                 }
-                let mut first = 0;
-                if Q4 && D::QUADS {
-                    // Groups start at multiples of eight, so these quads are the activations'.
-                    while first + 4 <= count {
-                        D::quad(rows, acts, group + first, first, &scales, &mut wide);
-                        first += 4;
-                    }
-                }
-                for i in first..count {
+                for i in 0..count {
                     let blk = group + i;
                     let mut a8 = [_mm256_setzero_si256(); N];
                     for (a8, a) in a8.iter_mut().zip(acts) {
@@ -731,9 +657,6 @@ mod x86 {
             for r in 0..R {
                 for n in 0..N {
                     out[r][n] = hsum(_mm256_add_ps(acc[r][n], acc_min[r][n]));
-                    if Q4 && D::QUADS {
-                        out[r][n] += _mm512_reduce_add_ps(wide[r][n]);
-                    }
                 }
             }
             out
