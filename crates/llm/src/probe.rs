@@ -67,7 +67,7 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
         let panels = crate::kernels::quant::panels::Q4Panels::pack(&q4).context("Q4_1 packs")?;
         use crate::kernels::quant::Isa;
         let mut isas = vec![Isa::Avx2];
-        if crate::cpu::has(crate::cpu::Level::Avx512) {
+        if Isa::detect() == Isa::Avx512Vnni {
             isas.push(Isa::Avx512Vnni);
         }
         for isa in isas {

@@ -131,7 +131,7 @@ impl Q4Panels {
         let items = groups.div_ceil(ITEM_GROUPS) * row_blocks;
         let vnni = isa == Isa::Avx512Vnni;
         assert!(
-            !vnni || crate::cpu::has(crate::cpu::Level::Avx512),
+            !vnni || Isa::detect() == Isa::Avx512Vnni,
             "the VNNI panel kernel needs AVX-512 VNNI"
         );
         let dst = Shared::new(out);
