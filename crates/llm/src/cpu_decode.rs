@@ -15,7 +15,7 @@ use candle_core::quantized::QTensor;
 
 pub(crate) use super::host_kv::HostKv;
 use super::host_kv::KvLayer;
-use crate::kernels::quant::{matmul, DecodeMatrix, QActs, QMatrix};
+use crate::kernels::quant::{DecodeMatrix, QActs, QMatrix};
 use crate::kernels::silu_mul;
 
 mod attention;
@@ -58,9 +58,10 @@ pub(crate) struct CpuDecoder {
     pub(crate) dims: Dims,
     pub(crate) layers: Vec<Layer>,
     final_norm: Vec<f32>,
-    /// Token embedding; also the output head when the model ties them.
-    pub(super) embed: QMatrix,
-    head: Option<QMatrix>,
+    /// Token embedding; also the output head when the model ties them, so it is kept in the
+    /// head's layout (the panels on VNNI CPUs) and looked up from there.
+    pub(super) embed: DecodeMatrix,
+    head: Option<DecodeMatrix>,
     /// RoPE tables `(positions, head_dim / 2)`.
     pub(super) cos: Vec<f32>,
     pub(super) sin: Vec<f32>,
@@ -129,21 +130,23 @@ impl CpuDecoder {
             dims,
             layers,
             final_norm: vector(final_norm)?,
-            embed: QMatrix::from_qtensors(&[embed])?,
-            head: output.map(|o| QMatrix::from_qtensors(&[o])).transpose()?,
+            embed: DecodeMatrix::new(QMatrix::from_qtensors(&[embed])?),
+            head: output
+                .map(|o| QMatrix::from_qtensors(&[o]).map(DecodeMatrix::new))
+                .transpose()?,
             cos,
             sin,
             scratch: Mutex::default(),
         })
     }
 
-    fn head(&self) -> &QMatrix {
+    fn head(&self) -> &DecodeMatrix {
         self.head.as_ref().unwrap_or(&self.embed)
     }
 
     /// The output head alone: `logits` from the final-normed, quantised activations.
     pub fn head_matmul(&self, acts: &QActs, logits: &mut [f32]) {
-        matmul(self.head(), acts, logits);
+        self.head().matmul(acts, logits);
     }
 
     pub fn vocab(&self) -> usize {

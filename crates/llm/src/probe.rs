@@ -27,8 +27,8 @@ pub struct KernelTiming {
 }
 
 /// The decode kernels on one 3072·30 × 576 matrix (the rows of the default generator's gate
-/// and up projections over its 30 layers), in Q4_1 and Q8_0 as shipped and, where AVX2 runs
-/// it, in Q4_1 panels, for 1 to 16 activation rows.
+/// and up projections over its 30 layers), in Q4_1 and Q8_0 as shipped and in panels on each
+/// panel body the CPU runs (Q4_1 from AVX2, Q8_0 with VNNI), for 1 to 16 activation rows.
 pub fn kernels() -> Result<Vec<KernelTiming>> {
     let (rows, cols) = (3072 * 30, 576);
     let dense: Vec<f32> = (0..rows * cols)
@@ -63,15 +63,21 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::avx2() {
-        let panels = crate::kernels::quant::panels::Q4Panels::pack(&q4).context("Q4_1 packs")?;
-        use crate::kernels::quant::Isa;
-        let mut isas = vec![Isa::Avx2];
-        if Isa::detect() == Isa::Avx512Vnni {
-            isas.push(Isa::Avx512Vnni);
+    for w in [&q4, &q8] {
+        use crate::kernels::quant::{panels::Panels, Isa};
+        // Each panel body this CPU runs for the format: AVX2's wherever AVX2 runs, VNNI's
+        // where it runs.
+        let bodies: Vec<Isa> = [Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter(|&isa| Panels::runs(w.format(), isa))
+            .filter(|&isa| isa == Isa::detect() || Isa::detect() == Isa::Avx512Vnni)
+            .collect();
+        if bodies.is_empty() {
+            continue;
         }
-        for isa in isas {
-            let name = format!("Q4_1 panels {}", isa.name());
+        let panels = Panels::pack(w);
+        for isa in bodies {
+            let name = format!("{:?} panels {}", w.format(), isa.name());
             time(name, panels.size_in_bytes(), &|a, o| {
                 panels.matmul_with(isa, a, o, None)
             });
@@ -110,8 +116,8 @@ pub fn prefill_gemms(rows: usize, rounds: usize) -> Result<Vec<PrefillGemmTiming
         let f32 = candle_core::quantized::QMatMul::Tensor(q.dequantize(&Device::Cpu)?);
         #[cfg(target_arch = "x86_64")]
         let mut int8 = if crate::kernels::avx2() {
-            crate::kernels::quant::panels::Q4Panels::pack(&QMatrix::from_qtensors(&[&q])?)
-                .map(|p| (p, vec![0f32; rows * n]))
+            let p = crate::kernels::quant::panels::Panels::pack(&QMatrix::from_qtensors(&[&q])?);
+            Some((p, vec![0f32; rows * n]))
         } else {
             None
         };

@@ -15,7 +15,7 @@ use super::template::ChatTemplate;
 use super::GenerateError;
 use crate::kernels::quant::DecodeMatrix;
 #[cfg(target_arch = "x86_64")]
-use crate::kernels::quant::{panels::Q4Panels, QMatrix};
+use crate::kernels::quant::{panels::Panels, BlockFormat, QMatrix};
 use crate::kernels::{
     amx, avx2, avx512_bf16, column_share, convert_to_bf16, from_bf16, to_bf16, Epilogue, Linear,
     Precision, Rows, Shared, PANEL,
@@ -184,7 +184,7 @@ enum Matmul {
     Linear(Arc<Bf16Proj>),
     /// The Q4_1 × int8 GEMM ([`Prefill::Int8`]).
     #[cfg(target_arch = "x86_64")]
-    Int8(Arc<Q4Panels>),
+    Int8(Arc<Panels>),
 }
 
 impl Matmul {
@@ -772,10 +772,11 @@ fn proj(
             Prefill::Int8 => {
                 let panels = match decoded.and_then(DecodeMatrix::panels) {
                     Some(p) => p.clone(),
-                    None => Arc::new(Q4Panels::pack(&QMatrix::from_qtensors(parts)?).ok_or_else(
-                        || candle_core::Error::Msg("int8 prefill needs Q4_1".into()),
-                    )?),
+                    None => Arc::new(Panels::pack(&QMatrix::from_qtensors(parts)?)),
                 };
+                if panels.format() != BlockFormat::Q4_1 {
+                    candle_core::bail!("the int8 prefill needs Q4_1, not {:?}", panels.format());
+                }
                 let m = Matmul::Int8(panels);
                 return Ok(Proj {
                     prefill: m.clone(),

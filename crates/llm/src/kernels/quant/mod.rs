@@ -13,9 +13,10 @@
 //! `vpmaddubsw` + `vpmaddwd`, else plain loops); the scales are applied in f32. Wherever AVX2
 //! runs, the Q4_1 layer projections are read repacked in column panels instead ([`panels`],
 //! chosen per matrix by [`DecodeMatrix`]): the same bytes, one conversion per eight outputs
-//! rather than one per output, with `vpdpbusd` where VNNI runs. The blocks as shipped keep the
-//! Q8_0 output head, and Q4_1 on CPUs without AVX2. The ISA is picked once at run
-//! time, so one portable binary uses what the machine has.
+//! rather than one per output, with `vpdpbusd` where VNNI runs; with VNNI the Q8_0 output head
+//! is read in panels too. The blocks as shipped keep the head on AVX2 and everything on CPUs
+//! without it. The ISA is picked once at run time, so one portable binary uses what the
+//! machine has.
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
@@ -238,9 +239,9 @@ impl QMatrix {
     }
 }
 
-/// A decode projection in the layout its kernel on this CPU reads: Q4_1 in column panels where
-/// the kernels run at the AVX2 level or above ([`panels`]), else the blocks as shipped
-/// ([`matmul`]).
+/// A decode matrix in the layout its kernel on this CPU reads: Q4_1 in column panels where the
+/// kernels run at the AVX2 level or above, Q8_0 in panels where they run at `avx512` (VNNI)
+/// ([`panels`]), else the blocks as shipped ([`matmul`]).
 ///
 /// Measured on an AVX2-only AMD EPYC (family 25, 2 threads), the 30 layers' projections of the
 /// default generator, medians of 15 interleaved rounds: panels 3.30 ms for one row against
@@ -252,19 +253,26 @@ impl QMatrix {
 pub enum DecodeMatrix {
     Blocks(QMatrix),
     #[cfg(target_arch = "x86_64")]
-    Panels(std::sync::Arc<panels::Q4Panels>),
+    Panels(std::sync::Arc<panels::Panels>),
 }
 
 impl DecodeMatrix {
     /// `w` in the layout for the kernels [`Isa::detect`] picks.
     pub fn new(w: QMatrix) -> DecodeMatrix {
         #[cfg(target_arch = "x86_64")]
-        if Isa::detect() != Isa::Portable {
-            if let Some(p) = panels::Q4Panels::pack(&w) {
-                return DecodeMatrix::Panels(std::sync::Arc::new(p));
-            }
+        if panels::Panels::runs(w.format, Isa::detect()) {
+            return DecodeMatrix::Panels(std::sync::Arc::new(panels::Panels::pack(&w)));
         }
         DecodeMatrix::Blocks(w)
+    }
+
+    /// Row `r` of the matrix in f32 (the embedding lookup).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        match self {
+            DecodeMatrix::Blocks(w) => w.dequantize_row(r, out),
+            #[cfg(target_arch = "x86_64")]
+            DecodeMatrix::Panels(p) => p.dequantize_row(r, out),
+        }
     }
 
     /// `out[i][r] = Σ_c x[i][c] · w[r][c]`, as [`matmul`].
@@ -295,7 +303,7 @@ impl DecodeMatrix {
 
     /// The panels, for a prefill that multiplies on the same kernel.
     #[cfg(target_arch = "x86_64")]
-    pub fn panels(&self) -> Option<&std::sync::Arc<panels::Q4Panels>> {
+    pub fn panels(&self) -> Option<&std::sync::Arc<panels::Panels>> {
         match self {
             DecodeMatrix::Panels(p) => Some(p),
             DecodeMatrix::Blocks(_) => None,

@@ -144,7 +144,7 @@ fn panel_kernel_matches_the_portable_kernel() {
     }
     for (n, k) in [(37, 576), (64, 1536), (300, 576)] {
         let w = q4_matrix(n, k);
-        let panels = panels::Q4Panels::pack(&w).expect("Q4_1 packs");
+        let panels = panels::Panels::pack(&w);
         for m in [1, 2, 3, 4, 5, 67] {
             let x = values(m * k, 7 + m as u64);
             let mut acts = QActs::default();
@@ -174,24 +174,31 @@ fn panel_kernel_matches_the_portable_kernel() {
 
 /// A row's outputs do not depend on the rows beside it: the same rows in one call of 131, in
 /// calls of 32, of 3 and one by one are bit-identical (what chunked prefill relies on, and a
-/// decode step verifying drafts or batching sequences).
+/// decode step verifying drafts or batching sequences), for each format the panels run here.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn panel_kernel_rows_are_the_same_in_any_chunking() {
-    if !crate::kernels::avx2() {
-        return;
-    }
     let (n, k, m) = (96, 576, 131);
-    let panels = panels::Q4Panels::pack(&q4_matrix(n, k)).expect("Q4_1 packs");
-    let x = values(m * k, 21);
-    let mut whole = vec![0f32; m * n];
-    panels.forward_rows(&x, m, &mut whole, None);
-    for chunk in [32, 3, 1] {
-        let mut parts = vec![0f32; m * n];
-        for (xs, out) in x.chunks(chunk * k).zip(parts.chunks_mut(chunk * n)) {
-            panels.forward_rows(xs, xs.len() / k, out, None);
+    let formats = [
+        q4_matrix(n, k),
+        QMatrix::quantize_q8(&values(n * k, 3), n, k),
+    ];
+    for w in formats {
+        if !panels::Panels::runs(w.format(), Isa::detect()) {
+            eprintln!("{:?} panels do not run on this CPU", w.format());
+            continue;
         }
-        assert_eq!(parts, whole, "chunks of {chunk}");
+        let panels = panels::Panels::pack(&w);
+        let x = values(m * k, 21);
+        let mut whole = vec![0f32; m * n];
+        panels.forward_rows(&x, m, &mut whole, None);
+        for chunk in [32, 3, 1] {
+            let mut parts = vec![0f32; m * n];
+            for (xs, out) in x.chunks(chunk * k).zip(parts.chunks_mut(chunk * n)) {
+                panels.forward_rows(xs, xs.len() / k, out, None);
+            }
+            assert_eq!(parts, whole, "{:?}, chunks of {chunk}", w.format());
+        }
     }
 }
 
@@ -210,7 +217,7 @@ fn panel_kernel_block_sums_do_not_overflow() {
         .collect();
     let t = candle_core::Tensor::from_vec(dense, (n, k), &candle_core::Device::Cpu).unwrap();
     let w = QMatrix::from_qtensors(&[&QTensor::quantize(&t, GgmlDType::Q4_1).unwrap()]).unwrap();
-    let panels = panels::Q4Panels::pack(&w).expect("Q4_1 packs");
+    let panels = panels::Panels::pack(&w);
     for sign in [1.0f32, -1.0] {
         let x = vec![sign; 2 * k];
         let mut acts = QActs::default();
@@ -253,24 +260,34 @@ fn vector_quantisation_is_the_portable_rounding() {
         let vector = unsafe { quantize_block_avx2(x[..].try_into().unwrap(), &mut got) };
         assert_eq!(got, want, "{x:?}");
         assert_eq!(vector.0.to_bits(), expected.0.to_bits());
-        assert_eq!(vector.1.to_bits(), expected.1.to_bits());
+        assert_eq!(vector.1, expected.1);
     }
 }
 
-/// Decode reads Q4_1 in panels exactly where the kernels run at the AVX2 level or above (the
-/// test command runs this at each level the CPU has), and Q8_0 as shipped everywhere; either
-/// way the product is the blocks-as-shipped one.
+/// Decode reads Q4_1 in panels exactly where the kernels run at the AVX2 level or above, and
+/// Q8_0 in panels exactly where they run with VNNI (the test command runs this at each level
+/// the CPU has); either way the product is the blocks-as-shipped one, the bytes held are the
+/// file's, and the rows looked up are the rows as shipped.
 #[test]
-fn decode_takes_panels_from_the_avx2_level_up() {
+fn decode_takes_panels_where_their_kernel_runs() {
     let (rows, cols) = (40, 576);
     let q4 = DecodeMatrix::new(q4_matrix(rows, cols));
     let q8 = DecodeMatrix::new(QMatrix::quantize_q8(&values(rows * cols, 5), rows, cols));
     #[cfg(target_arch = "x86_64")]
     {
         assert_eq!(q4.panels().is_some(), Isa::detect() != Isa::Portable);
-        assert!(q8.panels().is_none());
+        assert_eq!(q8.panels().is_some(), Isa::detect() == Isa::Avx512Vnni);
     }
     assert_eq!(q4.size_in_bytes(), q4_matrix(rows, cols).size_in_bytes());
+    let q8_shipped = QMatrix::quantize_q8(&values(rows * cols, 5), rows, cols);
+    assert_eq!(q8.size_in_bytes(), q8_shipped.size_in_bytes());
+    for (got, w) in [(&q4, q4_matrix(rows, cols)), (&q8, q8_shipped)] {
+        let mut row = vec![0f32; cols];
+        for (r, want) in dense_rows(&w).into_iter().enumerate() {
+            got.dequantize_row(r, &mut row);
+            assert_eq!(row, want, "row {r}");
+        }
+    }
     let x = values(3 * cols, 17);
     let mut acts = QActs::default();
     acts.quantize(&x, 3, cols);
@@ -291,6 +308,24 @@ fn decode_takes_panels_from_the_avx2_level_up() {
     }
 }
 
+/// The panels give back each row as shipped, bit for bit, in both formats: a partial last
+/// group of columns, and Q8_0's extremes (-128 and 127, whose offset bytes are 0 and 255).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn panels_give_back_the_rows_as_shipped() {
+    let mut q8 = QMatrix::quantize_q8(&values(37 * 576, 9), 37, 576);
+    q8.quants[..64].fill(0x80);
+    q8.quants[64..128].fill(127);
+    for w in [q4_matrix(37, 576), q8] {
+        let panels = panels::Panels::pack(&w);
+        let mut row = vec![0f32; w.cols()];
+        for (r, want) in dense_rows(&w).into_iter().enumerate() {
+            panels.dequantize_row(r, &mut row);
+            assert_eq!(row, want, "{:?} row {r}", w.format());
+        }
+    }
+}
+
 /// Many rows are quantised over the thread pool, a few on the calling thread: the same values.
 #[test]
 fn quantising_over_the_pool_gives_the_serial_values() {
@@ -307,6 +342,7 @@ fn quantising_over_the_pool_gives_the_serial_values() {
         assert_eq!(a.q, b.q, "row {r}");
         assert_eq!(a.d, b.d, "row {r}");
         assert_eq!(a.s, b.s, "row {r}");
+        assert_eq!(a.sum, b.sum, "row {r}");
     }
 }
 
@@ -339,7 +375,7 @@ mod needs_avx512 {
         ];
         for (w, fill) in cases {
             let (n, k) = (w.rows(), w.cols());
-            let panels = panels::Q4Panels::pack(&w).expect("Q4_1 packs");
+            let panels = panels::Panels::pack(&w);
             for m in [1, 2, 3, 4, 5, 67] {
                 let x = match fill {
                     Some(v) => (0..m * k)
@@ -356,5 +392,73 @@ mod needs_avx512 {
                 assert_eq!(vnni, avx2, "({n}, {k}) × {m} rows");
             }
         }
+    }
+
+    /// The Q8_0 panels (the output head) against the blocks kernel's arithmetic: to float
+    /// rounding for random weights, a partial last group, row counts around the register tile
+    /// and past a work item, with the residual, from f32 rows and from quantised ones; and, with
+    /// one block per row (where the two kernels round the same way), the portable kernel's bits
+    /// at the extremes: q of -128 and 127 (offset bytes 0 and 255) against ±127, the largest
+    /// offset sums, so taking 128·Σq_a off in integers is exact.
+    #[test]
+    fn q8_panels_are_the_blocks_kernel() {
+        crate::cpu::require(Level::Avx512);
+        for (n, k) in [(37, 576), (300, 1536)] {
+            let w = QMatrix::quantize_q8(&values(n * k, 41), n, k);
+            let panels = panels::Panels::pack(&w);
+            for m in [1, 2, 3, 4, 5, 67] {
+                let x = values(m * k, 43 + m as u64);
+                let mut acts = QActs::default();
+                acts.quantize(&x, m, k);
+                let mut reference = vec![0f32; m * n];
+                matmul_with(Isa::Portable, &w, &acts, &mut reference);
+                let mut blocks = vec![0f32; m * n];
+                matmul_with(Isa::Avx512Vnni, &w, &acts, &mut blocks);
+                let residual = values(m * n, 13);
+                let (mut out, mut added) = (vec![0f32; m * n], vec![0f32; m * n]);
+                panels.matmul(&acts, &mut out, None);
+                panels.matmul(&acts, &mut added, Some(&residual));
+                let mut from_f32 = vec![0f32; m * n];
+                panels.forward_rows(&x, m, &mut from_f32, None);
+                assert_eq!(from_f32, out, "({n}, {k}) × {m} rows: quantised first");
+                for (i, &want) in reference.iter().enumerate() {
+                    let what = format!("({n}, {k}) × {m} rows, output {i}");
+                    let near = |got: f32| (got - want).abs() <= 1e-4 * (1.0 + want.abs());
+                    assert!(near(out[i]), "{what}: {} vs {want}", out[i]);
+                    assert!(near(blocks[i]), "{what}: blocks {} vs {want}", blocks[i]);
+                    assert_eq!(added[i], out[i] + residual[i], "{what}: residual");
+                }
+            }
+        }
+        let (n, k) = (16, BLOCK);
+        let mut w = QMatrix::quantize_q8(&values(n * k, 47), n, k);
+        for (c, row) in w.quants.chunks_exact_mut(k).enumerate() {
+            match c % 4 {
+                0 => row.fill(0x80),
+                1 => row.fill(127),
+                2 => row.iter_mut().enumerate().for_each(|(i, q)| {
+                    *q = if i % 2 == 0 { 0x80 } else { 127 };
+                }),
+                _ => {}
+            }
+        }
+        let panels = panels::Panels::pack(&w);
+        let m = 4;
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| match i / k {
+                0 => 1.0,
+                1 => -1.0,
+                2 => [1.0, -1.0][i % 2],
+                _ => values(1, i as u64)[0],
+            })
+            .collect();
+        let mut acts = QActs::default();
+        acts.quantize(&x, m, k);
+        assert_eq!(acts.row(0).sum[0], 127 * 32);
+        assert_eq!(acts.row(1).sum[0], -127 * 32);
+        let (mut want, mut got) = (vec![0f32; m * n], vec![0f32; m * n]);
+        matmul_with(Isa::Portable, &w, &acts, &mut want);
+        panels.matmul(&acts, &mut got, None);
+        assert_eq!(got, want, "one block per row");
     }
 }
