@@ -249,7 +249,9 @@ impl QMatrix {
 /// against 15.02 for eight. On an AMD EPYC with AVX-512 VNNI (family 25 model 17, 2 threads;
 /// `ragscope-lab kernels`, 92,160 × 576, two runs) the VNNI panels took 0.83-0.94 ms for one
 /// row against 1.61-1.78 for the blocks as shipped four at a time through 512-bit VNNI (a
-/// kernel since removed), and 1.01-1.51 against 4.09-4.57 for four.
+/// kernel since removed), and 1.01-1.51 against 4.09-4.57 for four. There the Q8_0 output head
+/// (49,152 × 576; `decode-step`, five alternations) took 0.54-0.75 ms for one row in panels
+/// against 0.99-1.66 on the blocks as shipped, and 0.79-1.05 against 1.89-3.07 for four.
 pub enum DecodeMatrix {
     Blocks(QMatrix),
     #[cfg(target_arch = "x86_64")]
