@@ -65,12 +65,10 @@ pub fn kernels() -> Result<Vec<KernelTiming>> {
     #[cfg(target_arch = "x86_64")]
     for w in [&q4, &q8] {
         use crate::kernels::quant::{panels::Panels, Isa};
-        // Each panel body this CPU runs for the format: AVX2's wherever AVX2 runs, VNNI's
-        // where it runs.
+        // Each panel body this CPU runs for the format.
         let bodies: Vec<Isa> = [Isa::Avx2, Isa::Avx512Vnni]
             .into_iter()
-            .filter(|&isa| Panels::runs(w.format(), isa))
-            .filter(|&isa| isa == Isa::detect() || Isa::detect() == Isa::Avx512Vnni)
+            .filter(|&isa| Panels::runs(w.format(), isa) && isa.runs_here())
             .collect();
         if bodies.is_empty() {
             continue;

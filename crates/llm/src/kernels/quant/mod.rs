@@ -345,6 +345,17 @@ impl Isa {
         }
     }
 
+    /// Whether this set's kernels run on this CPU: [`Isa::detect`]'s and every set below it.
+    pub fn runs_here(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => Isa::detect() == Isa::Avx512Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => Isa::detect() != Isa::Portable,
+            Isa::Portable => true,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             #[cfg(target_arch = "x86_64")]

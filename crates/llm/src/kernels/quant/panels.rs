@@ -77,13 +77,16 @@ impl Panels {
     pub fn pack(w: &QMatrix) -> Panels {
         let (n, k, format) = (w.rows, w.cols, w.format);
         let (nb, groups) = (k / BLOCK, n.div_ceil(GROUP));
-        let (block_bytes, scales_per) = (Self::group_block_bytes(format), Self::scales(format));
+        let (block_bytes, scales_per) = (
+            Self::group_block_bytes(format),
+            Self::scales_per_block(format),
+        );
+        let qb = format.quant_bytes();
         let mut quants = vec![0u8; groups * nb * block_bytes];
         let mut scales = vec![0u16; groups * nb * scales_per];
         for c in 0..n {
             let row = w.row(c);
             let (g, i) = (c / GROUP, c % GROUP);
-            let qb = format.quant_bytes();
             for b in 0..nb {
                 let src = &row.quants[b * qb..(b + 1) * qb];
                 let dst = &mut quants[(g * nb + b) * block_bytes..][..block_bytes];
@@ -117,7 +120,7 @@ impl Panels {
     }
 
     /// Scales per group and block: d (and m for Q4_1) for each column.
-    fn scales(format: BlockFormat) -> usize {
+    fn scales_per_block(format: BlockFormat) -> usize {
         match format {
             BlockFormat::Q4_1 => 2 * GROUP,
             BlockFormat::Q8_0 => GROUP,
@@ -148,7 +151,7 @@ impl Panels {
         let (nb, (g, i)) = (self.k / BLOCK, (c / GROUP, c % GROUP));
         let (block_bytes, scales_per) = (
             Self::group_block_bytes(self.format),
-            Self::scales(self.format),
+            Self::scales_per_block(self.format),
         );
         for (b, o) in out[..self.k].chunks_exact_mut(BLOCK).enumerate() {
             let q = &self.quants[(g * nb + b) * block_bytes..][..block_bytes];
@@ -201,17 +204,13 @@ impl Panels {
         assert_eq!(out.len(), m * n, "output rows");
         assert!(residual.is_none_or(|r| r.len() == m * n), "residual rows");
         assert!(
-            Self::runs(self.format, isa) && Self::runs(self.format, Isa::detect()),
+            Self::runs(self.format, isa) && isa.runs_here(),
             "the {:?} panel kernel does not run on {} here (the CPU runs {})",
             self.format,
             isa.name(),
             Isa::detect().name()
         );
         let vnni = isa == Isa::Avx512Vnni;
-        assert!(
-            !vnni || Isa::detect() == Isa::Avx512Vnni,
-            "the VNNI panel kernel needs AVX-512 VNNI"
-        );
         let (groups, row_blocks) = (n.div_ceil(GROUP), m.div_ceil(ROW_BLOCK));
         let items = groups.div_ceil(ITEM_GROUPS) * row_blocks;
         let q4 = self.format == BlockFormat::Q4_1;
@@ -331,7 +330,10 @@ impl Panels {
         } else {
             BlockFormat::Q8_0
         };
-        let (block_bytes, scales_per) = (Self::group_block_bytes(format), Self::scales(format));
+        let (block_bytes, scales_per) = (
+            Self::group_block_bytes(format),
+            Self::scales_per_block(format),
+        );
         assert!(self.format == format && (VNNI || Q4));
         assert!((g + 1) * nb * block_bytes <= self.quants.len());
         assert!((g + 1) * nb * scales_per <= self.scales.len());

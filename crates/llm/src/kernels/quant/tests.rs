@@ -32,17 +32,14 @@ fn dense_rows(w: &QMatrix) -> Vec<Vec<f32>> {
 }
 
 fn isas() -> Vec<Isa> {
-    let mut v = vec![Isa::Portable];
-    #[cfg(target_arch = "x86_64")]
-    {
-        if Isa::detect() != Isa::Portable {
-            v.push(Isa::Avx2);
-        }
-        if Isa::detect() == Isa::Avx512Vnni {
-            v.push(Isa::Avx512Vnni);
-        }
-    }
-    v
+    let all = [
+        Isa::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni,
+    ];
+    all.into_iter().filter(|isa| isa.runs_here()).collect()
 }
 
 /// Each kernel computes the f32 product of the dequantised weights and the dequantised
